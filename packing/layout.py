@@ -1,0 +1,213 @@
+"""The packed layout: one type, `PackedBatch`, that flows from collate to mask to loss.
+
+Legend (used in names across the package)::
+
+    K   documents (episodes) in a pack        T   tokens of a stream, padded (tail only)
+    S   steps of a stream (frames, actions)   K1  K + 1 (boundaries)
+    doc_ids_T       int32 (T,)   document of each token, -1 on padding
+    position_ids_T  int32 (T,)   token position inside its document, 0 on padding
+    thw_T3          int32 (T,3)  (t, h, w) inside the document, for 3D RoPE (grid streams)
+    cu_seqlens_K1   int32 (K+1,) token offsets of the documents; padding lies after cu[-1]
+
+Three episodes of lengths ``[2, 4, 3]`` padded to ``T = 12``::
+
+    tokens      a a b b b b c c c . . .
+    doc_ids     0 0 1 1 1 1 2 2 2 -1 -1 -1
+    position    0 1 0 1 2 3 0 1 2  0  0  0
+    cu_seqlens  [0, 2, 6, 9]      max_seqlen 4
+
+A stream whose steps expand to several tokens (a latent frame of 8x16 with 2x2 patches is a
+``grid=(4, 8)`` of 32 tokens) keeps its data at step level (``batch["latents"]`` is
+``(S, C, H, W)``) while its layout is at token level, in (t, h, w) row-major order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+__all__ = ["PackedBatch", "StreamLayout"]
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """Where each document of one stream lies, at token level.
+
+    ``lengths_K`` and ``steps_K`` are plain Python lists so that no code that reads them
+    needs a device sync; the tensors live wherever the batch was moved.
+    """
+
+    doc_ids_T: torch.Tensor
+    position_ids_T: torch.Tensor
+    cu_seqlens_K1: torch.Tensor
+    max_seqlen: int
+    lengths_K: tuple[int, ...]
+    steps_K: tuple[int, ...]
+    tokens_per_step: int = 1
+    grid: tuple[int, int] | None = None
+    thw_T3: torch.Tensor | None = None
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.lengths_K)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        return sum(self.lengths_K)
+
+    @property
+    def padded_len(self) -> int:
+        return int(self.doc_ids_T.shape[0])
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens over padded tokens."""
+        return self.num_tokens / max(self.padded_len, 1)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> StreamLayout:
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return replace(
+            self,
+            doc_ids_T=self.doc_ids_T.to(device, non_blocking=non_blocking),
+            position_ids_T=self.position_ids_T.to(device, non_blocking=non_blocking),
+            cu_seqlens_K1=self.cu_seqlens_K1.to(device, non_blocking=non_blocking),
+            thw_T3=mv(self.thw_T3),
+        )
+
+    def pin_memory(self) -> StreamLayout:
+        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.pin_memory()
+
+        return replace(
+            self,
+            doc_ids_T=self.doc_ids_T.pin_memory(),
+            position_ids_T=self.position_ids_T.pin_memory(),
+            cu_seqlens_K1=self.cu_seqlens_K1.pin_memory(),
+            thw_T3=pin(self.thw_T3),
+        )
+
+
+def _move(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    return value
+
+
+@dataclass
+class PackedBatch(Mapping[str, Any]):
+    """K episodes concatenated along the sequence axis, with their layouts.
+
+    As a mapping (``batch[key]``):
+
+    - each stream name -> the K episodes' data concatenated, padded at the tail;
+    - ``"doc_ids"``, ``"position_ids"``, ``"cu_seqlens"``, ``"max_seqlen"`` -> the primary
+      stream's layout (the first stream); ``"thw"`` too when it is a grid stream;
+    - ``"episode_index"`` -> int64 (K,);
+    - every per-episode value (0-d tensors, numbers, strings) -> stacked per document:
+      a (K,) tensor for numbers, a list for strings.
+
+    Other streams' layouts: ``batch.layout("action")``. ``batch.num_docs`` is K.
+    """
+
+    streams: dict[str, torch.Tensor]
+    layouts: dict[str, StreamLayout]
+    per_episode: dict[str, Any]
+    primary: str
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    # -- the primary layout, by name ------------------------------------------------------
+    @property
+    def doc_ids(self) -> torch.Tensor:
+        return self.layouts[self.primary].doc_ids_T
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return self.layouts[self.primary].position_ids_T
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self.layouts[self.primary].cu_seqlens_K1
+
+    @property
+    def max_seqlen(self) -> int:
+        return self.layouts[self.primary].max_seqlen
+
+    @property
+    def num_docs(self) -> int:
+        return self.layouts[self.primary].num_docs
+
+    def layout(self, stream: str | None = None) -> StreamLayout:
+        """The layout of ``stream`` (the primary stream when None)."""
+        name = self.primary if stream is None else stream
+        if name not in self.layouts:
+            raise KeyError(f"no stream {name!r} in this batch; streams are {list(self.layouts)}")
+        return self.layouts[name]
+
+    # -- Mapping ----------------------------------------------------------------------------
+    def _flat(self) -> dict[str, Any]:
+        lay = self.layouts[self.primary]
+        out: dict[str, Any] = dict(self.streams)
+        out["doc_ids"] = lay.doc_ids_T
+        out["position_ids"] = lay.position_ids_T
+        out["cu_seqlens"] = lay.cu_seqlens_K1
+        out["max_seqlen"] = lay.max_seqlen
+        if lay.thw_T3 is not None:
+            out["thw"] = lay.thw_T3
+        out.update(self.per_episode)
+        out.update(self.extras)
+        return out
+
+    def __getitem__(self, key: str) -> Any:
+        flat = self._flat()
+        if key not in flat:
+            raise KeyError(f"{key!r} is not in this PackedBatch; keys are {list(flat)}")
+        return flat[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._flat())
+
+    def __len__(self) -> int:
+        return len(self._flat())
+
+    # -- devices ----------------------------------------------------------------------------
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """A copy on ``device``; Python ints and lists (lengths, max_seqlen) stay on the host."""
+
+        def mv(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        return PackedBatch(
+            streams={k: mv(v) for k, v in self.streams.items()},
+            layouts={k: v.to(device, non_blocking) for k, v in self.layouts.items()},
+            per_episode={k: _move(v, mv) for k, v in self.per_episode.items()},
+            primary=self.primary,
+            extras={k: _move(v, mv) for k, v in self.extras.items()},
+        )
+
+    def pin_memory(self) -> PackedBatch:
+        """Called by ``DataLoader(pin_memory=True)``."""
+
+        def pin(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory()
+
+        return PackedBatch(
+            streams={k: pin(v) for k, v in self.streams.items()},
+            layouts={k: v.pin_memory() for k, v in self.layouts.items()},
+            per_episode={k: _move(v, pin) for k, v in self.per_episode.items()},
+            primary=self.primary,
+            extras={k: _move(v, pin) for k, v in self.extras.items()},
+        )
+
+    def __repr__(self) -> str:
+        lay = self.layouts[self.primary]
+        streams = ", ".join(f"{k}{tuple(v.shape)}" for k, v in self.streams.items())
+        return (
+            f"PackedBatch(K={lay.num_docs}, primary={self.primary!r}, streams=[{streams}], "
+            f"tokens={lay.num_tokens}/{lay.padded_len} ({lay.efficiency:.1%}))"
+        )
