@@ -93,9 +93,15 @@ class StreamLayout:
         )
 
 
-def _move(value: Any, fn: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
+def _move(value: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``value.<method>(...)`` on tensors and on objects that have it (layouts), recursing
+    into dicts; leave everything else (ints, strings) as it is."""
+    if isinstance(value, dict):
+        return {k: _move(v, method, *args, **kwargs) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) or (
+        not isinstance(value, type) and callable(getattr(value, method, None))
+    ):
+        return getattr(value, method)(*args, **kwargs)
     return value
 
 
@@ -160,7 +166,7 @@ class PackedBatch(Mapping[str, Any]):
         if lay.thw_T3 is not None:
             out["thw"] = lay.thw_T3
         out.update(self.per_episode)
-        out.update(self.extras)
+        out.update({k: v for k, v in self.extras.items() if not k.startswith("_")})
         return out
 
     def __getitem__(self, key: str) -> Any:
@@ -179,29 +185,24 @@ class PackedBatch(Mapping[str, Any]):
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """A copy on ``device``; Python ints and lists (lengths, max_seqlen) stay on the host."""
 
-        def mv(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
-
+        kw = {"non_blocking": non_blocking}
         return PackedBatch(
-            streams={k: mv(v) for k, v in self.streams.items()},
-            layouts={k: v.to(device, non_blocking) for k, v in self.layouts.items()},
-            per_episode={k: _move(v, mv) for k, v in self.per_episode.items()},
+            streams=_move(self.streams, "to", device, **kw),
+            layouts=_move(self.layouts, "to", device, **kw),
+            per_episode=_move(self.per_episode, "to", device, **kw),
             primary=self.primary,
-            extras={k: _move(v, mv) for k, v in self.extras.items()},
+            extras=_move(self.extras, "to", device, **kw),
         )
 
     def pin_memory(self) -> PackedBatch:
         """Called by ``DataLoader(pin_memory=True)``."""
 
-        def pin(t: torch.Tensor) -> torch.Tensor:
-            return t.pin_memory()
-
         return PackedBatch(
-            streams={k: pin(v) for k, v in self.streams.items()},
-            layouts={k: v.pin_memory() for k, v in self.layouts.items()},
-            per_episode={k: _move(v, pin) for k, v in self.per_episode.items()},
+            streams=_move(self.streams, "pin_memory"),
+            layouts=_move(self.layouts, "pin_memory"),
+            per_episode=_move(self.per_episode, "pin_memory"),
             primary=self.primary,
-            extras={k: _move(v, pin) for k, v in self.extras.items()},
+            extras=_move(self.extras, "pin_memory"),
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,577 @@
+"""Collate: K whole episodes -> one `PackedBatch`, and back.
+
+Each episode is a dict: tensors with the sequence axis first are *streams*; 0-d tensors,
+numbers and strings are *per-episode values*. Three episodes of 2, 4 and 3 steps::
+
+    batch["x"]          x0 x0 x1 x1 x1 x1 x2 x2 x2 .  .  .     (tail padding only)
+    batch["doc_ids"]     0  0  1  1  1  1  2  2  2 -1 -1 -1
+    batch["position_ids"]0  1  0  1  2  3  0  1  2  0  0  0
+    batch["cu_seqlens"] [0, 2, 6, 9]     batch["max_seqlen"] 4
+
+Copies go straight into one preallocated (optionally pinned) buffer per stream; the layout is
+built with a handful of vectorised ops, never per token in Python.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from packing.layout import PackedBatch, StreamLayout
+
+__all__ = ["JointLayout", "PackedCollator", "Stream", "joint_layout", "pack", "unpack"]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A sequence stream of an episode.
+
+    ``grid=(h, w)`` says each step becomes ``h * w`` tokens in row-major (t, h, w) order and
+    gives the stream 3D positions: a 48x8x16 latent frame with 2x2 patches is ``grid=(4, 8)``.
+    ``tokens_per_step`` is then ``h * w``. ``budget`` is the stream's static padded length in
+    tokens (a multiple of ``tokens_per_step``). ``step_shape``/``dtype`` declare what one step
+    holds; they are checked, and they let an empty pack become an all-padding batch.
+    """
+
+    name: str
+    _: KW_ONLY
+    tokens_per_step: int = 1
+    grid: tuple[int, int] | None = None
+    budget: int | None = None
+    step_shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    pad_value: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("Stream name must be a non-empty string")
+        if self.grid is not None:
+            h, w = self.grid
+            if h < 1 or w < 1:
+                raise ValueError(f"stream {self.name!r}: grid {self.grid} must be positive")
+            if self.tokens_per_step not in (1, h * w):
+                raise ValueError(
+                    f"stream {self.name!r}: tokens_per_step={self.tokens_per_step} disagrees "
+                    f"with grid {self.grid} ({h * w} tokens); give one of them"
+                )
+            object.__setattr__(self, "tokens_per_step", h * w)
+        if self.tokens_per_step < 1:
+            raise ValueError(f"stream {self.name!r}: tokens_per_step must be >= 1")
+        if self.budget is not None and (self.budget < 1 or self.budget % self.tokens_per_step != 0):
+            raise ValueError(
+                f"stream {self.name!r}: budget={self.budget} must be a positive multiple of "
+                f"tokens_per_step={self.tokens_per_step}"
+            )
+        if self.step_shape is not None:
+            object.__setattr__(self, "step_shape", tuple(int(s) for s in self.step_shape))
+
+
+def _as_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    return None
+
+
+def _kind(value: Any) -> str:
+    """How a per-episode value is stacked, and restored by `unpack`."""
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if isinstance(value, bool | np.bool_):
+        return "bool"
+    if isinstance(value, numbers.Integral):
+        return "int"
+    if isinstance(value, numbers.Real):
+        return "float"
+    return "object"  # strings and anything else: kept as a list
+
+
+class PackedCollator:
+    """``DataLoader(..., collate_fn=PackedCollator(...))``: K episodes -> one `PackedBatch`.
+
+    Args:
+        streams: the sequence streams, primary first (names or `Stream`). ``None``: every
+            tensor with at least one dimension is a stream, all of the episode's length.
+        token_budget: static padded length (tokens) of the primary stream.
+        pad_to_multiple: streams without a budget are padded to a multiple of this (and of
+            their tokens_per_step), so shapes come from a few buckets. 1 disables padding.
+        max_docs: static number of documents: per-episode tensors and ``cu_seqlens`` are
+            padded to it (episode_index with -1, numbers with 0, strings with "").
+        joint: tuples of stream names to lay out as one attention sequence in the worker
+            (see `joint_layout`); the result is cached on the batch.
+        pin_memory: allocate the output buffers in pinned memory.
+    """
+
+    def __init__(
+        self,
+        streams: Sequence[Stream | str] | None = None,
+        *,
+        token_budget: int | None = None,
+        pad_to_multiple: int = 128,
+        max_docs: int | None = None,
+        joint: Sequence[Sequence[str]] = (),
+        pin_memory: bool = False,
+    ) -> None:
+        if pad_to_multiple < 1:
+            raise ValueError(f"pad_to_multiple={pad_to_multiple} must be >= 1")
+        if max_docs is not None and max_docs < 1:
+            raise ValueError(f"max_docs={max_docs} must be >= 1")
+        decl = (
+            None if streams is None else [Stream(s) if isinstance(s, str) else s for s in streams]
+        )
+        if decl is not None:
+            if not decl:
+                raise ValueError("streams=[] declares no stream; pass None to infer them")
+            names = [s.name for s in decl]
+            if len(set(names)) != len(names):
+                raise ValueError(f"stream names must be unique, got {names}")
+            if token_budget is not None:
+                p = decl[0]
+                if p.budget is not None and p.budget != token_budget:
+                    raise ValueError(
+                        f"token_budget={token_budget} disagrees with Stream({p.name!r}, "
+                        f"budget={p.budget}); give one of them"
+                    )
+                decl[0] = Stream(
+                    p.name, tokens_per_step=p.tokens_per_step, grid=p.grid, budget=token_budget,
+                    step_shape=p.step_shape, dtype=p.dtype, pad_value=p.pad_value,
+                )  # fmt: skip
+        elif token_budget is not None and token_budget < 1:
+            raise ValueError(f"token_budget={token_budget} must be >= 1")
+        self.streams = decl
+        self.token_budget = token_budget
+        self.pad_to_multiple = pad_to_multiple
+        self.max_docs = max_docs
+        self.joint = [tuple(j) for j in joint]
+        self.pin_memory = pin_memory
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedCollator(streams={self.streams}, token_budget={self.token_budget}, "
+            f"pad_to_multiple={self.pad_to_multiple}, max_docs={self.max_docs})"
+        )
+
+    # -- the one public call ----------------------------------------------------------------
+    def __call__(self, episodes: Sequence[Mapping[str, Any]]) -> PackedBatch:
+        if not isinstance(episodes, Sequence) or isinstance(episodes, str | bytes):
+            raise TypeError(f"expected a list of episode dicts, got {type(episodes).__name__}")
+        if len(episodes) == 0:
+            return self._empty()
+        for i, ep in enumerate(episodes):
+            if not isinstance(ep, Mapping):
+                raise TypeError(f"episode {i} is a {type(ep).__name__}, expected a dict")
+        if self.max_docs is not None and len(episodes) > self.max_docs:
+            raise ValueError(
+                f"pack has {len(episodes)} episodes > max_docs={self.max_docs}; plan packs "
+                f"with max_docs (packing.plan.plan_packs(..., max_docs={self.max_docs}))"
+            )
+        streams = self._resolve_streams(episodes)
+        names = {s.name for s in streams}
+        self._check_keys(episodes)
+
+        data: dict[str, torch.Tensor] = {}
+        layouts: dict[str, StreamLayout] = {}
+        for s in streams:
+            data[s.name], layouts[s.name] = self._pack_stream(s, episodes)
+        per_episode, kinds = self._stack_values(episodes, names)
+        batch = PackedBatch(
+            streams=data,
+            layouts=layouts,
+            per_episode=per_episode,
+            primary=streams[0].name,
+            extras={"_kinds": kinds},
+        )
+        for j in self.joint:
+            joint_layout(batch, j)  # cached on the batch
+        return batch
+
+    # -- streams ----------------------------------------------------------------------------
+    def _resolve_streams(self, episodes: Sequence[Mapping[str, Any]]) -> list[Stream]:
+        if self.streams is not None:
+            for i, ep in enumerate(episodes):
+                for s in self.streams:
+                    if s.name not in ep:
+                        raise KeyError(
+                            f"episode {_name(ep, i)} has no stream {s.name!r}; its keys are "
+                            f"{sorted(ep)}"
+                        )
+            return list(self.streams)
+        first = episodes[0]
+        keys = [k for k, v in first.items() if (t := _as_tensor(v)) is not None and t.dim() >= 1]
+        if not keys:
+            raise ValueError(
+                f"episode {_name(first, 0)} has no tensor with a sequence axis (keys: "
+                f"{sorted(first)}); streams are tensors shaped (steps, ...)"
+            )
+        for i, ep in enumerate(episodes):
+            lengths = {}
+            for k in keys:
+                t = _as_tensor(ep.get(k))
+                lengths[k] = None if t is None or t.dim() == 0 else int(t.shape[0])
+            if len(set(lengths.values())) > 1:
+                raise ValueError(
+                    f"episode {_name(ep, i)}: streams have different lengths {lengths}; "
+                    f"declare them, e.g. PackedCollator(streams=[Stream({keys[0]!r}), "
+                    f"Stream({keys[1]!r})]) so each gets its own layout"
+                )
+        budget = self.token_budget
+        return [Stream(k, budget=budget if n == 0 else None) for n, k in enumerate(keys)]
+
+    def _check_keys(self, episodes: Sequence[Mapping[str, Any]]) -> None:
+        ref = set(episodes[0])
+        for i, ep in enumerate(episodes[1:], start=1):
+            if set(ep) != ref:
+                missing, extra = sorted(ref - set(ep)), sorted(set(ep) - ref)
+                raise KeyError(
+                    f"episode {_name(ep, i)} has different keys than episode "
+                    f"{_name(episodes[0], 0)}: missing {missing}, extra {extra}; every "
+                    f"episode of a pack must carry the same keys"
+                )
+
+    def _padded_tokens(self, s: Stream, tokens: int) -> int:
+        if s.budget is not None:
+            return s.budget
+        m = math.lcm(self.pad_to_multiple, s.tokens_per_step)
+        return max(1, -(-tokens // m)) * m
+
+    def _pack_stream(
+        self, s: Stream, episodes: Sequence[Mapping[str, Any]]
+    ) -> tuple[torch.Tensor, StreamLayout]:
+        tensors: list[torch.Tensor] = []
+        for i, ep in enumerate(episodes):
+            t = _as_tensor(ep[s.name])
+            if t is None or t.dim() == 0:
+                raise TypeError(
+                    f"episode {_name(ep, i)} stream {s.name!r} is "
+                    f"{type(ep[s.name]).__name__}, expected a tensor shaped (steps, ...)"
+                )
+            if t.shape[0] == 0:
+                raise ValueError(
+                    f"episode {_name(ep, i)} has 0 steps in stream {s.name!r}; remove empty "
+                    f"episodes before packing (nothing is dropped silently)"
+                )
+            ref = tensors[0] if tensors else None
+            want_shape = s.step_shape if s.step_shape is not None else (
+                None if ref is None else tuple(ref.shape[1:]))  # fmt: skip
+            want_dtype = s.dtype if s.dtype is not None else (None if ref is None else ref.dtype)
+            if want_shape is not None and tuple(t.shape[1:]) != want_shape:
+                raise ValueError(
+                    f"episode {_name(ep, i)} stream {s.name!r} has steps of shape "
+                    f"{tuple(t.shape[1:])}, expected {want_shape}; every episode of a stream "
+                    f"must have the same trailing shape"
+                )
+            if want_dtype is not None and t.dtype != want_dtype:
+                raise TypeError(
+                    f"episode {_name(ep, i)} stream {s.name!r} has dtype {t.dtype}, expected "
+                    f"{want_dtype}; convert it in the dataset (packing never casts silently)"
+                )
+            tensors.append(t)
+
+        steps = [int(t.shape[0]) for t in tensors]
+        tps = s.tokens_per_step
+        lengths = [n * tps for n in steps]
+        total = sum(lengths)
+        padded = self._padded_tokens(s, total)
+        if total > padded:
+            worst = int(np.argmax(lengths))
+            hint = (
+                f"episode {_name(episodes[worst], worst)} alone has {lengths[worst]:,} tokens; "
+                if lengths[worst] > padded
+                else ""
+            )
+            raise ValueError(
+                f"pack has {total:,} tokens in stream {s.name!r} > budget={padded:,} "
+                f"(episode lengths {lengths}); {hint}plan packs under the budget with "
+                f"packing.plan.plan_packs(lengths, token_budget) or raise the budget"
+            )
+        out = torch.empty(
+            (padded // tps, *tensors[0].shape[1:]),
+            dtype=tensors[0].dtype,
+            pin_memory=self.pin_memory,
+        )
+        torch.cat(tensors, dim=0, out=out[: total // tps])
+        out[total // tps :].fill_(s.pad_value)
+        layout = _layout(lengths, steps, padded, tps, s.grid, self.max_docs)
+        return out, layout
+
+    # -- per-episode values -------------------------------------------------------------------
+    def _stack_values(
+        self, episodes: Sequence[Mapping[str, Any]], stream_names: set[str]
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        k_real = len(episodes)
+        k_out = self.max_docs or k_real
+        out: dict[str, Any] = {}
+        kinds: dict[str, str] = {}
+        for key in episodes[0]:
+            if key in stream_names:
+                continue
+            values = [ep[key] for ep in episodes]
+            kind = _kind(values[0])
+            for i, v in enumerate(values):
+                if _kind(v) != kind:
+                    raise TypeError(
+                        f"episode {_name(episodes[i], i)} key {key!r} is "
+                        f"{type(v).__name__} but episode {_name(episodes[0], 0)} has "
+                        f"{type(values[0]).__name__}; per-episode values must share a type"
+                    )
+            kinds[key] = kind
+            if kind == "tensor":
+                ts = [_as_tensor(v) for v in values]
+                shapes = {tuple(t.shape) for t in ts if t is not None}
+                dtypes = {t.dtype for t in ts if t is not None}
+                if len(shapes) > 1 or len(dtypes) > 1:
+                    raise ValueError(
+                        f"per-episode value {key!r} has shapes {sorted(shapes)} / dtypes "
+                        f"{sorted(map(str, dtypes))} across episodes; declare it as a Stream "
+                        f"if it has a sequence axis"
+                    )
+                stacked = torch.stack([t for t in ts if t is not None])
+                out[key] = _pad_rows(stacked, k_out, fill=-1 if key == "episode_index" else 0)
+            elif kind in ("int", "float", "bool"):
+                dtype = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}[kind]
+                stacked = torch.tensor(values, dtype=dtype)
+                out[key] = _pad_rows(stacked, k_out, fill=-1 if key == "episode_index" else 0)
+            else:
+                out[key] = list(values) + [""] * (k_out - k_real)
+        if "episode_index" not in out:
+            # No identity given: the position in the pack. Per-episode noise is keyed by
+            # episode_index, so datasets should provide it (LeRobotEpisodes does).
+            out["episode_index"] = _pad_rows(torch.arange(k_real, dtype=torch.int64), k_out, -1)
+            kinds["episode_index"] = "absent"
+        elif kinds["episode_index"] in ("int", "tensor"):
+            out["episode_index"] = out["episode_index"].to(torch.int64)
+        return out, kinds
+
+    def _empty(self) -> PackedBatch:
+        """An all-padding pack: what a rank gets when there are fewer episodes than ranks."""
+        if self.streams is None or any(
+            s.step_shape is None or s.dtype is None for s in self.streams
+        ):
+            raise ValueError(
+                "empty pack: got no episodes. If a distributed sampler gave this rank no "
+                "episode (fewer episodes than ranks), declare every stream with step_shape and "
+                "dtype, e.g. Stream('latents', step_shape=(48, 8, 16), dtype=torch.float16), "
+                "so the collator can emit an all-padding pack with zero loss weight"
+            )
+        data, layouts = {}, {}
+        for s in self.streams:
+            padded = self._padded_tokens(s, 0)
+            assert s.step_shape is not None and s.dtype is not None
+            data[s.name] = torch.full(
+                (padded // s.tokens_per_step, *s.step_shape), s.pad_value, dtype=s.dtype
+            )
+            layouts[s.name] = _layout([], [], padded, s.tokens_per_step, s.grid, self.max_docs)
+        k_out = self.max_docs or 0
+        return PackedBatch(
+            streams=data,
+            layouts=layouts,
+            per_episode={"episode_index": torch.full((k_out,), -1, dtype=torch.int64)},
+            primary=self.streams[0].name,
+            extras={"_kinds": {"episode_index": "absent"}},
+        )
+
+
+def _name(ep: Mapping[str, Any], i: int) -> str:
+    """'2' or '2 (episode_index 17)': the position in the pack and the dataset identity."""
+    idx = ep.get("episode_index") if isinstance(ep, Mapping) else None
+    if isinstance(idx, torch.Tensor) and idx.numel() == 1:
+        idx = int(idx)
+    return f"{i} (episode_index {idx})" if isinstance(idx, numbers.Integral) else str(i)
+
+
+def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    pad = torch.full((rows - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype)
+    return torch.cat([t, pad])
+
+
+def _layout(
+    lengths: list[int],
+    steps: list[int],
+    padded: int,
+    tokens_per_step: int,
+    grid: tuple[int, int] | None,
+    max_docs: int | None,
+) -> StreamLayout:
+    """Token-level layout from per-document token counts (host ints -> CPU tensors)."""
+    k = len(lengths)
+    total = sum(lengths)
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    cu = torch.zeros(max(k, max_docs or 0) + 1, dtype=torch.int32)
+    cu[1 : k + 1] = torch.cumsum(lengths_t, 0).to(torch.int32)
+    cu[k + 1 :] = total
+    doc_ids = torch.full((padded,), -1, dtype=torch.int32)
+    doc_ids[:total] = torch.repeat_interleave(torch.arange(k, dtype=torch.int32), lengths_t)
+    pos = torch.zeros(padded, dtype=torch.int32)
+    starts = cu[:k].to(torch.int64)
+    pos[:total] = (torch.arange(total) - torch.repeat_interleave(starts, lengths_t)).to(torch.int32)
+    thw = None
+    if grid is not None:
+        h, w = grid
+        thw = torch.zeros(padded, 3, dtype=torch.int32)
+        p = pos[:total]
+        thw[:total, 0] = p // (h * w)
+        thw[:total, 1] = (p % (h * w)) // w
+        thw[:total, 2] = p % w
+    return StreamLayout(
+        doc_ids_T=doc_ids,
+        position_ids_T=pos,
+        cu_seqlens_K1=cu,
+        max_seqlen=max(lengths, default=0),
+        lengths_K=tuple(lengths),
+        steps_K=tuple(steps),
+        tokens_per_step=tokens_per_step,
+        grid=grid,
+        thw_T3=thw,
+    )
+
+
+def pack(episodes: Sequence[Mapping[str, Any]], **kwargs: Any) -> PackedBatch:
+    """Functional form: ``pack(episodes, **kw) == PackedCollator(**kw)(episodes)``."""
+    return PackedCollator(**kwargs)(episodes)
+
+
+def unpack(batch: PackedBatch) -> list[dict[str, Any]]:
+    """The episodes back, exactly as they went in (same keys, values, dtypes and types).
+
+    Stream values are views into the batch's buffers; clone them to keep them past the batch.
+    """
+    kinds: dict[str, str] = batch.extras.get("_kinds", {})
+    episodes: list[dict[str, Any]] = [{} for _ in range(batch.num_docs)]
+    for name, data in batch.streams.items():
+        lay = batch.layouts[name]
+        start = 0
+        for k, n in enumerate(lay.steps_K):
+            episodes[k][name] = data[start : start + n]
+            start += n
+    for key, values in batch.per_episode.items():
+        kind = kinds.get(key, "tensor")
+        if kind == "absent":
+            continue
+        for k in range(batch.num_docs):
+            v = values[k]
+            if kind in ("int", "float", "bool"):
+                v = v.item()
+            episodes[k][key] = v
+    return episodes
+
+
+# -- several streams as one attention sequence -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JointLayout:
+    """Several token-level streams laid out as one sequence, each episode's tokens contiguous.
+
+    Streams V (video) and A (action) of episodes 0 and 1, padded tails v. and a.::
+
+        V: v0 v0 v0 v1 v1 .        A: a0 a1 a1 .
+        joint: v0 v0 v0 a0 | v1 v1 a1 a1 | . .       (doc ids 0 0 0 0 1 1 1 1 -1 -1)
+
+    ``join`` gathers the streams into the joint order, ``split`` returns them; both are one
+    index_select, differentiable and compile-friendly. ``stream_ids_J`` says which stream
+    each joint token came from (in the order of ``streams``).
+    """
+
+    streams: tuple[str, ...]
+    lengths: tuple[int, ...]  # padded token length of each stream
+    src_index_J: torch.Tensor  # joint position -> position in cat(streams)
+    dest_index: dict[str, torch.Tensor]  # stream token -> joint position
+    stream_ids_J: torch.Tensor
+    layout: StreamLayout
+
+    def join(self, xs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``{"latents": (T_v, ...), "action": (T_a, ...)}`` -> ``(T_v + T_a, ...)``."""
+        for name, n in zip(self.streams, self.lengths, strict=True):
+            if name not in xs:
+                raise KeyError(f"join needs stream {name!r}; got {sorted(xs)}")
+            if xs[name].shape[0] != n:
+                raise ValueError(
+                    f"stream {name!r} has {xs[name].shape[0]} tokens, the layout expects {n} "
+                    f"(token level: patchify grid streams before joining)"
+                )
+        cat = torch.cat([xs[n] for n in self.streams], dim=0)
+        return cat.index_select(0, self.src_index_J)
+
+    def split(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Inverse of `join`."""
+        return {n: x.index_select(0, self.dest_index[n]) for n in self.streams}
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> JointLayout:
+        return JointLayout(
+            streams=self.streams,
+            lengths=self.lengths,
+            src_index_J=self.src_index_J.to(device, non_blocking=non_blocking),
+            dest_index={
+                k: v.to(device, non_blocking=non_blocking) for k, v in self.dest_index.items()
+            },
+            stream_ids_J=self.stream_ids_J.to(device, non_blocking=non_blocking),
+            layout=self.layout.to(device, non_blocking),
+        )
+
+
+def joint_layout(batch: PackedBatch, streams: Sequence[str]) -> JointLayout:
+    """Lay ``streams`` of ``batch`` out as one sequence; cached on the batch.
+
+    Built from the layouts' host-side lengths, so it costs no device sync; pass
+    ``PackedCollator(joint=[...])`` to build it in the DataLoader worker instead.
+    """
+    names = tuple(streams)
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise ValueError(f"joint_layout needs two or more distinct streams, got {names}")
+    cache = batch.extras.setdefault("_joint", {})
+    if names in cache:
+        return cache[names]
+    lays = [batch.layout(n) for n in names]
+    k = lays[0].num_docs
+    for n, lay in zip(names, lays, strict=True):
+        if lay.num_docs != k:
+            raise ValueError(f"stream {n!r} has {lay.num_docs} documents, expected {k}")
+    device = lays[0].doc_ids_T.device
+    per_doc = np.array([lay.lengths_K for lay in lays], dtype=np.int64).reshape(len(lays), k)
+    doc_len = per_doc.sum(0)  # joint tokens per document
+    doc_start = np.concatenate([[0], np.cumsum(doc_len)])
+    real = int(doc_start[-1])
+    pads = [lay.padded_len - lay.num_tokens for lay in lays]
+    dest_parts: dict[str, np.ndarray] = {}
+    before = np.zeros(k, dtype=np.int64)  # tokens of earlier streams inside each document
+    pad_before = 0
+    for s, (n, lay) in enumerate(zip(names, lays, strict=True)):
+        lens = per_doc[s]
+        offs = doc_start[:-1] + before  # where this stream's part of each doc starts
+        local = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
+        real_dest = np.repeat(offs, lens) + local
+        pad_dest = real + pad_before + np.arange(pads[s])
+        dest_parts[n] = np.concatenate([real_dest, pad_dest])
+        before += lens
+        pad_before += pads[s]
+    total = real + sum(pads)
+    src = np.empty(total, dtype=np.int64)
+    sid = np.empty(total, dtype=np.int64)
+    offset = 0
+    for s, n in enumerate(names):
+        d = dest_parts[n]
+        src[d] = offset + np.arange(d.shape[0])
+        sid[d] = s
+        offset += d.shape[0]
+    max_docs = int(lays[0].cu_seqlens_K1.shape[0]) - 1  # keeps a static max_docs static
+    joint_lengths = [int(x) for x in doc_len]
+    layout = _layout(joint_lengths, joint_lengths, total, 1, None, max_docs).to(device)
+    joint = JointLayout(
+        streams=names,
+        lengths=tuple(lay.padded_len for lay in lays),
+        src_index_J=torch.from_numpy(src).to(device),
+        dest_index={n: torch.from_numpy(d).to(device) for n, d in dest_parts.items()},
+        stream_ids_J=torch.from_numpy(sid).to(device),
+        layout=layout,
+    )
+    cache[names] = joint
+    return joint
