@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from packing.layout import PackedBatch, StreamLayout
+from packing.joint import JointLayout, joint_layout
+from packing.layout import PackedBatch, StreamLayout, layout_from_lengths
 
 __all__ = ["JointLayout", "PackedCollator", "Stream", "joint_layout", "pack", "unpack"]
 
@@ -298,7 +299,7 @@ class PackedCollator:
         )
         torch.cat(tensors, dim=0, out=out[: total // tps])
         out[total // tps :].fill_(s.pad_value)
-        layout = _layout(lengths, steps, padded, tps, s.grid, self.max_docs)
+        layout = layout_from_lengths(lengths, steps, padded, tps, s.grid, self.max_docs)
         return out, layout
 
     # -- per-episode values -------------------------------------------------------------------
@@ -367,7 +368,9 @@ class PackedCollator:
             data[s.name] = torch.full(
                 (padded // s.tokens_per_step, *s.step_shape), s.pad_value, dtype=s.dtype
             )
-            layouts[s.name] = _layout([], [], padded, s.tokens_per_step, s.grid, self.max_docs)
+            layouts[s.name] = layout_from_lengths(
+                [], [], padded, s.tokens_per_step, s.grid, self.max_docs
+            )
         k_out = self.max_docs or 0
         return PackedBatch(
             streams=data,
@@ -391,47 +394,6 @@ def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
         return t
     pad = torch.full((rows - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype)
     return torch.cat([t, pad])
-
-
-def _layout(
-    lengths: list[int],
-    steps: list[int],
-    padded: int,
-    tokens_per_step: int,
-    grid: tuple[int, int] | None,
-    max_docs: int | None,
-) -> StreamLayout:
-    """Token-level layout from per-document token counts (host ints -> CPU tensors)."""
-    k = len(lengths)
-    total = sum(lengths)
-    lengths_t = torch.tensor(lengths, dtype=torch.int64)
-    cu = torch.zeros(max(k, max_docs or 0) + 1, dtype=torch.int32)
-    cu[1 : k + 1] = torch.cumsum(lengths_t, 0).to(torch.int32)
-    cu[k + 1 :] = total
-    doc_ids = torch.full((padded,), -1, dtype=torch.int32)
-    doc_ids[:total] = torch.repeat_interleave(torch.arange(k, dtype=torch.int32), lengths_t)
-    pos = torch.zeros(padded, dtype=torch.int32)
-    starts = cu[:k].to(torch.int64)
-    pos[:total] = (torch.arange(total) - torch.repeat_interleave(starts, lengths_t)).to(torch.int32)
-    thw = None
-    if grid is not None:
-        h, w = grid
-        thw = torch.zeros(padded, 3, dtype=torch.int32)
-        p = pos[:total]
-        thw[:total, 0] = p // (h * w)
-        thw[:total, 1] = (p % (h * w)) // w
-        thw[:total, 2] = p % w
-    return StreamLayout(
-        doc_ids_T=doc_ids,
-        position_ids_T=pos,
-        cu_seqlens_K1=cu,
-        max_seqlen=max(lengths, default=0),
-        lengths_K=tuple(lengths),
-        steps_K=tuple(steps),
-        tokens_per_step=tokens_per_step,
-        grid=grid,
-        thw_T3=thw,
-    )
 
 
 def pack(episodes: Sequence[Mapping[str, Any]], **kwargs: Any) -> PackedBatch:
@@ -462,116 +424,3 @@ def unpack(batch: PackedBatch) -> list[dict[str, Any]]:
                 v = v.item()
             episodes[k][key] = v
     return episodes
-
-
-# -- several streams as one attention sequence -------------------------------------------------
-
-
-@dataclass(frozen=True)
-class JointLayout:
-    """Several token-level streams laid out as one sequence, each episode's tokens contiguous.
-
-    Streams V (video) and A (action) of episodes 0 and 1, padded tails v. and a.::
-
-        V: v0 v0 v0 v1 v1 .        A: a0 a1 a1 .
-        joint: v0 v0 v0 a0 | v1 v1 a1 a1 | . .       (doc ids 0 0 0 0 1 1 1 1 -1 -1)
-
-    ``join`` gathers the streams into the joint order, ``split`` returns them; both are one
-    index_select, differentiable and compile-friendly. ``stream_ids_J`` says which stream
-    each joint token came from (in the order of ``streams``).
-    """
-
-    streams: tuple[str, ...]
-    lengths: tuple[int, ...]  # padded token length of each stream
-    src_index_J: torch.Tensor  # joint position -> position in cat(streams)
-    dest_index: dict[str, torch.Tensor]  # stream token -> joint position
-    stream_ids_J: torch.Tensor
-    layout: StreamLayout
-
-    def join(self, xs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """``{"latents": (T_v, ...), "action": (T_a, ...)}`` -> ``(T_v + T_a, ...)``."""
-        for name, n in zip(self.streams, self.lengths, strict=True):
-            if name not in xs:
-                raise KeyError(f"join needs stream {name!r}; got {sorted(xs)}")
-            if xs[name].shape[0] != n:
-                raise ValueError(
-                    f"stream {name!r} has {xs[name].shape[0]} tokens, the layout expects {n} "
-                    f"(token level: patchify grid streams before joining)"
-                )
-        cat = torch.cat([xs[n] for n in self.streams], dim=0)
-        return cat.index_select(0, self.src_index_J)
-
-    def split(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Inverse of `join`."""
-        return {n: x.index_select(0, self.dest_index[n]) for n in self.streams}
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> JointLayout:
-        return JointLayout(
-            streams=self.streams,
-            lengths=self.lengths,
-            src_index_J=self.src_index_J.to(device, non_blocking=non_blocking),
-            dest_index={
-                k: v.to(device, non_blocking=non_blocking) for k, v in self.dest_index.items()
-            },
-            stream_ids_J=self.stream_ids_J.to(device, non_blocking=non_blocking),
-            layout=self.layout.to(device, non_blocking),
-        )
-
-
-def joint_layout(batch: PackedBatch, streams: Sequence[str]) -> JointLayout:
-    """Lay ``streams`` of ``batch`` out as one sequence; cached on the batch.
-
-    Built from the layouts' host-side lengths, so it costs no device sync; pass
-    ``PackedCollator(joint=[...])`` to build it in the DataLoader worker instead.
-    """
-    names = tuple(streams)
-    if len(names) < 2 or len(set(names)) != len(names):
-        raise ValueError(f"joint_layout needs two or more distinct streams, got {names}")
-    cache = batch.extras.setdefault("_joint", {})
-    if names in cache:
-        return cache[names]
-    lays = [batch.layout(n) for n in names]
-    k = lays[0].num_docs
-    for n, lay in zip(names, lays, strict=True):
-        if lay.num_docs != k:
-            raise ValueError(f"stream {n!r} has {lay.num_docs} documents, expected {k}")
-    device = lays[0].doc_ids_T.device
-    per_doc = np.array([lay.lengths_K for lay in lays], dtype=np.int64).reshape(len(lays), k)
-    doc_len = per_doc.sum(0)  # joint tokens per document
-    doc_start = np.concatenate([[0], np.cumsum(doc_len)])
-    real = int(doc_start[-1])
-    pads = [lay.padded_len - lay.num_tokens for lay in lays]
-    dest_parts: dict[str, np.ndarray] = {}
-    before = np.zeros(k, dtype=np.int64)  # tokens of earlier streams inside each document
-    pad_before = 0
-    for s, (n, lay) in enumerate(zip(names, lays, strict=True)):
-        lens = per_doc[s]
-        offs = doc_start[:-1] + before  # where this stream's part of each doc starts
-        local = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
-        real_dest = np.repeat(offs, lens) + local
-        pad_dest = real + pad_before + np.arange(pads[s])
-        dest_parts[n] = np.concatenate([real_dest, pad_dest])
-        before += lens
-        pad_before += pads[s]
-    total = real + sum(pads)
-    src = np.empty(total, dtype=np.int64)
-    sid = np.empty(total, dtype=np.int64)
-    offset = 0
-    for s, n in enumerate(names):
-        d = dest_parts[n]
-        src[d] = offset + np.arange(d.shape[0])
-        sid[d] = s
-        offset += d.shape[0]
-    max_docs = int(lays[0].cu_seqlens_K1.shape[0]) - 1  # keeps a static max_docs static
-    joint_lengths = [int(x) for x in doc_len]
-    layout = _layout(joint_lengths, joint_lengths, total, 1, None, max_docs).to(device)
-    joint = JointLayout(
-        streams=names,
-        lengths=tuple(lay.padded_len for lay in lays),
-        src_index_J=torch.from_numpy(src).to(device),
-        dest_index={n: torch.from_numpy(d).to(device) for n, d in dest_parts.items()},
-        stream_ids_J=torch.from_numpy(sid).to(device),
-        layout=layout,
-    )
-    cache[names] = joint
-    return joint

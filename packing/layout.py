@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PackedBatch", "StreamLayout"]
+__all__ = ["PackedBatch", "StreamLayout", "layout_from_lengths"]
 
 
 @dataclass(frozen=True)
@@ -212,3 +212,49 @@ class PackedBatch(Mapping[str, Any]):
             f"PackedBatch(K={lay.num_docs}, primary={self.primary!r}, streams=[{streams}], "
             f"tokens={lay.num_tokens}/{lay.padded_len} ({lay.efficiency:.1%}))"
         )
+
+
+def layout_from_lengths(
+    lengths: list[int],
+    steps: list[int],
+    padded: int,
+    tokens_per_step: int = 1,
+    grid: tuple[int, int] | None = None,
+    max_docs: int | None = None,
+) -> StreamLayout:
+    """Token-level layout from per-document token counts (host ints -> CPU tensors).
+
+    ``layout_from_lengths([2, 4, 3], [2, 4, 3], padded=12)`` gives doc ids
+    ``[0 0 1 1 1 1 2 2 2 -1 -1 -1]`` and ``cu_seqlens [0, 2, 6, 9]``; with ``max_docs=5``
+    ``cu_seqlens`` is ``[0, 2, 6, 9, 9, 9]`` (empty documents at the end keep its shape).
+    """
+    k = len(lengths)
+    total = sum(lengths)
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    cu = torch.zeros(max(k, max_docs or 0) + 1, dtype=torch.int32)
+    cu[1 : k + 1] = torch.cumsum(lengths_t, 0).to(torch.int32)
+    cu[k + 1 :] = total
+    doc_ids = torch.full((padded,), -1, dtype=torch.int32)
+    doc_ids[:total] = torch.repeat_interleave(torch.arange(k, dtype=torch.int32), lengths_t)
+    pos = torch.zeros(padded, dtype=torch.int32)
+    starts = cu[:k].to(torch.int64)
+    pos[:total] = (torch.arange(total) - torch.repeat_interleave(starts, lengths_t)).to(torch.int32)
+    thw = None
+    if grid is not None:
+        h, w = grid
+        thw = torch.zeros(padded, 3, dtype=torch.int32)
+        p = pos[:total]
+        thw[:total, 0] = p // (h * w)
+        thw[:total, 1] = (p % (h * w)) // w
+        thw[:total, 2] = p % w
+    return StreamLayout(
+        doc_ids_T=doc_ids,
+        position_ids_T=pos,
+        cu_seqlens_K1=cu,
+        max_seqlen=max(lengths, default=0),
+        lengths_K=tuple(lengths),
+        steps_K=tuple(steps),
+        tokens_per_step=tokens_per_step,
+        grid=grid,
+        thw_T3=thw,
+    )
