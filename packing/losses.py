@@ -210,7 +210,7 @@ def _one_denominator(
 def local_denominator(
     layouts: LayoutLike | Sequence[LayoutLike],
     reduction: Reduction,
-    loss_masks: torch.Tensor | None | Sequence[torch.Tensor | None] = None,
+    loss_masks: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
     tokens_per_step: int | None = None,
     *,
     device: torch.device | str | None = None,
@@ -241,7 +241,7 @@ def local_denominator(
 def global_denominator(
     layouts: LayoutLike | Sequence[LayoutLike],
     reduction: Reduction,
-    loss_masks: torch.Tensor | None | Sequence[torch.Tensor | None] = None,
+    loss_masks: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
     tokens_per_step: int | None = None,
     *,
     group: torch.distributed.ProcessGroup | None = None,
