@@ -1,0 +1,168 @@
+"""The leak detector: a leak-free packed model passes, every kind of injected leak is named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from packing.collate import Stream, pack
+from packing.layout import PackedBatch
+from packing.leak import PADDING, assert_no_leaks, find_leaks
+
+DIM = 8
+
+
+def _episodes(steps: list[int]) -> list[dict]:
+    """Ragged episodes whose values encode identity (100 * episode + t) plus a small jitter."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for e, n in enumerate(steps):
+        base = (100.0 * e + torch.arange(n, dtype=torch.float32)).unsqueeze(1) / 100.0
+        out.append(
+            {
+                "x": base + 0.1 * torch.randn(n, DIM, generator=gen),
+                "episode_index": 10 + e,
+            }
+        )
+    return out
+
+
+def _batch(steps: list[int] = [5, 1, 9, 3]) -> PackedBatch:  # noqa: B006
+    return pack(_episodes(steps), streams=[Stream("x")], pad_to_multiple=8)
+
+
+def _mask(doc: torch.Tensor) -> torch.Tensor:
+    """Dense document mask: same doc, and a padding token (-1) sees only itself."""
+    same = doc[:, None] == doc[None, :]
+    eye = torch.eye(doc.shape[0], dtype=torch.bool)
+    return torch.where((doc < 0)[:, None], eye, same)
+
+
+class DocAttention(nn.Module):
+    """One attention layer over the packed stream, restricted by the document mask."""
+
+    def __init__(self, document_mask: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.out = nn.Linear(DIM, DIM)
+        self.document_mask = document_mask
+
+    def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        x = batch["x"]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        mask = _mask(batch["doc_ids"]) if self.document_mask else None
+        y = nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
+        return {"x": self.out(torch.nn.functional.layer_norm(y + x, (DIM,)))}
+
+
+class GlobalPool(DocAttention):
+    """The classic silent leak: a mean over the whole pack (e.g. a 'global' conditioning)."""
+
+    def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        y = super().forward(batch)["x"]
+        return {"x": y + y.mean(dim=0, keepdim=True)}
+
+
+class _BackwardOnlyLeak(torch.autograd.Function):
+    """Identity forward; the backward adds a pack-mean that depends on every episode.
+
+    A wrong custom kernel in miniature: outputs are clean, only gradients mix episodes.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return g + (x * g).mean(dim=0, keepdim=True)
+
+
+class BackwardLeak(DocAttention):
+    def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        y = super().forward(batch)["x"]
+        return {"x": _BackwardOnlyLeak.apply(y)}
+
+
+def test_document_masked_attention_has_no_leak() -> None:
+    batch = _batch()
+    report = find_leaks(DocAttention(), batch)
+    assert report.ok, report.summary()
+    # Not vacuous: every doc was perturbed (plus the padding tail) and compared with the others.
+    assert report.num_docs == 4
+    assert report.perturbations == 4 + 1
+    assert report.comparisons == (4 * 3 + 4) * (1 + 1)  # (pairs + padding->docs) x (out, grad)
+    assert report.episode_index == (10, 11, 12, 13)
+
+
+def test_no_document_mask_is_caught_for_every_pair() -> None:
+    report = find_leaks(DocAttention(document_mask=False), _batch())
+    assert not report.ok
+    pairs = {(i, j) for i, j in report.pairs if j != PADDING}
+    assert pairs == {(i, j) for i in range(4) for j in range(4) if i != j}
+    # Padding leaks into real docs too when nothing masks it.
+    assert any(j == PADDING for _, j in report.pairs)
+    assert {lk.kind for lk in report.leaks} == {"output", "gradient"}
+    with pytest.raises(AssertionError, match=r"episode 11\).*changed output 'x' of doc"):
+        report.raise_if_leaking()
+
+
+def test_global_mean_pool_is_caught() -> None:
+    report = find_leaks(GlobalPool(), _batch([3, 7, 2]))
+    assert not report.ok
+    assert {(i, j) for i, j in report.pairs if j != PADDING} == {
+        (i, j) for i in range(3) for j in range(3) if i != j
+    }
+    assert report.leaks[0].input_stream == "x"
+    assert "LEAKS" in report.summary()
+
+
+def test_backward_only_leak_is_caught_by_the_gradient_check() -> None:
+    batch = _batch([4, 2, 6])
+    report = find_leaks(BackwardLeak(), batch)
+    assert not report.ok
+    assert {lk.kind for lk in report.leaks} == {"gradient"}
+    # Without the gradient check the same model looks clean: the check is what catches it.
+    assert find_leaks(BackwardLeak(), batch, gradients=False).ok
+
+
+def test_one_bit_of_leak_is_caught() -> None:
+    """Bit-exact comparison: a leak a millionth the size of the output still fails."""
+
+    class Tiny(DocAttention):
+        def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+            y = super().forward(batch)["x"]
+            return {"x": y + 1e-6 * batch["x"].sum()}
+
+    report = find_leaks(Tiny(), _batch([2, 3]), gradients=False, padding=False)
+    assert report.pairs == [(0, 1), (1, 0)]
+    assert max(lk.max_abs_diff for lk in report.leaks) < 1e-4
+    assert report.notes == ("padding was not perturbed",)
+
+
+def test_assert_no_leaks_passes_and_returns_the_report() -> None:
+    report = assert_no_leaks(DocAttention(), _batch([1, 2]))
+    assert report.ok and report.num_docs == 2
+
+
+def test_non_deterministic_fn_is_refused() -> None:
+    model = DocAttention()
+
+    def noisy(batch: PackedBatch) -> dict[str, torch.Tensor]:
+        return {"x": model(batch)["x"] + torch.randn(())}
+
+    with pytest.raises(ValueError, match="not deterministic.*global RNG"):
+        find_leaks(noisy, _batch())
+
+
+def test_errors_name_the_fix() -> None:
+    with pytest.raises(ValueError, match=">= 2 episodes"):
+        find_leaks(DocAttention(), _batch([4]))
+    with pytest.raises(ValueError, match="output_layouts="):
+        find_leaks(lambda b: {"y": torch.zeros(b.layout().padded_len)}, _batch())
+    with pytest.raises(KeyError, match="'nope' is not a stream"):
+        find_leaks(DocAttention(), _batch(), inputs=["nope"])
