@@ -1,0 +1,366 @@
+"""Whole episodes from a local LeRobot v3 dataset, read as Arrow slices, never frame by frame.
+
+LeRobot serves frames (``dataset[i]`` is one frame, or a fixed window around it); packing
+needs whole episodes and their lengths before any data is read. A v3 root looks like::
+
+    meta/info.json                           features {name: {dtype, shape}}, fps, data_path
+    meta/episodes/chunk-*/file-*.parquet     one row per episode: length, data/chunk_index,
+                                             data/file_index, dataset_from_index, dataset_to_index
+    meta/tasks.parquet                       task_index -> task text
+    data/chunk-*/file-*.parquet              one row per frame, episodes contiguous, one
+                                             row group per episode (lerobot's writer)
+
+``dataset_from_index`` counts rows across the data files in sorted order, so an episode is
+rows ``[from - file_start, to - file_start)`` of its file. Three episodes of lengths
+``[2, 4, 3]`` in one file::
+
+    row            0 1 2 3 4 5 6 7 8
+    episode_index  0 0 1 1 1 1 2 2 2      from/to: [0,2) [2,6) [6,9)
+    item 1 = {"latents": (4, 48, 8, 16) float16, "action": (4, 14) float32,
+              "episode_index": 1, "task": "open the drawer"}
+
+Item values: each requested key as a tensor with the frame axis first in its declared dtype
+(float16 stays float16; lerobot's own reader returns float32); a ``(1,)``-shaped feature is
+``(F,)``. A boolean ``{key}_is_pad`` feature is served as ``{key}_loss_mask = ~is_pad``
+(see :func:`packing.hf.plan_columns`). ``"task"`` is the text of the episode's first frame;
+request ``"task_index"`` for per-frame tasks.
+
+Reading needs only pyarrow; lerobot is never imported for a root path, and nothing is
+downloaded. A ``LeRobotDataset`` instance is read through its own memory-mapped Arrow table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from packing._lazy import require
+from packing.hf import plan_columns, table_to_episode
+
+__all__ = ["LeRobotEpisodes", "episode_lengths"]
+
+_EPISODE_COLUMNS = [
+    "episode_index",
+    "length",
+    "data/chunk_index",
+    "data/file_index",
+    "dataset_from_index",
+    "dataset_to_index",
+]
+_NOT_NUMERIC = {"video", "image", "string"}
+
+
+def _check_root(root: Path) -> None:
+    """Fail before anything (lerobot included) can create directories or reach the network."""
+    info = root / "meta" / "info.json"
+    if not info.is_file():
+        what = "does not exist" if not root.exists() else f"has no {info.relative_to(root)}"
+        raise FileNotFoundError(
+            f"{root} {what}: expected a local LeRobot v3 dataset root containing "
+            "meta/info.json, meta/episodes/ and data/. LeRobotEpisodes reads local files only; "
+            "download the dataset first (e.g. huggingface-cli download --repo-type dataset "
+            "<repo_id> --local-dir <root>) or pass a LeRobotDataset instance"
+        )
+
+
+def _load_info(root: Path) -> dict[str, Any]:
+    info: dict[str, Any] = json.loads((root / "meta" / "info.json").read_text())
+    version = str(info.get("codebase_version", "?"))
+    if not version.startswith("v3"):
+        raise ValueError(
+            f"{root} is LeRobot format {version}; LeRobotEpisodes reads v3.x. Convert it with "
+            "python -m lerobot.datasets.v30.convert_dataset_v21_to_v30"
+        )
+    return info
+
+
+def _episodes_table(root: Path) -> Any:
+    """meta/episodes rows (no stats columns), sorted by episode_index."""
+    pq = require("pyarrow.parquet", extra="lerobot")
+    pa = require("pyarrow", extra="lerobot")
+    files = sorted((root / "meta" / "episodes").glob("*/*.parquet"))
+    if not files:
+        raise FileNotFoundError(
+            f"{root / 'meta' / 'episodes'} has no chunk-*/file-*.parquet: "
+            "the dataset was not finalized (call LeRobotDataset.finalize() after recording)"
+        )
+    # Columnar read: the per-episode stats columns, most of the bytes, are never decoded.
+    table = pa.concat_tables([pq.read_table(f, columns=_EPISODE_COLUMNS) for f in files])
+    return table.sort_by("episode_index")
+
+
+def _select(ids: np.ndarray, episodes: Sequence[int] | None, where: object) -> np.ndarray:
+    """Positions of ``episodes`` (by episode_index) among ``ids``, in the order given."""
+    if episodes is None:
+        return np.arange(len(ids))
+    pos = {int(e): j for j, e in enumerate(ids)}
+    missing = [int(e) for e in episodes if int(e) not in pos]
+    if missing:
+        raise KeyError(
+            f"episodes {missing[:10]} are not in {where} "
+            f"({len(ids)} episodes, indices {ids.min()}..{ids.max()})"
+        )
+    return np.array([pos[int(e)] for e in episodes], dtype=np.int64)
+
+
+def episode_lengths(
+    root: str | os.PathLike[str], episodes: Sequence[int] | None = None
+) -> np.ndarray:
+    """Frames per episode from ``meta/episodes`` with pyarrow only; no frame is read.
+
+    Ordered by ``episode_index`` (or as ``episodes`` lists them), the same order as the items
+    of ``LeRobotEpisodes(root, keys, episodes=episodes)``::
+
+        episode_lengths("~/data/my_robot")  ->  array([2, 4, 3])
+    """
+    root = Path(root).expanduser()
+    _check_root(root)
+    _load_info(root)
+    table = _episodes_table(root)
+    ids = table.column("episode_index").to_numpy()
+    return table.column("length").to_numpy().astype(np.int64)[_select(ids, episodes, root)]
+
+
+class _ParquetEpisodes:
+    """Reads episode rows straight from the data files (root path; lerobot not needed).
+
+    Parquet handles are opened lazily per process, so a DataLoader worker never shares a file
+    object with its parent.
+    """
+
+    def __init__(self, root: Path, info: dict[str, Any], table: Any, sel: np.ndarray) -> None:
+        pq = require("pyarrow.parquet", extra="lerobot")
+        data_files = sorted((root / "data").glob("*/*.parquet"))
+        if not data_files:
+            raise FileNotFoundError(f"{root / 'data'} has no chunk-*/file-*.parquet data files")
+        # Global row numbers (dataset_from_index) run across the files in sorted order, the
+        # order lerobot concatenates them in; the footers give each file's row count.
+        rows = np.array([pq.read_metadata(f).num_rows for f in data_files], dtype=np.int64)
+        start = dict(zip(data_files, np.cumsum(rows) - rows, strict=True))
+        nrows = dict(zip(data_files, rows, strict=True))
+
+        col = {c: table.column(c).to_numpy()[sel] for c in _EPISODE_COLUMNS}
+        template = info.get(
+            "data_path", "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+        )
+        self.paths: list[Path] = []
+        self.row0 = np.empty(len(sel), dtype=np.int64)
+        for j in range(len(sel)):
+            ep, lo, hi = (
+                int(col[c][j]) for c in ("episode_index", "dataset_from_index", "dataset_to_index")
+            )
+            path = root / template.format(
+                chunk_index=int(col["data/chunk_index"][j]),
+                file_index=int(col["data/file_index"][j]),
+            )
+            if path not in start:
+                raise FileNotFoundError(f"episode {ep}: its data file {path} is missing")
+            r0 = lo - int(start[path])
+            if hi - lo != col["length"][j] or r0 < 0 or r0 + (hi - lo) > nrows[path]:
+                raise ValueError(
+                    f"episode {ep}: meta/episodes says rows [{lo}, {hi}) (length "
+                    f"{col['length'][j]}), which do not lie in {path} (global rows "
+                    f"[{start[path]}, {start[path] + nrows[path]})); the metadata is inconsistent"
+                )
+            self.paths.append(path)
+            self.row0[j] = r0
+        self._open: dict[Path, tuple[Any, np.ndarray]] = {}
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_open": {}}
+
+    def _file(self, path: Path) -> tuple[Any, np.ndarray]:
+        if self._pid != os.getpid():  # forked: do not reuse the parent's handles
+            self._open, self._pid = {}, os.getpid()
+        if path not in self._open:
+            pf = require("pyarrow.parquet", extra="lerobot").ParquetFile(path, memory_map=True)
+            sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+            self._open[path] = (pf, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+        return self._open[path]
+
+    def read(self, j: int, length: int, columns: list[str]) -> Any:
+        pf, rg = self._file(self.paths[j])
+        r0 = int(self.row0[j])
+        # Only the row groups that overlap the episode are decoded (lerobot writes one per
+        # episode). One thread: DataLoader workers are the parallelism.
+        first = int(np.searchsorted(rg, r0, side="right")) - 1
+        last = int(np.searchsorted(rg, r0 + length, side="left"))
+        table = pf.read_row_groups(range(first, last), columns=columns, use_threads=False)
+        return table.slice(r0 - int(rg[first]), length)
+
+
+class _InstanceEpisodes:
+    """Reads episode rows from a ``LeRobotDataset``'s own memory-mapped Arrow table."""
+
+    def __init__(self, ds: Any, table: Any, sel: np.ndarray) -> None:
+        lo = table.column("dataset_from_index").to_numpy()[sel]
+        mapping = ds.absolute_to_relative_idx  # set only when the instance filters episodes
+        self.row0 = np.array([lo_ if mapping is None else mapping[int(lo_)] for lo_ in lo])
+        self._rows = ds.hf_dataset.with_format("arrow")  # drops lerobot's to-torch transform
+
+    def read(self, j: int, length: int, columns: list[str]) -> Any:
+        r0 = int(self.row0[j])
+        return self._rows.select_columns(columns)[r0 : r0 + length]
+
+
+class LeRobotEpisodes(Dataset):
+    """Episode-level ``torch`` dataset over a LeRobot v3 dataset: item ``i`` is one episode.
+
+    Args:
+        root_or_dataset: a local dataset root (read with pyarrow; lerobot not needed), or a
+            ``lerobot.datasets.lerobot_dataset.LeRobotDataset`` (read through its Arrow table;
+            its own ``episodes`` selection is respected).
+        keys: numeric features to serve, e.g. ``["latents", "action"]``.
+        episodes: episode indices to serve, in this order (default: all, by index).
+
+    Attributes:
+        lengths: frames per item (numpy int64), from metadata alone: the planner's input.
+        episode_ids: the ``episode_index`` of each item.
+        features, fps, tasks: from ``meta/``.
+
+    Example::
+
+        eps = LeRobotEpisodes("~/data/my_robot", keys=["latents", "action"])
+        eps.lengths        # array([2, 4, 3])
+        eps[1]["latents"]  # (4, 48, 8, 16) float16
+    """
+
+    def __init__(
+        self,
+        root_or_dataset: str | os.PathLike[str] | Any,
+        keys: Sequence[str],
+        episodes: Sequence[int] | None = None,
+    ) -> None:
+        if isinstance(keys, str):
+            raise TypeError(f"keys must be a list of feature names, got the string {keys!r}")
+        self.keys = tuple(keys)
+        if isinstance(root_or_dataset, (str, os.PathLike)):
+            self.root = Path(root_or_dataset).expanduser()
+            _check_root(self.root)
+            info = _load_info(self.root)
+            self.features: dict[str, dict[str, Any]] = info["features"]
+            self.fps = info.get("fps")
+            table = _episodes_table(self.root)
+            self.tasks = _tasks_from_parquet(self.root)
+            where: object = self.root
+        else:
+            ds = root_or_dataset
+            if not hasattr(ds, "meta") or not hasattr(ds, "hf_dataset"):
+                raise TypeError(
+                    "expected a dataset root path or a lerobot LeRobotDataset, got "
+                    f"{type(ds).__name__}"
+                )
+            if getattr(ds, "delta_timestamps", None):
+                raise ValueError(
+                    "this LeRobotDataset has delta_timestamps (frame windows); LeRobotEpisodes "
+                    "serves whole episodes, so build it without delta_timestamps or pass its root"
+                )
+            self.root = Path(ds.root)
+            self.features = dict(ds.meta.features)
+            self.fps = ds.meta.fps
+            table = ds.meta.episodes.with_format("arrow")[:].select(_EPISODE_COLUMNS)
+            table = table.sort_by("episode_index")
+            tasks_df = ds.meta.tasks
+            self.tasks = [""] * (int(tasks_df["task_index"].max()) + 1 if len(tasks_df) else 0)
+            for text, idx in zip(tasks_df.index, tasks_df["task_index"], strict=True):
+                self.tasks[int(idx)] = str(text)
+            where = f"the LeRobotDataset {ds.repo_id!r}"
+            if episodes is None and ds.episodes is not None:
+                episodes = list(ds.episodes)
+            elif episodes is not None and ds.episodes is not None:
+                outside = sorted(set(map(int, episodes)) - set(map(int, ds.episodes)))
+                if outside:
+                    raise KeyError(
+                        f"episodes {outside[:10]} are not loaded by this LeRobotDataset "
+                        f"(its episodes={list(ds.episodes)[:10]}...)"
+                    )
+
+        self._plan = plan_columns(self.keys, list(self.features))
+        for _, column, _ in self._plan:
+            self._check_numeric(column)
+        ids = table.column("episode_index").to_numpy()
+        sel = _select(ids, episodes, where)
+        self.episode_ids = ids[sel].astype(np.int64)
+        self.lengths = table.column("length").to_numpy()[sel].astype(np.int64)
+        if isinstance(root_or_dataset, (str, os.PathLike)):
+            self._reader: _ParquetEpisodes | _InstanceEpisodes = _ParquetEpisodes(
+                self.root, info, table, sel
+            )
+        else:
+            self._reader = _InstanceEpisodes(root_or_dataset, table, sel)
+        # episode_index is read back to prove the slice is the episode; task_index gives "task".
+        self._columns = sorted({c for _, c, _ in self._plan} | {"episode_index", "task_index"})
+        self._dtypes = {
+            name: torch.from_numpy(np.empty(0, dtype=self.features[col]["dtype"])).dtype
+            for name, col, invert in self._plan
+            if not invert
+        }
+
+    def _check_numeric(self, key: str) -> None:
+        dtype = self.features[key]["dtype"]
+        if dtype == "video":
+            raise ValueError(
+                f"feature {key!r} is stored as video; LeRobotEpisodes serves numeric features. "
+                "Pre-encode the frames to latents and store them as a numeric feature (e.g. "
+                "'latents': {'dtype': 'float16', 'shape': (48, 8, 16)}), then request that key"
+            )
+        if dtype in _NOT_NUMERIC:
+            raise ValueError(
+                f"feature {key!r} has dtype {dtype!r}; LeRobotEpisodes serves numeric features "
+                "(encode images to latents stored as a numeric feature)"
+            )
+
+    def __len__(self) -> int:
+        return len(self.episode_ids)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"episode position {i} out of range for {len(self)} episodes")
+        i = i % len(self)
+        ep, length = int(self.episode_ids[i]), int(self.lengths[i])
+        table = self._reader.read(i, length, self._columns)
+        got = table.column("episode_index").to_numpy()
+        if len(got) != length or (got != ep).any():
+            raise RuntimeError(
+                f"episode {ep}: the rows read from {self.root} belong to episodes "
+                f"{sorted(set(got.tolist()))[:5]}, not {ep}; meta/episodes and data/ disagree"
+            )
+        item: dict[str, Any] = table_to_episode(table, self._plan)
+        for name, want in self._dtypes.items():
+            if item[name].dtype != want:  # stored type differs from the declared one
+                item[name] = item[name].to(want)
+        item["episode_index"] = ep
+        item["task"] = self.tasks[int(table.column("task_index")[0].as_py())]
+        return item
+
+    def token_lengths(self, **frames_to_tokens_kwargs: Any) -> np.ndarray:
+        """Tokens per item: ``packing.plan.frames_to_tokens(self.lengths, **kwargs)``."""
+        from packing.plan import frames_to_tokens
+
+        return np.asarray(frames_to_tokens(self.lengths, **frames_to_tokens_kwargs), dtype=np.int64)
+
+
+def _tasks_from_parquet(root: Path) -> list[str]:
+    """``meta/tasks.parquet`` as a list: ``tasks[task_index]`` is the task text."""
+    pq = require("pyarrow.parquet", extra="lerobot")
+    path = root / "meta" / "tasks.parquet"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: a v3 dataset stores its task texts there")
+    table = pq.read_table(path)
+    # pandas stores the task text as its index column: "task" (or __index_level_0__).
+    text_col = next(c for c in table.column_names if c != "task_index")
+    index = table.column("task_index").to_pylist()
+    tasks = [""] * (max(index) + 1 if index else 0)
+    for text, idx in zip(
+        table.column(text_col).to_pylist(), table.column("task_index").to_pylist(), strict=True
+    ):
+        tasks[int(idx)] = str(text)
+    return tasks
