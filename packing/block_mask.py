@@ -1,0 +1,180 @@
+"""Block classification from document boundaries: which (q block, kv block) tiles may attend.
+
+FlexAttention cuts the ``(T_q, T_kv)`` mask into tiles of ``Bq x Bkv`` and wants to know, for
+every tile, whether it is *empty* (skip it), *full* (every pair attends: skip the mask_mod) or
+*partial* (evaluate the mask_mod pair by pair). ``torch``'s ``create_block_mask`` finds out by
+evaluating the mask_mod on all ``T_q x T_kv`` pairs. Here the answer comes from the document
+boundaries alone, in ``O(T + #q blocks x #kv blocks)`` tensor work with no host-device sync:
+
+* documents are contiguous runs in increasing id order, so a q tile and a kv tile share at most
+  two *boundary* documents (the largest of their first ids, ``lo``, and the smallest of their
+  last ids, ``hi``) plus documents strictly between ``lo`` and ``hi``, which lie *whole* inside
+  both tiles; whether any of those has a true pair is a prefix-sum lookup;
+* a boundary document is clipped to the tile and handed, in episode-local coordinates, to the
+  inner mask's ``block_rule(a, b, c, d) -> (any, all)`` (q rows ``a..b``, kv columns ``c..d``).
+
+Three episodes of lengths ``[5, 2, 4]`` + 1 pad, self-attention, tiles of 4 (``#`` full,
+``+`` partial, ``.`` empty; the last kv tile is partial because it holds episode 2 and the pad)::
+
+    doc_ids  0 0 0 0 | 0 1 1 2 | 2 2 2 -1        kv tile 0  1  2
+                                            q tile 0     #  +  .
+                                                   1     +  +  +
+                                                   2     .  +  +
+
+Legend: ``Q``/``K`` number of q/kv tiles; ``_T`` per token, ``_Q``/``_K``/``_QK`` per tile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["BlockRule", "DocSide", "classify_blocks", "doc_side", "local_positions"]
+
+# (a, b, c, d) -> (may any pair be true, are all pairs true), for q rows a..b and kv columns
+# c..d (inclusive, episode-local, one episode). Elementwise over broadcast int64 tensors.
+BlockRule = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+# Larger than any document id; stands for "no real token here".
+_NO_DOC = torch.iinfo(torch.int64).max
+
+
+@dataclass(frozen=True)
+class DocSide:
+    """One side (queries or keys) of the attention, described per token and per tile.
+
+    ``ffill_T``/``bfill_T`` are the document ids with padding filled from the left/right; both
+    are sorted, so ``searchsorted`` finds where any document starts and ends without a sync.
+    """
+
+    doc_T: Tensor  # int64 (T,), -1 on padding
+    ffill_T: Tensor  # int64 (T,), padding takes the id before it (-1 at the head)
+    bfill_T: Tensor  # int64 (T,), padding takes the id after it (_NO_DOC at the tail)
+    block: int
+    first_Q: Tensor  # int64 (Q,), smallest document id in the tile, _NO_DOC if none
+    last_Q: Tensor  # int64 (Q,), largest document id in the tile, -1 if none
+    all_real_Q: Tensor  # bool (Q,), every slot of the Bq-wide tile holds a real token
+    start_Q: Tensor  # int64 (Q,), first token of the tile
+    stop_Q: Tensor  # int64 (Q,), one past the last token of the tile (clipped to T)
+
+    def span(self, doc: Tensor) -> tuple[Tensor, Tensor]:
+        """``[start, stop)`` of each document in ``doc``; ``stop <= start`` when it is absent."""
+        start = torch.searchsorted(self.ffill_T, doc, side="left")
+        stop = torch.searchsorted(self.bfill_T, doc, side="right")
+        return start, stop
+
+
+def doc_side(doc_ids_T: Tensor, block: int) -> DocSide:
+    """Describe one side of the attention; ``doc_ids_T`` is int (T,) with -1 on padding."""
+    doc_T = doc_ids_T.to(torch.int64)
+    T = doc_T.shape[0]
+    real_T = doc_T >= 0
+    ffill_T = torch.where(real_T, doc_T, -1).cummax(0).values
+    no_doc = torch.full_like(doc_T, _NO_DOC)
+    bfill_T = torch.where(real_T, doc_T, no_doc).flip(0).cummin(0).values.flip(0)
+
+    n = -(-T // block)
+    # Pad to whole tiles with -1: slots past T are never real, so the last ragged tile is never
+    # full (the same convention as create_block_mask, which pads its dense mask with False).
+    tiles = torch.nn.functional.pad(doc_T, (0, n * block - T), value=-1).view(n, block)
+    real = tiles >= 0
+    start_Q = torch.arange(n, device=doc_T.device, dtype=torch.int64) * block
+    return DocSide(
+        doc_T=doc_T,
+        ffill_T=ffill_T,
+        bfill_T=bfill_T,
+        block=block,
+        first_Q=torch.where(real, tiles, _NO_DOC).amin(1),
+        last_Q=tiles.amax(1),
+        all_real_Q=real.all(1),
+        start_Q=start_Q,
+        stop_Q=(start_Q + block).clamp_max(T),
+    )
+
+
+def local_positions(doc_ids_T: Tensor) -> Tensor:
+    """int32 (T,) position of each token inside its document, 0 on padding.
+
+    ``doc_ids [0 0 1 1 1 -1]`` -> ``[0 1 0 1 2 0]``. Documents are contiguous runs, so a
+    token's document starts at the last run start at or before it (a running max).
+    """
+    doc_T = doc_ids_T.to(torch.int64)
+    t = torch.arange(doc_T.shape[0], device=doc_T.device)
+    prev = torch.nn.functional.pad(doc_T[:-1], (1, 0), value=-2)
+    run_start = torch.where(doc_T != prev, t, 0).cummax(0).values
+    return torch.where(doc_T >= 0, t - run_start, 0).to(torch.int32)
+
+
+def classify_blocks(
+    q: DocSide, kv: DocSide, rule: BlockRule, *, self_attention: bool
+) -> tuple[Tensor, Tensor]:
+    """``(any_QK, all_QK)`` bool: does the tile hold a true pair / are all its pairs true.
+
+    ``rule`` must be exact for exact tiles (a looser ``any`` only lists tiles that turn out
+    empty, a looser ``all`` only leaves full tiles partial: the attention stays exact). With
+    ``self_attention`` a padding token attends to itself (the tile on the diagonal is partial).
+    """
+    q_first, q_last = q.first_Q[:, None], q.last_Q[:, None]
+    k_first, k_last = kv.first_Q[None, :], kv.last_Q[None, :]
+    lo = torch.maximum(q_first, k_first)  # the shared documents are ids lo..hi (if lo <= hi)
+    hi = torch.minimum(q_last, k_last)
+    shared = lo <= hi
+
+    any_QK = torch.zeros_like(shared)
+    rule_all_lo = any_QK
+    spans = {}
+    for name, d in (("lo", lo), ("hi", hi)):
+        qs, qe = q.span(d)
+        ks, ke = kv.span(d)
+        spans[name] = (qs, qe)
+        # Clip the document to the tile, then shift to episode-local coordinates.
+        a = torch.maximum(qs, q.start_Q[:, None]) - qs
+        b = torch.minimum(qe, q.stop_Q[:, None]) - 1 - qs
+        c = torch.maximum(ks, kv.start_Q[None, :]) - ks
+        e = torch.minimum(ke, kv.stop_Q[None, :]) - 1 - ks
+        r_any, r_all = rule(a, b, c, e)
+        any_QK = any_QK | (shared & (a <= b) & (c <= e) & r_any)
+        if name == "lo":
+            rule_all_lo = r_all
+
+    # Documents strictly between lo and hi lie whole in both tiles: count those with a true
+    # pair through a prefix sum over their first q tokens.
+    _, qe_lo = spans["lo"]
+    qs_hi, _ = spans["hi"]
+    count_T1 = _prefix(_first_token_nonempty(q, kv, rule))
+    inner_any = (lo < hi) & (count_T1[qs_hi] > count_T1[torch.minimum(qe_lo, qs_hi)])
+    any_QK = any_QK | inner_any
+
+    one_doc_q = q.all_real_Q & (q.first_Q == q.last_Q)
+    one_doc_k = kv.all_real_Q & (kv.first_Q == kv.last_Q)
+    all_QK = one_doc_q[:, None] & one_doc_k[None, :] & (q_first == k_first) & rule_all_lo
+
+    if self_attention:
+        # A padding token attends to itself: a tile holds such a pair when the q and kv
+        # ranges overlap on a padding position.
+        pad_T1 = _prefix((q.doc_T < 0).to(torch.int64))
+        o_lo = torch.maximum(q.start_Q[:, None], kv.start_Q[None, :])
+        o_hi = torch.maximum(torch.minimum(q.stop_Q[:, None], kv.stop_Q[None, :]), o_lo)
+        any_QK = any_QK | (pad_T1[o_hi] > pad_T1[o_lo])
+        if q.block == 1 and kv.block == 1:  # a 1x1 tile with a true pair is full
+            all_QK = any_QK
+    return any_QK, all_QK & any_QK
+
+
+def _first_token_nonempty(q: DocSide, kv: DocSide, rule: BlockRule) -> Tensor:
+    """int64 (T_q,): 1 on the first q token of each document that has a true pair at all."""
+    T = q.doc_T.shape[0]
+    qs, qe = q.span(q.doc_T)
+    ks, ke = kv.span(q.doc_T)
+    first = (q.doc_T >= 0) & (qs == torch.arange(T, device=qs.device))
+    zero = torch.zeros_like(qs)
+    r_any, _ = rule(zero, qe - qs - 1, zero, ke - ks - 1)
+    return (first & (ke > ks) & r_any).to(torch.int64)
+
+
+def _prefix(x_T: Tensor) -> Tensor:
+    """(T+1,) exclusive prefix sum: ``out[j] - out[i]`` sums ``x[i:j]``."""
+    return torch.nn.functional.pad(x_T.cumsum(0), (1, 0))

@@ -1,0 +1,443 @@
+"""Document masks for packed sequences: FlexAttention mask_mods, a dense reference, a BlockMask.
+
+A pack holds K episodes back to back; ``doc_ids_T`` names the episode of each token (-1 on
+padding). A token attends only inside its own episode, and an optional *inner* mask (causal,
+frame-causal, sliding window) is applied in episode-local positions, as if the episode were
+alone. Three episodes of lengths ``[3, 2, 3]`` padded to 9, ``document_mask_mod`` with no inner
+mask (``#`` attends, ``.`` does not; the pad token attends only to itself)::
+
+    kv ->      0 0 0 1 1 2 2 2 -
+    q  0       # # # . . . . . .
+       0       # # # . . . . . .
+       0       # # # . . . . . .
+       1       . . . # # . . . .
+       1       . . . # # . . . .
+       2       . . . . . # # # .
+       2       . . . . . # # # .
+       2       . . . . . # # # .
+       -1      . . . . . . . . #
+
+Padding rule: in self-attention a padding token attends only to itself, so no row is empty and
+a dense SDPA reference gives no NaN (one diagonal tile per padding tile). In cross-attention
+(``kv_doc_ids`` given) a padding query attends to nothing (backends return 0 for it) and a
+padding key is never attended.
+
+Layout requirement: each document is one contiguous run and ids increase along the sequence
+(padding -1 may sit between documents and at the tail), which is what ``PackedCollator``
+emits. It is checked for CPU tensors; on an accelerator it is trusted, because checking would
+need a host-device sync (call :func:`validate_doc_ids` yourself if in doubt).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from packing.block_mask import BlockRule, classify_blocks, doc_side, local_positions
+
+__all__ = [
+    "InnerMask",
+    "causal",
+    "dense_mask",
+    "document_mask_mod",
+    "frame_causal",
+    "make_block_mask",
+    "sliding_window",
+    "validate_doc_ids",
+    "with_block_rule",
+]
+
+# inner(b, h, q_local, kv_local) -> bool tensor, positions inside the episode.
+InnerMask = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+# --------------------------------------------------------------------------- inner masks
+
+
+def with_block_rule(inner: InnerMask, rule: BlockRule, name: str | None = None) -> InnerMask:
+    """Attach a block rule to an inner mask so ``make_block_mask`` needs no pair evaluation.
+
+    ``rule(a, b, c, d) -> (any, all)`` answers, for q rows ``a..b`` and kv columns ``c..d`` of
+    one episode (inclusive, episode-local, elementwise over int64 tensors): may any pair be
+    true, and is every pair true. ``any`` may over-approximate and ``all`` under-approximate
+    (the attention stays exact; only sparsity is lost), but the rules shipped here are exact.
+    """
+    inner.block_rule = rule  # type: ignore[attr-defined]
+    if name is not None:
+        inner.__name__ = name
+    return inner
+
+
+def _band_rule(lo: float, hi: float) -> BlockRule:
+    """Rule for ``lo <= q - kv <= hi``: over a rectangle ``q - kv`` covers ``[a - d, b - c]``."""
+
+    def rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+        return (b - c >= lo) & (a - d <= hi), (a - d >= lo) & (b - c <= hi)
+
+    return rule
+
+
+# Cached so that the same arguments give the same object: torch.compile guards on the mask
+# function, and a fresh closure per step would look like a new function.
+@functools.cache
+def causal() -> InnerMask:
+    """``q_local >= kv_local``: each token sees its episode's past and itself."""
+
+    def causal_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return q >= kv
+
+    return with_block_rule(causal_mask, _band_rule(0, float("inf")), "causal")
+
+
+@functools.cache
+def frame_causal(tokens_per_frame: int, kv_tokens_per_frame: int | None = None) -> InnerMask:
+    """``q_local // F >= kv_local // F``: a token sees its whole frame and every earlier frame.
+
+    ``kv_tokens_per_frame`` (default ``tokens_per_frame``) lets cross-attention relate streams
+    of different frame sizes, e.g. 32 video tokens per frame querying 1 action per step.
+    With ``tokens_per_frame=2`` on one episode of 6 tokens::
+
+        # # . . . .
+        # # . . . .
+        # # # # . .
+        # # # # . .
+        # # # # # #
+        # # # # # #
+    """
+    fq = _positive_int("tokens_per_frame", tokens_per_frame)
+    fk = (
+        fq
+        if kv_tokens_per_frame is None
+        else _positive_int("kv_tokens_per_frame", kv_tokens_per_frame)
+    )
+
+    def frame_causal_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return q // fq >= kv // fk
+
+    def rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+        # Floor division is monotone: the extreme frames sit at the rectangle's corners.
+        return b // fq >= c // fk, a // fq >= d // fk
+
+    name = f"frame_causal_{fq}" if fk == fq else f"frame_causal_{fq}x{fk}"
+    return with_block_rule(frame_causal_mask, rule, name)
+
+
+@functools.cache
+def sliding_window(window: int, *, causal: bool = False) -> InnerMask:
+    """Token window inside the episode, counted in tokens of episode-local position.
+
+    ``causal=False``: ``|q_local - kv_local| <= window``, the token itself plus ``window``
+    tokens on each side (up to ``2 * window + 1`` keys). ``causal=True``:
+    ``0 <= q_local - kv_local <= window``, itself plus the ``window`` previous tokens (the
+    attention-gym sliding window). The window never crosses into another episode. ``window=1``
+    on one episode of 5 tokens, bidirectional::
+
+        # # . . .
+        # # # . .
+        . # # # .
+        . . # # #
+        . . . # #
+    """
+    w = _non_negative_int("window", window)
+
+    if causal:
+
+        def causal_sliding_window_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+            return (q >= kv) & (q - kv <= w)
+
+        return with_block_rule(
+            causal_sliding_window_mask, _band_rule(0, w), f"causal_sliding_window_{w}"
+        )
+
+    def sliding_window_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return (q - kv <= w) & (kv - q <= w)
+
+    return with_block_rule(sliding_window_mask, _band_rule(-w, w), f"sliding_window_{w}")
+
+
+# --------------------------------------------------------------------------- document mask
+
+
+def document_mask_mod(
+    doc_ids: Tensor, kv_doc_ids: Tensor | None = None, inner: InnerMask | None = None
+) -> MaskMod:
+    """FlexAttention mask_mod: ``doc_id[q] == doc_id[kv]``, then ``inner`` in episode-local terms.
+
+    ``inner(b, h, q_local, kv_local)`` sees ``q - start[doc[q]]`` and ``kv - start[doc[kv]]``
+    (precomputed per token, so the closure is pure tensor indexing and traces under vmap and
+    torch.compile). ``kv_doc_ids`` (length may differ) gives packed cross-attention: queries of
+    one stream attend to the same episode's keys of another. Padding: see the module docstring.
+    The closure is named e.g. ``document_causal`` or ``cross_document_frame_causal_32``.
+    """
+    q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
+    # int32 halves the bytes the attention kernel reads per gather.
+    q_doc_T = q_doc.to(torch.int32)
+    kv_doc_T = kv_doc.to(torch.int32)
+    q_pos_T = local_positions(q_doc)
+    kv_pos_T = q_pos_T if self_attention else local_positions(kv_doc)
+
+    if inner is None:
+
+        def same_doc(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+            return (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0)
+
+    else:
+        inner_fn = inner
+
+        def same_doc(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+            same = (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0)
+            return same & inner_fn(b, h, q_pos_T[q], kv_pos_T[kv])
+
+    if self_attention:
+
+        def document_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+            # Padding attends to itself only: no empty row, so dense SDPA gives no NaN.
+            return same_doc(b, h, q, kv) | ((q == kv) & (q_doc_T[q] < 0))
+
+        mask_mod: MaskMod = document_mask
+    else:
+        mask_mod = same_doc
+    prefix = "document" if self_attention else "cross_document"
+    mask_mod.__name__ = prefix if inner is None else f"{prefix}_{_name(inner)}"
+    return mask_mod
+
+
+def dense_mask(
+    doc_ids: Tensor, kv_doc_ids: Tensor | None = None, inner: InnerMask | None = None
+) -> Tensor:
+    """bool ``(T_q, T_kv)``: the mask ``document_mask_mod`` describes, by broadcasting it.
+
+    The reference for tests and the mask an SDPA backend passes as ``attn_mask`` (True =
+    attend). ``O(T_q x T_kv)`` memory: for checking and small packs, not for 64K tokens.
+    """
+    mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
+    T_q = doc_ids.shape[0]
+    T_kv = T_q if kv_doc_ids is None else kv_doc_ids.shape[0]
+    dev = doc_ids.device
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    q = torch.arange(T_q, device=dev)[:, None]
+    kv = torch.arange(T_kv, device=dev)[None, :]
+    return mask_mod(zero, zero, q, kv).expand(T_q, T_kv).contiguous()
+
+
+# --------------------------------------------------------------------------- block mask
+
+
+def make_block_mask(
+    doc_ids: Tensor,
+    kv_doc_ids: Tensor | None = None,
+    inner: InnerMask | None = None,
+    block_size: int | tuple[int, int] = 128,
+    *,
+    inner_fallback: Literal["evaluate", "partial", "error"] = "evaluate",
+) -> BlockMask:
+    """FlexAttention ``BlockMask`` for ``document_mask_mod(doc_ids, kv_doc_ids, inner)``.
+
+    Built from the document boundaries on the tensors' device, never from the ``T x T`` pairs:
+    ``O(T + #q tiles x #kv tiles)`` tensor work, no host-device sync, output shapes fixed by
+    ``(T_q, T_kv, block_size)`` alone (not by the number of episodes), so a compiled model sees
+    the same shapes every step. Tiles where every pair attends are listed as *full* (Flex skips
+    the mask_mod there), tiles without a true pair are not listed, the rest are *partial*; a
+    tile that spans several episodes is partial when any of them attends. The last ragged tile
+    (T not a multiple of the block) is never full, as with ``create_block_mask``.
+
+    Three episodes ``[5, 2, 4]`` + 1 pad, ``block_size=4`` (``#`` full, ``+`` partial)::
+
+        doc_ids  0 0 0 0 | 0 1 1 2 | 2 2 2 -1
+        document             causal
+          # + .                + . .
+          + + +                + + .
+          . + +                . + +
+
+    ``inner`` with a ``block_rule`` (``causal``, ``frame_causal``, ``sliding_window``, or your
+    own through :func:`with_block_rule`) is classified tile by tile without a sync. An inner
+    mask *without* a rule, e.g. ``torch``'s ``and_masks(causal(), my_mask)``, is handled as
+    ``inner_fallback`` says:
+
+    * ``"evaluate"`` (default): evaluate the full mask_mod on the pairs of the *candidate* tiles
+      only (those the documents allow). Exact tiles, but one host-device sync (to gather the
+      candidates) and ``O(#candidates x Bq x Bkv)`` work.
+    * ``"partial"``: list every candidate tile as partial. No sync, exact attention, but no
+      full tiles and no sparsity from the inner mask.
+    * ``"error"``: raise, for hot paths that must stay sync-free.
+
+    ``block_size`` is an int or ``(q_block, kv_block)``.
+    """
+    q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
+    bq, bkv = _block_sizes(block_size)
+    if inner_fallback not in ("evaluate", "partial", "error"):
+        raise ValueError(f"inner_fallback={inner_fallback!r}; use 'evaluate', 'partial' or 'error'")
+    mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
+    q_side = doc_side(q_doc, bq)
+    kv_side = q_side if self_attention and bq == bkv else doc_side(kv_doc, bkv)
+
+    rule: BlockRule | None = _document_only if inner is None else getattr(inner, "block_rule", None)
+    if rule is not None:
+        any_QK, all_QK = classify_blocks(q_side, kv_side, rule, self_attention=self_attention)
+    elif inner_fallback == "error":
+        raise ValueError(
+            f"inner mask {_name(inner)!r} has no block_rule and inner_fallback='error'; attach "
+            "one with packing.masks.with_block_rule(inner, rule) or pass "
+            "inner_fallback='evaluate' (one sync) or 'partial' (no full tiles)"
+        )
+    else:
+        any_QK, all_QK = classify_blocks(q_side, kv_side, _unknown, self_attention=self_attention)
+        if inner_fallback == "evaluate":
+            any_QK, all_QK = _evaluate_tiles(
+                mask_mod, any_QK, q_side.doc_T.shape[0], kv_side.doc_T.shape[0], bq, bkv
+            )
+
+    partial_QK = any_QK & ~all_QK
+    kv_num, kv_idx = _ordered(partial_QK)
+    full_num, full_idx = _ordered(all_QK)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(bq, bkv),
+        mask_mod=mask_mod,
+        seq_lengths=(q_doc.shape[0], kv_doc.shape[0]),
+    )
+
+
+def _document_only(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    true = torch.ones_like(a, dtype=torch.bool)
+    return true, true
+
+
+def _unknown(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """No knowledge of the inner mask: any pair may be true, none is known to be."""
+    return torch.ones_like(a, dtype=torch.bool), torch.zeros_like(a, dtype=torch.bool)
+
+
+def _evaluate_tiles(
+    mask_mod: MaskMod, candidate_QK: Tensor, T_q: int, T_kv: int, bq: int, bkv: int
+) -> tuple[Tensor, Tensor]:
+    """Evaluate ``mask_mod`` on every pair of the candidate tiles (this is the sync)."""
+    dev = candidate_QK.device
+    tiles = candidate_QK.nonzero()  # host-device sync: the number of candidates
+    any_QK = torch.zeros_like(candidate_QK)
+    all_QK = torch.zeros_like(candidate_QK)
+    rq = torch.arange(bq, device=dev)
+    rk = torch.arange(bkv, device=dev)
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    chunk = max(1, (1 << 22) // (bq * bkv))  # ~4M pairs per step bounds the memory
+    for s in range(0, tiles.shape[0], chunk):
+        i, j = tiles[s : s + chunk].unbind(1)
+        q = (i[:, None] * bq + rq)[:, :, None]  # (n, bq, 1)
+        kv = (j[:, None] * bkv + rk)[:, None, :]  # (n, 1, bkv)
+        inside = (q < T_q) & (kv < T_kv)
+        pairs = mask_mod(zero, zero, q.clamp_max(T_q - 1), kv.clamp_max(T_kv - 1)) & inside
+        any_QK[i, j] = pairs.flatten(1).any(1)
+        all_QK[i, j] = pairs.flatten(1).all(1)  # slots past T count as False: never full
+    return any_QK, all_QK
+
+
+def _ordered(dense_QK: Tensor) -> tuple[Tensor, Tensor]:
+    """Dense tile flags -> BlockMask's (num_blocks (1,1,Q), indices (1,1,Q,K)), listed first."""
+    flags = dense_QK.to(torch.int32)
+    num = flags.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(flags, dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[None, None], idx[None, None]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_doc_ids(doc_ids: Tensor, name: str = "doc_ids") -> None:
+    """Raise if ``doc_ids`` is not int (T,) of contiguous runs in increasing id order.
+
+    Reads the values, so on an accelerator it syncs; the mask builders call it for CPU tensors.
+    """
+    _check_tensor(doc_ids, name)
+    _check_values(doc_ids, name)
+
+
+def _check_tensor(t: Tensor, name: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of document ids, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(
+            f"{name} must be an integer tensor (int32 or int64) of document ids, got {t.dtype}; "
+            "use batch['doc_ids'] from PackedCollator"
+        )
+    if t.ndim != 1:
+        raise ValueError(
+            f"{name} must be 1-D (T,), one packed sequence, got shape {tuple(t.shape)}; "
+            "build one mask per pack"
+        )
+    if t.shape[0] == 0:
+        raise ValueError(f"{name} is empty; a pack needs at least one token")
+
+
+def _check_values(t: Tensor, name: str) -> None:
+    ids = t.detach().to("cpu", torch.int64)
+    if ids.min() < -1:
+        pos = int((ids < -1).nonzero()[0])
+        raise ValueError(f"{name}[{pos}] = {int(ids[pos])}; ids are >= 0, or -1 for padding")
+    real = ids >= 0
+    prev = torch.cat([ids.new_full((1,), -2), ids[:-1]])
+    run_start = (real & (ids != prev)).nonzero().flatten()  # first token of each run
+    run_ids = ids[run_start]
+    bad = (run_ids[1:] <= run_ids[:-1]).nonzero().flatten()
+    if bad.numel():
+        k = int(bad[0])
+        raise ValueError(
+            f"{name}: document {int(run_ids[k + 1])} at position {int(run_start[k + 1])} follows "
+            f"document {int(run_ids[k])}; each document must be one contiguous run and ids must "
+            "increase along the sequence (padding -1 may sit between documents); pack with "
+            "PackedCollator or renumber the documents in order"
+        )
+
+
+def _check_pair(doc_ids: Tensor, kv_doc_ids: Tensor | None) -> tuple[Tensor, Tensor, bool]:
+    _check_tensor(doc_ids, "doc_ids")
+    if kv_doc_ids is None:
+        if doc_ids.device.type == "cpu":
+            _check_values(doc_ids, "doc_ids")
+        return doc_ids, doc_ids, True
+    _check_tensor(kv_doc_ids, "kv_doc_ids")
+    if kv_doc_ids.device != doc_ids.device:
+        raise ValueError(
+            f"doc_ids is on {doc_ids.device} but kv_doc_ids on {kv_doc_ids.device}; "
+            "move both to the attention's device"
+        )
+    if doc_ids.device.type == "cpu":
+        _check_values(doc_ids, "doc_ids")
+        _check_values(kv_doc_ids, "kv_doc_ids")
+    return doc_ids, kv_doc_ids, False
+
+
+def _block_sizes(block_size: int | tuple[int, int]) -> tuple[int, int]:
+    sizes = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+    if len(sizes) != 2 or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes
+    ):
+        raise ValueError(
+            f"block_size={block_size!r}; use a positive int or a (q_block, kv_block) pair of "
+            "positive ints (FlexAttention kernels want multiples of 16, default 128)"
+        )
+    return sizes[0], sizes[1]
+
+
+def _positive_int(name: str, v: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{name}={v!r}; use a positive int (tokens)")
+    return v
+
+
+def _non_negative_int(name: str, v: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{name}={v!r}; use an int >= 0 (tokens on each side)")
+    return v
+
+
+def _name(inner: InnerMask | None) -> str:
+    return getattr(inner, "__name__", type(inner).__name__)
