@@ -150,6 +150,13 @@ def _stream_key(stream: str | int) -> int:
     return int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
 
 
+def _mix64(seed: int, step: int, episode_index: int, stream: str | int) -> int:
+    h = _splitmix64(int(seed) & _M64)
+    h = _splitmix64(h ^ (int(step) & _M64))
+    h = _splitmix64(h ^ (int(episode_index) & _M64))
+    return _splitmix64(h ^ _stream_key(stream))
+
+
 def episode_seed(seed: int, step: int, episode_index: int, stream: str | int = "") -> int:
     """A 63-bit seed for one episode's draws, a stable mix of its four keys.
 
@@ -159,11 +166,7 @@ def episode_seed(seed: int, step: int, episode_index: int, stream: str | int = "
     noise of "action" for the same episode. The top bit is dropped so the result is a
     non-negative int64, valid for ``torch.Generator.manual_seed`` and for int64 tensors.
     """
-    h = _splitmix64(int(seed) & _M64)
-    h = _splitmix64(h ^ (int(step) & _M64))
-    h = _splitmix64(h ^ (int(episode_index) & _M64))
-    h = _splitmix64(h ^ _stream_key(stream))
-    return h >> 1
+    return _mix64(seed, step, episode_index, stream) >> 1
 
 
 def _indices(episode_index_K: Sequence[int] | torch.Tensor, what: str) -> list[int]:
@@ -179,7 +182,11 @@ def _indices(episode_index_K: Sequence[int] | torch.Tensor, what: str) -> list[i
 
 
 def _uniform(h: int) -> float:
-    """The top 53 bits of a 64-bit integer as a float in the open interval (0, 1)."""
+    """The top 53 bits of a 64-bit integer as a float in the open interval (0, 1).
+
+    ``h`` must be a full 64-bit mix (``_mix64``), not a 63-bit ``episode_seed``, whose top
+    bit is always 0 (it would only reach (0, 0.5)).
+    """
     return ((h >> 11) + 0.5) * 2.0**-53
 
 
@@ -218,7 +225,7 @@ def episode_timesteps(
         raise ValueError(f"std={std} must be > 0")
     ts: list[float] = []
     for e in _indices(episode_index_K, "episode_timesteps"):
-        h = episode_seed(seed, step, e, stream)
+        h = _mix64(seed, step, e, stream)
         if distribution == "uniform":
             t = _uniform(h)
         else:
@@ -248,7 +255,7 @@ def cfg_dropout_mask(
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"cfg dropout p={p} must be in [0, 1]")
     drop = [
-        _uniform(episode_seed(seed, step, e, stream)) < p
+        _uniform(_mix64(seed, step, e, stream)) < p
         for e in _indices(episode_index_K, "cfg_dropout_mask")
     ]
     return torch.tensor(drop, dtype=torch.bool).to(device)
@@ -315,7 +322,15 @@ def packed_noise(
             dtype = data.dtype if data.is_floating_point() else torch.float32
         device = data.device if device is None else device
         if episode_index_K is None:
-            episode_index_K = batch["episode_index"]
+            if batch.extras.get("_kinds", {}).get("episode_index") == "absent" and layout.num_docs:
+                raise ValueError(
+                    "packed_noise: the episodes carry no 'episode_index', so the collator "
+                    "numbered them by position in the pack and their noise would change with "
+                    "packing; give each episode dict its dataset 'episode_index' (or pass "
+                    "episode_index_K=)"
+                )
+            # With max_docs the per-episode tensor is padded with -1 past the K real docs.
+            episode_index_K = _indices(batch["episode_index"], "packed_noise")[: layout.num_docs]
     else:
         layout = batch_or_layout
         if step_shape is None or episode_index_K is None:
