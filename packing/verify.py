@@ -1,0 +1,785 @@
+"""`packing verify`: train the same episodes packed and unpacked and prove nothing changed.
+
+Two copies of one model (``deepcopy`` of the same initial weights) take ``steps`` AdamW steps
+on the same episodes::
+
+    unpacked   one episode per micro-step, gradient accumulation     (the baseline)
+               step s:  [e0] [e1] [e2] [e3] [e4]  -> optimizer.step()
+    packed     K episodes per micro-step, planned under a token budget
+               step s:  [e0 e3 e4 ....] [e1 e2 ..]  -> optimizer.step()
+
+Both reduce the model's per-token losses with the same `packing.losses.LossNormalizer`
+(global denominator over the micro-steps of a step), and both give the model the same
+``batch.extras["seed"]`` / ``["step"]``, so per-episode noise and timesteps are identical.
+After every step the harness compares, with ``rel(a, b) = max|a - b| / max|b|`` (b = unpacked):
+
+- the step's loss;
+- every parameter's gradient (relative difference, and cosine similarity);
+- after the last step, every parameter.
+
+A leak check (`packing.leak.find_leaks`) on the first pack proves no episode sees another.
+The run passes only if every number is within `Tolerances.for_dtype` (fp32: loss 1e-6,
+gradients 1e-5, parameters 1e-5; bf16/fp16: loss 5e-3, gradient cosine >= 0.999).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from packing.layout import PackedBatch
+from packing.leak import LeakReport, find_leaks
+
+__all__ = [
+    "GradDiff",
+    "StepRecord",
+    "Tolerances",
+    "VerifyConfig",
+    "VerifyReport",
+    "compare_packed_unpacked",
+    "cosine_similarity",
+    "default_token_budget",
+    "relative_difference",
+    "run_verify",
+]
+
+Episode = Mapping[str, Any]
+Collate = Callable[[Sequence[Episode]], PackedBatch]
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+# -- metrics -----------------------------------------------------------------------------------
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b| / max|b|`` in float64; 0 when both are all zero, inf when only b is.
+
+    ``b`` is the reference (the unpacked run). One scale for the whole tensor, so a tiny
+    element of ``b`` does not blow the ratio up the way an elementwise relative error would.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    a64, b64 = a.detach().double(), b.detach().double()
+    num = float((a64 - b64).abs().max()) if a.numel() else 0.0
+    den = float(b64.abs().max()) if b.numel() else 0.0
+    if math.isnan(num):
+        return math.inf
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine of the flattened tensors in float64; 1 when both are zero, 0 when one is."""
+    a64, b64 = a.detach().double().flatten(), b.detach().double().flatten()
+    na, nb = float(a64.norm()), float(b64.norm())
+    if na == 0.0 and nb == 0.0:
+        return 1.0
+    if na == 0.0 or nb == 0.0 or math.isnan(na) or math.isnan(nb):
+        return 0.0
+    return float(a64 @ b64) / (na * nb)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tolerances:
+    """Pass limits. ``None`` means the quantity is reported but not gated.
+
+    fp32 is exact up to summation order, so everything is gated by relative difference. In
+    bf16 a single rounding flip moves a small gradient element by its own size, so gradients
+    are gated by direction (cosine) and parameters after AdamW (which normalises each
+    element's step to about ``lr``, whatever the gradient's size) are only reported.
+    """
+
+    loss_rel: float
+    grad_rel: float | None = None
+    grad_cos: float | None = None
+    param_rel: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.grad_rel is None and self.grad_cos is None:
+            raise ValueError("gate gradients by grad_rel or grad_cos (or both)")
+
+    @classmethod
+    def for_dtype(cls, dtype: torch.dtype) -> Tolerances:
+        if dtype == torch.float32:
+            return cls(loss_rel=1e-6, grad_rel=1e-5, param_rel=1e-5)
+        if dtype in (torch.bfloat16, torch.float16):
+            return cls(loss_rel=5e-3, grad_cos=0.999)
+        raise ValueError(f"no tolerances for dtype {dtype}; use float32 or bfloat16")
+
+
+# -- records -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    step: int
+    loss_unpacked: float
+    loss_packed: float
+    loss_rel: float
+    micro_steps_unpacked: int
+    micro_steps_packed: int
+    seconds_unpacked: float
+    seconds_packed: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradDiff:
+    """The worst, over steps, of one parameter's gradient difference."""
+
+    name: str
+    shape: tuple[int, ...]
+    rel: float
+    cos: float
+    max_abs: float
+    step: int
+
+
+@dataclass(kw_only=True)
+class VerifyReport:
+    """Everything `packing verify` measured; ``passed`` is the exit status."""
+
+    config: dict[str, Any]
+    tolerances: Tolerances
+    steps: list[StepRecord]
+    grads: list[GradDiff]  # every parameter, worst first
+    param_rel: float
+    param_worst: str
+    episodes: int
+    tokens: int  # real tokens of one step (primary stream)
+    padded_tokens_unpacked: int
+    padded_tokens_packed: int
+    packs: int
+    pack_sizes: list[int]
+    leak: LeakReport | None
+    failures: list[str] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def loss_rel(self) -> float:
+        """The definition applied to the vector of per-step losses."""
+        a = torch.tensor([s.loss_packed for s in self.steps], dtype=torch.float64)
+        b = torch.tensor([s.loss_unpacked for s in self.steps], dtype=torch.float64)
+        return relative_difference(a, b)
+
+    @property
+    def efficiency_packed(self) -> float:
+        return self.tokens / max(self.padded_tokens_packed, 1)
+
+    @property
+    def efficiency_unpacked(self) -> float:
+        return self.tokens / max(self.padded_tokens_unpacked, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "failures": self.failures,
+            "config": self.config,
+            "tolerances": asdict(self.tolerances),
+            "loss_rel": self.loss_rel,
+            "grad_rel_max": max((g.rel for g in self.grads), default=0.0),
+            "grad_cos_min": min((g.cos for g in self.grads), default=1.0),
+            "param_rel": self.param_rel,
+            "param_worst": self.param_worst,
+            "steps": [asdict(s) for s in self.steps],
+            "grads": [asdict(g) for g in self.grads],
+            "episodes": self.episodes,
+            "tokens": self.tokens,
+            "padded_tokens_unpacked": self.padded_tokens_unpacked,
+            "padded_tokens_packed": self.padded_tokens_packed,
+            "efficiency_unpacked": self.efficiency_unpacked,
+            "efficiency_packed": self.efficiency_packed,
+            "packs": self.packs,
+            "pack_sizes": self.pack_sizes,
+            "leak": None if self.leak is None else self.leak.to_dict(),
+            "environment": self.environment,
+        }
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, default=_json_default)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    def format(self, worst: int = 5) -> str:
+        """The printed report: per-step table, worst gradients, summary, PASS/FAIL."""
+        tol = self.tolerances
+        out: list[str] = []
+        cfg = self.config
+        out.append(
+            f"packing verify: {self.episodes} episodes, {len(self.steps)} AdamW steps, "
+            f"{cfg.get('dtype')} on {cfg.get('device')}, reduction={cfg.get('reduction')}, "
+            f"mask={cfg.get('mask')}{'' if cfg.get('document_mask', True) else ' (NO document mask)'}"
+        )
+        out.append(f"model: {cfg.get('model')}   data: {cfg.get('dataset')}")
+        out.append("")
+        out.append(
+            "| step | loss unpacked | loss packed | rel diff | micro-steps u/p | s/step u | s/step p |"
+        )
+        out.append("|---:|---:|---:|---:|---:|---:|---:|")
+        for s in self.steps:
+            out.append(
+                f"| {s.step} | {s.loss_unpacked:.9g} | {s.loss_packed:.9g} | {s.loss_rel:.2e} | "
+                f"{s.micro_steps_unpacked}/{s.micro_steps_packed} | {s.seconds_unpacked:.3f} | "
+                f"{s.seconds_packed:.3f} |"
+            )
+        out.append("")
+        out.append(f"worst {min(worst, len(self.grads))} of {len(self.grads)} parameter gradients:")
+        out.append("| parameter | shape | rel diff | cosine | max abs diff | step |")
+        out.append("|---|---|---:|---:|---:|---:|")
+        for g in self.grads[:worst]:
+            out.append(
+                f"| {g.name} | {tuple(g.shape)} | {g.rel:.2e} | {g.cos:.7f} | {g.max_abs:.2e} | "
+                f"{g.step} |"
+            )
+        out.append("")
+
+        def gate(value: float, limit: float | None, le: bool = True) -> str:
+            if limit is None:
+                return f"{value:.2e} (reported, not gated)"
+            ok = value <= limit if le else value >= limit
+            return f"{value:.2e} {'<=' if le else '>='} {limit:g}  {'ok' if ok else 'FAIL'}"
+
+        rel = max((g.rel for g in self.grads), default=0.0)
+        cos = min((g.cos for g in self.grads), default=1.0)
+        su = statistics.median(s.seconds_unpacked for s in self.steps) if self.steps else 0.0
+        sp = statistics.median(s.seconds_packed for s in self.steps) if self.steps else 0.0
+        out.append("summary:")
+        out.append(f"  max rel loss diff        {gate(self.loss_rel, tol.loss_rel)}")
+        out.append(f"  max rel gradient diff    {gate(rel, tol.grad_rel)}")
+        cos_line = (
+            f"{cos:.7f} >= {tol.grad_cos:g}  {'ok' if cos >= tol.grad_cos else 'FAIL'}"
+            if tol.grad_cos is not None
+            else f"{cos:.7f} (reported, not gated)"
+        )
+        out.append(f"  min gradient cosine      {cos_line}")
+        out.append(
+            f"  rel param diff after {len(self.steps)}  {gate(self.param_rel, tol.param_rel)}"
+            f"  (worst: {self.param_worst})"
+        )
+        out.append(
+            f"  tokens per step          {self.tokens:,} real; padded {self.padded_tokens_unpacked:,}"
+            f" unpacked ({self.efficiency_unpacked:.1%}) vs {self.padded_tokens_packed:,} packed"
+            f" ({self.efficiency_packed:.1%})"
+        )
+        out.append(
+            f"  micro-steps per step     {self.episodes} unpacked vs {self.packs} packed "
+            f"(episodes per pack {self.pack_sizes})"
+        )
+        out.append(
+            f"  median time per step     {su:.3f} s unpacked vs {sp:.3f} s packed "
+            f"(first step includes warm-up)"
+        )
+        if self.leak is not None:
+            out.append("  " + self.leak.summary().replace("\n", "\n  "))
+        out.append("")
+        if self.passed:
+            out.append("PASS: packed training matches unpacked within tolerance")
+        else:
+            out.append("FAIL: " + "; ".join(self.failures))
+        return "\n".join(out)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, torch.dtype):
+        return str(o).removeprefix("torch.")
+    if isinstance(o, Path):
+        return str(o)
+    return repr(o)
+
+
+# -- the harness ---------------------------------------------------------------------------------
+def _with_step(batch: PackedBatch, seed: int, step: int, device: torch.device) -> PackedBatch:
+    # Per-episode noise keys are read on the host (episode_index stays a CPU tensor in the
+    # model's RNG calls); move the data, then attach the keys both runs share.
+    moved = batch.to(device)
+    return replace(moved, extras={**moved.extras, "seed": seed, "step": step})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loss_streams(model: nn.Module, batch: PackedBatch) -> list[str]:
+    return [s for s in batch.layouts]
+
+
+def _loss_mask(model: nn.Module, batch: PackedBatch, stream: str) -> torch.Tensor | None:
+    fn = getattr(model, "loss_mask", None)
+    return None if fn is None else fn(batch, stream)
+
+
+def _train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: Sequence[PackedBatch],
+    *,
+    reduction: str,
+    autocast: torch.dtype | None,
+    device: torch.device,
+    normalise: str = "global",
+) -> tuple[float, float]:
+    """One optimizer step's forward/backward over ``batches``; returns (loss, seconds).
+
+    The gradients are left in ``.grad`` for comparison; the caller steps the optimizer.
+    ``normalise="global"`` is the library's exact reduction; ``"per-micro-step"`` is the
+    common mistake (each micro-step's own mean, then averaged), kept to prove it is caught.
+    """
+    from packing.losses import LossNormalizer
+
+    _sync(device)
+    t0 = time.perf_counter()
+    streams = list(batches[0].layouts)
+    norms = {}
+    for s in streams:
+        masks = [_loss_mask(model, b, s) for b in batches]
+        norms[s] = LossNormalizer.for_step([b.layout(s) for b in batches], reduction, masks)  # type: ignore[arg-type]
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for b in batches:
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            out = model(b)
+        if not isinstance(out, Mapping) or not out:
+            raise TypeError(
+                f"{type(model).__name__}.forward(batch) must return a dict {{stream: per-token "
+                f"loss (T,)}}, got {type(out).__name__}; see docs/verify.md (model protocol)"
+            )
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        for k, v in out.items():
+            if k not in norms:
+                raise KeyError(
+                    f"model returned a loss for {k!r}, which is not a stream of the batch "
+                    f"(streams: {streams}); key per-token losses by stream name"
+                )
+            lay = b.layout(k)
+            if v.shape[0] != lay.padded_len:
+                raise ValueError(
+                    f"model's loss for {k!r} has {v.shape[0]} rows, the stream has "
+                    f"{lay.padded_len} tokens; return the per-token loss at token level"
+                )
+            mask = _loss_mask(model, b, k)
+            if normalise == "global":
+                loss = loss + norms[k](v, lay, mask)
+            else:  # the mistake: this pack's own mean, then an average over micro-steps
+                from packing.losses import reduce_loss
+
+                loss = loss + reduce_loss(v, lay, reduction, mask) / len(batches)  # type: ignore[arg-type]
+        loss.backward()
+        total += loss.detach().double()
+    _sync(device)
+    return float(total), time.perf_counter() - t0
+
+
+def compare_packed_unpacked(
+    model: nn.Module,
+    episodes: Sequence[Episode],
+    *,
+    collate_unpacked: Collate,
+    collate_packed: Collate,
+    packs: Sequence[Sequence[int]],
+    steps: int = 3,
+    reduction: str = "episode",
+    seed: int = 0,
+    lr: float = 1e-3,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    compile: bool = False,
+    tolerances: Tolerances | None = None,
+    leak_check: bool = True,
+    normalise: str = "global",
+    config: Mapping[str, Any] | None = None,
+) -> VerifyReport:
+    """The core of `packing verify` on any packed model and any list of episodes.
+
+    ``collate_unpacked([ep])`` makes the one-episode batches of the baseline,
+    ``collate_packed([eps...])`` the packs; ``packs`` lists the episode positions of each pack
+    (every episode exactly once). ``model`` is deep-copied for the packed run, so both start
+    from the same weights. ``dtype`` float32 runs the model as is; bf16/fp16 run it under
+    ``torch.autocast`` with fp32 weights (the usual mixed-precision training set-up).
+    """
+    dev = torch.device(device)
+    tol = tolerances or Tolerances.for_dtype(dtype)
+    flat = sorted(i for p in packs for i in p)
+    if flat != list(range(len(episodes))):
+        raise ValueError(
+            f"packs must hold every episode position 0..{len(episodes) - 1} exactly once, got "
+            f"{[list(p) for p in packs]}"
+        )
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
+    autocast = None if dtype == torch.float32 else dtype
+
+    # Collate once; the data are the same every step, only extras["step"] (the noise) changes.
+    singles = [collate_unpacked([ep]) for ep in episodes]
+    packed = [collate_packed([episodes[i] for i in p]) for p in packs]
+
+    model_u = model.to(dev)
+    model_p = copy.deepcopy(model_u)
+    model_u.train()
+    model_p.train()
+    run_u: nn.Module = torch.compile(model_u, dynamic=True) if compile else model_u  # type: ignore[assignment]
+    run_p: nn.Module = torch.compile(model_p, dynamic=False) if compile else model_p  # type: ignore[assignment]
+    opt_u = torch.optim.AdamW(model_u.parameters(), lr=lr)
+    opt_p = torch.optim.AdamW(model_p.parameters(), lr=lr)
+    params_u = dict(model_u.named_parameters())
+    params_p = dict(model_p.named_parameters())
+
+    records: list[StepRecord] = []
+    worst: dict[str, GradDiff] = {}
+    failures: list[str] = []
+    for s in range(steps):
+        bu = [_with_step(b, seed, s, dev) for b in singles]
+        bp = [_with_step(b, seed, s, dev) for b in packed]
+        # Same global RNG state for both halves: anything that does not depend on packing
+        # draws the same numbers, so a difference can only come from packing.
+        torch.manual_seed(seed * 1_000_003 + s)
+        loss_u, sec_u = _train_step(
+            run_u, opt_u, bu, reduction=reduction, autocast=autocast, device=dev
+        )
+        torch.manual_seed(seed * 1_000_003 + s)
+        loss_p, sec_p = _train_step(
+            run_p, opt_p, bp, reduction=reduction, autocast=autocast, device=dev,
+            normalise=normalise,
+        )  # fmt: skip
+        b_loss = torch.tensor([loss_u], dtype=torch.float64)
+        records.append(
+            StepRecord(
+                step=s,
+                loss_unpacked=loss_u,
+                loss_packed=loss_p,
+                loss_rel=relative_difference(torch.tensor([loss_p], dtype=torch.float64), b_loss),
+                micro_steps_unpacked=len(bu),
+                micro_steps_packed=len(bp),
+                seconds_unpacked=sec_u,
+                seconds_packed=sec_p,
+            )
+        )
+        for name, pu in params_u.items():
+            gu, gp = pu.grad, params_p[name].grad
+            if gu is None and gp is None:
+                continue
+            if gu is None or gp is None:
+                failures.append(
+                    f"parameter {name} has a gradient only in the "
+                    f"{'packed' if gu is None else 'unpacked'} run (step {s})"
+                )
+                continue
+            d = GradDiff(
+                name=name,
+                shape=tuple(gu.shape),
+                rel=relative_difference(gp, gu),
+                cos=cosine_similarity(gp, gu),
+                max_abs=float((gp.double() - gu.double()).abs().max()) if gu.numel() else 0.0,
+                step=s,
+            )
+            prev = worst.get(name)
+            if prev is None or _badness(d, tol) > _badness(prev, tol):
+                worst[name] = d
+        opt_u.step()
+        opt_p.step()
+        opt_u.zero_grad(set_to_none=True)
+        opt_p.zero_grad(set_to_none=True)
+
+    grads = sorted(worst.values(), key=lambda g: _badness(g, tol), reverse=True)
+    param_rel, param_worst = 0.0, ""
+    for name, pu in params_u.items():
+        r = relative_difference(params_p[name].detach(), pu.detach())
+        if r > param_rel or not param_worst:
+            param_rel, param_worst = r, name
+
+    leak = None
+    if leak_check:
+        multi = [b for b in packed if b.num_docs >= 2]
+        if not multi:
+            failures.append("leak check impossible: no pack holds >= 2 episodes; lower the budget")
+        else:
+            model_p.eval()
+            leak = _leak_check(model_p, _with_step(multi[0], seed, 0, dev), autocast, dev)
+
+    loss_rel = relative_difference(
+        torch.tensor([r.loss_packed for r in records], dtype=torch.float64),
+        torch.tensor([r.loss_unpacked for r in records], dtype=torch.float64),
+    )
+    if not loss_rel <= tol.loss_rel:
+        failures.append(f"loss differs: rel {loss_rel:.2e} > {tol.loss_rel:g}")
+    if tol.grad_rel is not None:
+        bad = [g for g in grads if not g.rel <= tol.grad_rel]
+        if bad:
+            failures.append(
+                f"{len(bad)} gradients differ: worst {bad[0].name} rel {bad[0].rel:.2e} > "
+                f"{tol.grad_rel:g}"
+            )
+    if tol.grad_cos is not None:
+        bad = [g for g in grads if not g.cos >= tol.grad_cos]
+        if bad:
+            worst_cos = min(bad, key=lambda g: g.cos)
+            failures.append(
+                f"{len(bad)} gradients point elsewhere: worst {worst_cos.name} cosine "
+                f"{worst_cos.cos:.6f} < {tol.grad_cos:g}"
+            )
+    if tol.param_rel is not None and not param_rel <= tol.param_rel:
+        failures.append(
+            f"parameters after {steps} steps differ: {param_worst} rel {param_rel:.2e} > "
+            f"{tol.param_rel:g}"
+        )
+    if leak is not None and not leak.ok:
+        failures.append(f"episodes leak into each other: pairs (i <- j) {leak.pairs[:6]}")
+
+    primary = singles[0].primary
+    return VerifyReport(
+        config=dict(config or {}),
+        tolerances=tol,
+        steps=records,
+        grads=grads,
+        param_rel=param_rel,
+        param_worst=param_worst,
+        episodes=len(episodes),
+        tokens=sum(b.layout(primary).num_tokens for b in singles),
+        padded_tokens_unpacked=sum(b.layout(primary).padded_len for b in singles),
+        padded_tokens_packed=sum(b.layout(primary).padded_len for b in packed),
+        packs=len(packed),
+        pack_sizes=[len(p) for p in packs],
+        leak=leak,
+        failures=failures,
+        environment=_environment(dev),
+    )
+
+
+def _badness(g: GradDiff, tol: Tolerances) -> float:
+    """How close to (or past) its limit a gradient is; ranks the 'worst five'."""
+    if tol.grad_rel is not None:
+        return g.rel / tol.grad_rel
+    assert tol.grad_cos is not None
+    return (1.0 - g.cos) / max(1.0 - tol.grad_cos, 1e-12)
+
+
+def _leak_check(
+    model: nn.Module, batch: PackedBatch, autocast: torch.dtype | None, dev: torch.device
+) -> LeakReport:
+    """Leak check of one pack: the model's ``predict`` if it has one, else its losses."""
+    fn = getattr(model, "predict", None) or model
+
+    def outputs(b: PackedBatch) -> Mapping[str, torch.Tensor]:
+        with torch.autocast(dev.type, dtype=autocast, enabled=autocast is not None):
+            return fn(b)
+
+    # Half precision reorders sums by tile on GPU: exactness is an fp32-on-CPU promise.
+    atol = 0.0 if autocast is None and dev.type == "cpu" else 1e-3
+    return find_leaks(outputs, batch, atol=atol)
+
+
+def _environment(dev: torch.device) -> dict[str, str]:
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": str(torch.get_num_threads()),
+        "device": str(dev),
+    }
+    if dev.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(dev)
+    return env
+
+
+# -- the command ---------------------------------------------------------------------------------
+DEFAULT_MODEL = "packing.model:tiny_reference_model"
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyConfig:
+    """The options of ``packing verify`` (``packing verify --help`` says the same)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    compile: bool = False
+    steps: int = 3
+    episodes: int | None = None  # None: every episode of the dataset
+    token_budget: int | None = None  # None: about a third of the step's tokens, >= the longest
+    mask: str = "document"
+    document_mask: bool = True
+    reduction: str = "episode"
+    dataset: str | None = None  # None: the embedded default dataset
+    model: str | None = None  # "module:factory"; None: the tiny reference model
+    seed: int = 0
+    lr: float = 1e-3
+    leak_check: bool = True
+    loss_normaliser: str = "global"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; choose one of {sorted(_DTYPES)}")
+        if self.mask not in ("document", "frame-causal"):
+            raise ValueError(f"mask={self.mask!r}; choose 'document' or 'frame-causal'")
+        if self.reduction not in ("token", "frame", "episode"):
+            raise ValueError(f"reduction={self.reduction!r}; choose token, frame or episode")
+        if self.loss_normaliser not in ("global", "per-micro-step"):
+            raise ValueError(
+                f"loss_normaliser={self.loss_normaliser!r}; choose 'global' or 'per-micro-step'"
+            )
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps} must be >= 1")
+        if self.episodes is not None and self.episodes < 2:
+            raise ValueError(f"episodes={self.episodes}: packing needs at least 2 episodes")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"token_budget={self.token_budget} must be >= 1")
+        if self.model is not None and self.model.count(":") != 1:
+            raise ValueError(
+                f"model={self.model!r}: expected 'module:factory', e.g. 'my_models:build' for a "
+                "function build() in my_models.py on the Python path"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+def load_factory(spec: str) -> Callable[..., nn.Module]:
+    """``"module:factory"`` -> the factory callable, with an error that names what is missing."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(
+            f"--model {spec}: cannot import module {module_name!r} ({e}); put its directory on "
+            "PYTHONPATH or install it"
+        ) from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise AttributeError(
+            f"--model {spec}: module {module_name!r} has no callable {attr!r}; expected a "
+            "function that returns the packed model (see docs/verify.md)"
+        )
+    return factory  # type: ignore[no-any-return]
+
+
+def build_model(config: VerifyConfig) -> nn.Module:
+    """Call the factory with the options it must honour; refuse options it cannot take.
+
+    ``mask`` and ``document_mask`` are passed only when they differ from the default, so a
+    user's ``factory()`` without parameters works for the plain run, and asking it for
+    ``--mask frame-causal`` is an error rather than a silently ignored flag.
+    """
+    import inspect
+
+    spec = config.model or DEFAULT_MODEL
+    factory = load_factory(spec)
+    kwargs: dict[str, Any] = {}
+    if config.mask != "document":
+        kwargs["mask"] = config.mask
+    if not config.document_mask:
+        kwargs["document_mask"] = False
+    params = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    missing = [k for k in kwargs if k not in params and not takes_any]
+    if missing:
+        flags = {"mask": f"--mask {config.mask}", "document_mask": "--no-document-mask"}
+        raise TypeError(
+            f"--model {spec}: the factory takes no {missing} parameter, so "
+            f"{', '.join(flags[k] for k in missing)} cannot be applied; add the parameter to the "
+            "factory or drop the flag"
+        )
+    model = factory(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"--model {spec} returned {type(model).__name__}, expected nn.Module")
+    streams = getattr(model, "streams", None)
+    if not streams:
+        raise AttributeError(
+            f"--model {spec}: the model has no `streams` attribute; declare the streams it "
+            "reads, primary first, e.g. streams = [Stream('latents', grid=(4, 8)), "
+            "Stream('action')] (see docs/verify.md)"
+        )
+    return model
+
+
+def default_token_budget(lengths: Sequence[int], multiple: int = 128) -> int:
+    """About a third of one step's tokens (so ~3 packs of several episodes), never below the
+    longest episode, rounded up to ``multiple``::
+
+        lengths [160, 64, 288, 96]  (608 tokens) -> max(203, 288) -> 384
+    """
+    want = max(-(-sum(lengths) // 3), max(lengths))
+    return -(-want // multiple) * multiple
+
+
+def load_episodes(config: VerifyConfig, keys: Sequence[str]) -> tuple[list[dict[str, Any]], str]:
+    """The first ``config.episodes`` episodes through `LeRobotEpisodes` (the user's path)."""
+    from packing.lerobot import LeRobotEpisodes
+
+    if config.dataset is None:
+        from packing.default_dataset import default_dataset_root
+
+        root: str | Path = default_dataset_root()
+        where = "embedded default dataset"
+    else:
+        root = config.dataset
+        where = str(root)
+    ds = LeRobotEpisodes(root, keys=list(keys))
+    n = len(ds) if config.episodes is None else config.episodes
+    if n > len(ds):
+        raise ValueError(f"--episodes {n} > {len(ds)} episodes in {where}")
+    return [ds[i] for i in range(n)], where
+
+
+def run_verify(config: VerifyConfig) -> VerifyReport:
+    """``packing verify``: load data and model, plan packs, compare, check leaks."""
+    from packing.collate import PackedCollator, Stream
+    from packing.plan import plan_packs
+
+    torch.manual_seed(config.seed)
+    model = build_model(config)
+    streams: list[Stream] = list(model.streams)  # type: ignore[arg-type]
+    episodes, where = load_episodes(config, [s.name for s in streams])
+
+    unpacked = PackedCollator(streams)
+    lengths = [unpacked([ep]).layout(streams[0].name).num_tokens for ep in episodes]
+    budget = config.token_budget or default_token_budget(lengths)
+    if max(lengths) > budget:
+        worst = max(range(len(lengths)), key=lambda i: lengths[i])
+        raise ValueError(
+            f"episode {episodes[worst].get('episode_index', worst)} has {lengths[worst]:,} "
+            f"tokens > --token-budget {budget:,}; raise the budget"
+        )
+    packs = [list(map(int, p)) for p in plan_packs(lengths, budget)]
+    packed = PackedCollator(streams, token_budget=budget)
+    info = {
+        **asdict(config),
+        "model": config.model or DEFAULT_MODEL,
+        "dataset": where,
+        "token_budget": budget,
+    }
+    return compare_packed_unpacked(
+        model,
+        episodes,
+        collate_unpacked=unpacked,
+        collate_packed=packed,
+        packs=packs,
+        steps=config.steps,
+        reduction=config.reduction,
+        seed=config.seed,
+        lr=config.lr,
+        device=config.device,
+        dtype=config.torch_dtype,
+        compile=config.compile,
+        leak_check=config.leak_check,
+        normalise=config.loss_normaliser,
+        config=info,
+    )
