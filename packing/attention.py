@@ -1,0 +1,375 @@
+"""One attention call for packed batches: build the mask once per step, share it across layers.
+
+Packed ``q``/``k``/``v`` are ``(T, H, D)`` (tokens first, "THD"). Two episodes of 3 and 2 tokens,
+padded to 6, self-attention with the document mask (``#`` attends, ``.`` does not)::
+
+    doc_ids  0 0 0 1 1 -1         k: 0 0 0 1 1 p
+                               q 0   # # # . . .
+                                 0   # # # . . .
+                                 0   # # # . . .
+                                 1   . . . # # .
+                                 1   . . . # # .
+                                 p   . . . . . #     a pad row attends to itself: no empty row
+
+In cross-attention (``kv_layout`` differs, e.g. video tokens -> the episode's text tokens) a
+pad query attends to nothing and every backend returns exactly ``0`` for it.
+
+Usage, once per training step, then in every layer::
+
+    mask = prepare_attention(batch.layout(), inner=causal(), backend="auto", device="cuda")
+    out_THD = attention(q_THD, k_THD, v_THD, mask)      # mask.backend says what auto chose
+
+Backends (``docs/attention.md`` has the measured speeds and CPU agreement):
+
+============  =====================================================================  ==========
+``sdpa``      dense ``(T_q, T_kv)`` bool mask from the same mask_mod, SDPA math.       any device
+              The reference: exact, with backward, O(T^2) memory.
+``flex``      FlexAttention with our block mask, compiled once (Triton on CUDA).       CUDA (CPU:
+                                                                                       fwd only)
+``flex_flash`` the same, ``kernel_options={"BACKEND": "FLASH"}`` (flash-attn-4 CuTe).   CUDA + FA4
+``varlen``    ``cu_seqlens`` kernel: FA4's ``flash_attn_varlen_func`` if installed,     CUDA,
+              else ``torch.nn.attention.varlen.varlen_attn``. Document-only masks.     bf16/fp16
+============  =====================================================================  ==========
+
+``backend="auto"`` picks: CPU -> ``sdpa``; CUDA + document-only + FA4 + half precision ->
+``varlen`` (FA4); CUDA otherwise -> ``flex_flash`` when FA4 is installed and the dtype is half
+precision, else ``flex``. Impossible requests raise ``ValueError`` naming the fix; nothing falls
+back silently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from packing import masks
+from packing.layout import StreamLayout
+from packing.masks import InnerMask
+
+__all__ = [
+    "AttentionMask",
+    "Backend",
+    "attention",
+    "fa4_available",
+    "prepare_attention",
+]
+
+Backend = Literal["auto", "sdpa", "flex", "flex_flash", "varlen"]
+_BACKENDS = ("auto", "sdpa", "flex", "flex_flash", "varlen")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@cache
+def fa4_available() -> bool:
+    """True when flash-attn-4's CuTe interface (``flash_attn.cute.interface``) imports."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        importlib.import_module("flash_attn.cute.interface")
+    except Exception:  # a broken or CPU-only install is "not available", said by the caller
+        return False
+    return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionMask:
+    """What one backend needs to run the packed attention of a step; build with
+    `prepare_attention` and pass the same object to every layer.
+
+    ``backend`` is the resolved name (never ``"auto"``), ``kernel`` the implementation
+    (``"math"``, ``"triton"``, ``"flash"``, ``"fa4"``, ``"torch"``), ``reason`` why it was
+    chosen. Only the fields of the chosen backend are set.
+    """
+
+    backend: str
+    kernel: str
+    reason: str
+    q_layout: StreamLayout
+    kv_layout: StreamLayout
+    inner: InnerMask | None
+    cross: bool
+    dense_QK: Tensor | None = None  # sdpa: bool (T_q, T_kv), rows with no key made all-True
+    keep_Q: Tensor | None = None  # sdpa / varlen: bool (T_q,), rows not forced to 0
+    block_mask: Any = None  # flex: torch BlockMask
+    kernel_options: dict[str, Any] | None = None  # flex
+    cu_q: Tensor | None = None  # varlen: int32 (K+2,), the pad tail as one more sequence
+    cu_kv: Tensor | None = None
+    max_q: int = 0
+    max_kv: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q_layout.padded_len, self.kv_layout.padded_len)
+
+    def __repr__(self) -> str:
+        return (
+            f"AttentionMask(backend={self.backend!r}, kernel={self.kernel!r}, "
+            f"shape={self.shape}, cross={self.cross}, inner={_name(self.inner)}, "
+            f"reason={self.reason!r})"
+        )
+
+
+def _name(fn: Any) -> str | None:
+    return None if fn is None else getattr(fn, "__name__", repr(fn))
+
+
+def _resolve(
+    backend: str, device: torch.device, inner: InnerMask | None, dtype: torch.dtype | None
+) -> tuple[str, str, str]:
+    """(backend, kernel, reason) for a request, or a ValueError that names the fix."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r}; choose one of {_BACKENDS}")
+    cuda = device.type == "cuda"
+    half = dtype in _HALF
+    if backend == "auto":
+        if not cuda:
+            return (
+                "sdpa",
+                "math",
+                f"auto: {device.type} -> sdpa (the only CPU backend with backward)",
+            )
+        fa4 = fa4_available()
+        if inner is None and fa4 and half:
+            return "varlen", "fa4", "auto: CUDA, document-only mask, flash-attn-4 installed"
+        if fa4 and half:
+            return "flex_flash", "flash", "auto: CUDA, inner mask, flash-attn-4 installed"
+        why = "flash-attn-4 not installed" if not fa4 else f"dtype {dtype} is not bf16/fp16"
+        return "flex", "triton", f"auto: CUDA, {why} -> FlexAttention (Triton)"
+    if backend == "sdpa":
+        return "sdpa", "math", "requested"
+    if backend == "flex":
+        kernel = "triton" if cuda else "eager"
+        note = "" if cuda else " (CPU: forward only; use backend='sdpa' for training)"
+        return "flex", kernel, "requested" + note
+    if backend == "flex_flash":
+        if not cuda:
+            raise ValueError(
+                f"backend='flex_flash' needs CUDA, got device {device}; use backend='sdpa' on CPU"
+            )
+        if not fa4_available():
+            raise ValueError(
+                "backend='flex_flash' needs flash-attn-4 (flash_attn.cute), which is not "
+                "installed; install flash-attn-4 or use backend='flex' (Triton)"
+            )
+        if dtype is not None and not half:
+            raise ValueError(
+                f"backend='flex_flash' runs bf16/fp16 only, got dtype {dtype}; cast to bf16 or "
+                "use backend='flex'"
+            )
+        return "flex_flash", "flash", "requested"
+    # varlen
+    if inner is not None:
+        raise ValueError(
+            f"backend='varlen' supports document-only masks, but inner={_name(inner)} was "
+            "given; use backend='flex' (or 'auto') for an inner mask"
+        )
+    if not cuda:
+        raise ValueError(
+            f"backend='varlen' needs CUDA, got device {device}; use backend='sdpa' on CPU"
+        )
+    if dtype is not None and not half:
+        raise ValueError(
+            f"backend='varlen' runs bf16/fp16 only, got dtype {dtype}; cast to bf16 or use "
+            "backend='flex'"
+        )
+    return "varlen", "fa4" if fa4_available() else "torch", "requested"
+
+
+def prepare_attention(
+    layout: StreamLayout,
+    kv_layout: StreamLayout | None = None,
+    inner: InnerMask | None = None,
+    backend: Backend = "auto",
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttentionMask:
+    """Build the attention mask of one step for ``backend``; share it across layers.
+
+    ``layout`` is the query side (e.g. ``batch.layout()`` or a joint layout's ``.layout``),
+    ``kv_layout`` the key side for cross-attention (``None``: self-attention). ``inner`` is an
+    episode-local rule from `packing.masks` (``causal()``, ``frame_causal(...)``,
+    ``sliding_window(...)``) AND-ed with the document mask. ``device`` defaults to the layout's;
+    ``dtype`` (of q/k/v) lets ``auto`` rule out half-precision-only kernels for fp32.
+
+    No host-device sync: everything is built from the layouts' tensors and host-side lengths.
+    """
+    dev = torch.device(device) if device is not None else layout.doc_ids_T.device
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    q_lay = layout.to(dev)
+    kv_lay = q_lay if kv_layout is None else kv_layout.to(dev)
+    cross = kv_layout is not None
+    if cross and kv_lay.num_docs != q_lay.num_docs:
+        raise ValueError(
+            f"cross-attention pairs document k of the queries with document k of the keys, but "
+            f"the query layout has {q_lay.num_docs} documents and the key layout "
+            f"{kv_lay.num_docs}; build both layouts from the same pack"
+        )
+    name, kernel, reason = _resolve(backend, dev, inner, dtype)
+    common: dict[str, Any] = dict(
+        backend=name,
+        kernel=kernel,
+        reason=reason,
+        q_layout=q_lay,
+        kv_layout=kv_lay,
+        inner=inner,
+        cross=cross,
+    )
+    kv_doc = kv_lay.doc_ids_T if cross else None
+    if name == "sdpa":
+        dense = masks.dense_mask(q_lay.doc_ids_T, kv_doc, inner)
+        has_key = dense.any(dim=1)
+        # SDPA turns a row with no allowed key into NaN; open it to every key, then zero its
+        # output in `attention` (cross-attention pad queries must read 0, never NaN).
+        dense = dense | ~has_key[:, None]
+        return AttentionMask(**common, dense_QK=dense, keep_Q=has_key)
+    if name in ("flex", "flex_flash"):
+        block_mask = masks.make_block_mask(q_lay.doc_ids_T, kv_doc, inner)
+        options = {"BACKEND": "FLASH"} if name == "flex_flash" else None
+        return AttentionMask(**common, block_mask=block_mask, kernel_options=options)
+    # varlen: the padding tail becomes one more sequence on each side so that the kernel
+    # writes every row (an unwritten row would be garbage); its rows are zeroed afterwards.
+    cu_q, max_q = _with_tail(q_lay)
+    cu_kv, max_kv = (cu_q, max_q) if not cross else _with_tail(kv_lay)
+    return AttentionMask(
+        **common,
+        keep_Q=q_lay.doc_ids_T >= 0,
+        cu_q=cu_q,
+        cu_kv=cu_kv,
+        max_q=max_q,
+        max_kv=max_kv,
+    )
+
+
+def _with_tail(lay: StreamLayout) -> tuple[Tensor, int]:
+    """``cu_seqlens`` (K+2,) with the padding tail as a last sequence, and its max length.
+
+    Lengths ``[2, 4, 3]`` padded to 12 -> ``[0, 2, 6, 9, 12]``; ``max(4, 3) = 4``. Documents
+    padded up to a static ``max_docs`` (repeated offsets) stay empty sequences.
+    """
+    cu = lay.cu_seqlens_K1.to(torch.int32)
+    tail = lay.padded_len - lay.num_tokens
+    end = torch.full((1,), lay.padded_len, dtype=torch.int32, device=cu.device)
+    return torch.cat([cu, end]).contiguous(), max(lay.max_seqlen, tail, 1)
+
+
+# -- the call ----------------------------------------------------------------------------------
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None = None
+) -> Tensor:
+    """Packed attention ``(T_q, H, D), (T_kv, H, D), (T_kv, H, D) -> (T_q, H, D)``.
+
+    ``mask`` comes from `prepare_attention` for the same layouts. Rows with no allowed key
+    (cross-attention padding queries) are exactly ``0`` in every backend. ``scale`` defaults
+    to ``1 / sqrt(D)``.
+    """
+    _check_shapes(q, k, v, mask)
+    if mask.backend == "sdpa":
+        return _sdpa(q, k, v, mask, scale)
+    if mask.backend in ("flex", "flex_flash"):
+        return _flex(q, k, v, mask, scale)
+    return _varlen(q, k, v, mask, scale)
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"packed attention takes (T, H, D) tensors, got q {tuple(q.shape)}, k "
+            f"{tuple(k.shape)}, v {tuple(v.shape)}; reshape (T, H * D) to (T, H, D)"
+        )
+    tq, tkv = mask.shape
+    if q.shape[0] != tq or k.shape[0] != tkv or v.shape[0] != tkv:
+        raise ValueError(
+            f"the mask was built for {tq} query and {tkv} key tokens, but q has {q.shape[0]}, "
+            f"k {k.shape[0]}, v {v.shape[0]}; build the mask from the layout of these tokens"
+        )
+    if mask.backend in ("varlen", "flex_flash") and q.dtype not in _HALF:
+        raise ValueError(
+            f"backend={mask.backend!r} runs bf16/fp16 only, got {q.dtype}; cast q/k/v, or "
+            f"prepare the mask with dtype={q.dtype} so 'auto' picks a kernel that takes it"
+        )
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:
+    assert mask.dense_QK is not None and mask.keep_Q is not None
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask.dense_QK, scale=scale
+    ).transpose(0, 1)
+    if mask.cross:
+        out = torch.where(mask.keep_Q[:, None, None], out, 0.0)
+    return out
+
+
+_COMPILED_FLEX: Callable[..., Any] | None = None
+
+
+def _flex_fn(device: torch.device) -> Callable[..., Any]:
+    """FlexAttention: compiled once per process on CUDA (eager flex materialises scores);
+    eager on CPU, where it serves as a forward-only cross-check of the block mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:
+    if q.device.type != "cuda":
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError(
+                "backend='flex' on CPU is forward-only (FlexAttention has no CPU backward); "
+                "use backend='sdpa' (or 'auto') to train on CPU, or run under torch.no_grad()"
+            )
+        q, k, v = q.detach(), k.detach(), v.detach()
+    fn = _flex_fn(q.device)
+    with warnings.catch_warnings():
+        # Eager flex on CPU is deliberate (a forward cross-check); its "not compiled" warning
+        # would only repeat what `mask.reason` already says.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = fn(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            block_mask=mask.block_mask,
+            scale=scale,
+            kernel_options=mask.kernel_options,
+        )
+    return out[0].transpose(0, 1)
+
+
+def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:
+    assert mask.cu_q is not None and mask.cu_kv is not None and mask.keep_Q is not None
+    if mask.kernel == "fa4":
+        fa4 = importlib.import_module("flash_attn.cute.interface")
+        res = fa4.flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=mask.cu_q,
+            cu_seqlens_k=mask.cu_kv,
+            max_seqlen_q=mask.max_q,
+            max_seqlen_k=mask.max_kv,
+            softmax_scale=scale,
+        )
+        out = res[0] if isinstance(res, tuple) else res
+    else:
+        from torch.nn.attention.varlen import varlen_attn
+
+        out = varlen_attn(q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale=scale)  # type: ignore[assignment]
+    # Padding rows: in self-attention they attended to the pad tail (finite, unused); in
+    # cross-attention they must be 0. Zero them in both so every backend agrees on what
+    # padding reads.
+    return torch.where(mask.keep_Q[:, None, None], out, 0.0)

@@ -1,0 +1,278 @@
+"""packing.attention on CPU: every backend that runs here agrees with one SDPA call per episode.
+
+The reference is the unpacked computation itself: for each episode, slice its rows out of the
+pack, run plain SDPA (with the inner mask in episode-local positions), and put the rows back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from packing.attention import AttentionMask, attention, prepare_attention
+from packing.layout import StreamLayout, layout_from_lengths
+from packing.masks import InnerMask, causal, frame_causal
+
+H, D = 2, 8
+TOL = 1e-5  # fp32: the packed and the per-episode softmax sum the same terms
+
+
+def lay(lengths: list[int], pad: int = 0) -> StreamLayout:
+    return layout_from_lengths(lengths, lengths, sum(lengths) + pad)
+
+
+def qkv(tq: int, tkv: int, seed: int = 0, grad: bool = False) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    ts = (
+        torch.randn(tq, H, D, generator=g),
+        torch.randn(tkv, H, D, generator=g),
+        torch.randn(tkv, H, D, generator=g),
+    )
+    return tuple(t.requires_grad_(grad) for t in ts)
+
+
+def per_episode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lay: StreamLayout,
+    kv_lay: StreamLayout,
+    inner: InnerMask | None = None,
+) -> torch.Tensor:
+    """One SDPA call per episode on its own rows; real rows only (padding rows stay 0)."""
+    out = torch.zeros_like(q)
+    cq, ck = q_lay.cu_seqlens_K1.tolist(), kv_lay.cu_seqlens_K1.tolist()
+    for d in range(q_lay.num_docs):
+        qs, ks = slice(cq[d], cq[d + 1]), slice(ck[d], ck[d + 1])
+        m = None
+        if inner is not None:
+            z = torch.zeros((), dtype=torch.int64)
+            lq, lk = cq[d + 1] - cq[d], ck[d + 1] - ck[d]
+            m = inner(z, z, torch.arange(lq)[:, None], torch.arange(lk)[None, :])
+            m = m.expand(lq, lk)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1), m
+        )
+        out = out.index_copy(0, torch.arange(cq[d], cq[d + 1]), o.transpose(0, 1))
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def real(lay_: StreamLayout) -> torch.Tensor:
+    return lay_.doc_ids_T >= 0
+
+
+# -- one exact case ----------------------------------------------------------------------------
+def test_hand_computed_two_episodes_and_a_pad_row() -> None:
+    # Episodes of 2 and 1 tokens, one pad; D = 1, scores q*k. Episode 1's single token
+    # reads its own value whatever the others hold; episode 0 mixes its two values.
+    q_lay = lay([2, 1], pad=1)
+    q = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(4, 1, 1)
+    k = torch.tensor([0.0, 1.0, 5.0, 9.0]).view(4, 1, 1)
+    v = torch.tensor([10.0, 20.0, 30.0, 40.0]).view(4, 1, 1)
+    out = attention(q, k, v, prepare_attention(q_lay, backend="sdpa")).flatten()
+    w0 = torch.softmax(torch.tensor([0.0, 1.0]), 0)  # token 0: q=1, k=(0,1)
+    w1 = torch.softmax(torch.tensor([0.0, 2.0]), 0)  # token 1: q=2
+    expect = torch.tensor(
+        [w0 @ torch.tensor([10.0, 20.0]), w1 @ torch.tensor([10.0, 20.0]), 30, 40]
+    )
+    torch.testing.assert_close(out, expect)  # the pad row reads only itself: 40
+
+
+# -- agreement on ragged layouts ---------------------------------------------------------------
+LAYOUTS = [([232, 1, 129], 22), ([5], 0), ([1, 1, 1], 3), ([64, 64], 128), ([17, 300, 2, 40], 1)]
+INNERS: list[InnerMask | None] = [None, causal(), frame_causal(4)]
+
+
+@pytest.mark.parametrize(("lengths", "pad"), LAYOUTS)
+@pytest.mark.parametrize("inner", INNERS, ids=lambda m: getattr(m, "__name__", "document"))
+def test_self_attention_sdpa_and_flex_match_per_episode(
+    lengths: list[int], pad: int, inner: InnerMask | None
+) -> None:
+    q_lay = lay(lengths, pad)
+    q, k, v = qkv(q_lay.padded_len, q_lay.padded_len, seed=len(lengths))
+    ref = per_episode(q, k, v, q_lay, q_lay, inner)
+    r = real(q_lay)
+    for backend in ("sdpa", "flex"):
+        mask = prepare_attention(q_lay, inner=inner, backend=backend)
+        out = attention(q, k, v, mask)
+        assert out.shape == q.shape
+        assert torch.isfinite(out).all(), backend
+        assert rel(out[r], ref[r]) < TOL, backend
+        # a self-attention pad row attends only to itself: it reads its own value
+        torch.testing.assert_close(out[~r], v[~r])
+
+
+@pytest.mark.parametrize("inner", [None, frame_causal(4, 1)], ids=["document", "frame_causal"])
+def test_cross_attention_q_and_kv_layouts_differ(inner: InnerMask | None) -> None:
+    # 3 episodes: video-like queries (ragged, padded) attend to the same episode's text keys.
+    q_lay = lay([232, 1, 129], pad=22)
+    kv_lay = lay([7, 3, 11], pad=11)
+    assert q_lay.padded_len != kv_lay.padded_len
+    q, k, v = qkv(q_lay.padded_len, kv_lay.padded_len, seed=3)
+    ref = per_episode(q, k, v, q_lay, kv_lay, inner)
+    r = real(q_lay)
+    for backend in ("sdpa", "flex"):
+        mask = prepare_attention(q_lay, kv_lay, inner=inner, backend=backend)
+        out = attention(q, k, v, mask)
+        assert rel(out[r], ref[r]) < TOL, backend
+        # cross-attention padding queries attend to nothing and read exactly 0, never NaN
+        assert out[~r].abs().max() == 0, backend
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 60), min_size=1, max_size=6),
+    kv_lengths_seed=st.integers(0, 10_000),
+    pad=st.integers(0, 40),
+    kv_pad=st.integers(0, 9),
+    inner_i=st.integers(0, 2),
+)
+def test_property_random_layouts(
+    lengths: list[int], kv_lengths_seed: int, pad: int, kv_pad: int, inner_i: int
+) -> None:
+    g = torch.Generator().manual_seed(kv_lengths_seed)
+    kv_lengths = torch.randint(1, 20, (len(lengths),), generator=g).tolist()
+    q_lay, kv_lay = lay(lengths, pad), lay(kv_lengths, kv_pad)
+    inner = INNERS[inner_i]
+    q, k, v = qkv(q_lay.padded_len, q_lay.padded_len, seed=kv_lengths_seed)
+    ref = per_episode(q, k, v, q_lay, q_lay, inner)
+    out = attention(q, k, v, prepare_attention(q_lay, inner=inner, backend="sdpa"))
+    assert rel(out[real(q_lay)], ref[real(q_lay)]) < TOL
+    cross_inner = None if inner is None else frame_causal(4, 1)
+    q2, k2, v2 = qkv(q_lay.padded_len, kv_lay.padded_len, seed=kv_lengths_seed + 1)
+    ref2 = per_episode(q2, k2, v2, q_lay, kv_lay, cross_inner)
+    out2 = attention(q2, k2, v2, prepare_attention(q_lay, kv_lay, cross_inner, "sdpa"))
+    assert rel(out2[real(q_lay)], ref2[real(q_lay)]) < TOL
+    assert torch.isfinite(out2).all() and out2[~real(q_lay)].abs().sum() == 0
+
+
+@pytest.mark.parametrize("inner", INNERS, ids=lambda m: getattr(m, "__name__", "document"))
+def test_sdpa_backward_matches_per_episode_backward(inner: InnerMask | None) -> None:
+    q_lay = lay([232, 1, 129], pad=22)
+    kv_lay = lay([9, 2, 30], pad=7)
+    for kv_l, kv_inner in ((q_lay, inner), (kv_lay, None if inner is None else frame_causal(4, 1))):
+        q, k, v = qkv(q_lay.padded_len, kv_l.padded_len, seed=7, grad=True)
+        w = torch.randn(q.shape, generator=torch.Generator().manual_seed(8))
+        r = real(q_lay)[:, None, None]
+        cross = kv_l is not q_lay
+        mask = prepare_attention(q_lay, kv_l if cross else None, kv_inner, "sdpa")
+        got = torch.autograd.grad((attention(q, k, v, mask) * w * r).sum(), (q, k, v))
+        want = torch.autograd.grad(
+            (per_episode(q, k, v, q_lay, kv_l, kv_inner) * w * r).sum(), (q, k, v)
+        )
+        for name, a, b in zip("qkv", got, want, strict=True):
+            assert b.abs().max() > 0, name  # the comparison is not of two zero tensors
+            assert rel(a, b) < TOL, (name, cross)
+            assert torch.isfinite(a).all()
+
+
+# -- the comparison catches a broken mask ------------------------------------------------------
+def test_a_mask_without_the_document_term_is_caught() -> None:
+    q_lay = lay([232, 1, 129], pad=22)
+    q, k, v = qkv(q_lay.padded_len, q_lay.padded_len, seed=1)
+    good = prepare_attention(q_lay, backend="sdpa")
+    assert good.dense_QK is not None
+    ref = per_episode(q, k, v, q_lay, q_lay)
+    r = real(q_lay)
+    assert rel(attention(q, k, v, good)[r], ref[r]) < TOL
+    # Broken: every real token attends to every real token of the pack (no doc_id[q] == doc_id[kv]).
+    leaky = r[:, None] & r[None, :] | torch.eye(q_lay.padded_len, dtype=torch.bool)
+    broken = dataclasses.replace(good, dense_QK=leaky)
+    assert rel(attention(q, k, v, broken)[r], ref[r]) > 1e-2
+
+
+def test_every_episode_boundary_is_seen() -> None:
+    # Guard against vacuous passes: the layouts above do contain interior document starts,
+    # single-token episodes and padding tails.
+    starts = [lay(lengths, pad).cu_seqlens_K1[1:-1] for lengths, pad in LAYOUTS]
+    assert sum(int(s.numel()) for s in starts) >= 6
+    assert any(1 in lengths for lengths, _ in LAYOUTS)
+    assert any(pad > 0 for _, pad in LAYOUTS)
+
+
+# -- what auto picks and what is refused --------------------------------------------------------
+def test_auto_on_cpu_picks_sdpa_and_says_so() -> None:
+    mask = prepare_attention(lay([3, 2], 1), inner=causal())
+    assert isinstance(mask, AttentionMask)
+    assert mask.backend == "sdpa" and "auto" in mask.reason
+    assert "sdpa" in repr(mask) and "causal" in repr(mask)
+
+
+def test_flex_on_cpu_is_forward_only_with_a_clear_error() -> None:
+    q_lay = lay([5, 3], 0)
+    mask = prepare_attention(q_lay, backend="flex")
+    assert "forward only" in mask.reason
+    q, k, v = qkv(8, 8, grad=True)
+    with pytest.raises(ValueError, match=r"forward-only.*backend='sdpa'"):
+        attention(q, k, v, mask)
+    with torch.no_grad():
+        assert torch.isfinite(attention(q, k, v, mask)).all()
+
+
+def test_impossible_requests_raise_naming_the_fix() -> None:
+    q_lay = lay([5, 3], 2)
+    with pytest.raises(ValueError, match=r"varlen.*document-only.*inner=causal.*backend='flex'"):
+        prepare_attention(q_lay, inner=causal(), backend="varlen")
+    with pytest.raises(ValueError, match=r"varlen.*needs CUDA.*backend='sdpa'"):
+        prepare_attention(q_lay, backend="varlen")
+    with pytest.raises(ValueError, match=r"flex_flash.*needs CUDA"):
+        prepare_attention(q_lay, backend="flex_flash")
+    with pytest.raises(ValueError, match=r"backend='flash'; choose one of"):
+        prepare_attention(q_lay, backend="flash")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"3 documents and the key layout 2"):
+        prepare_attention(lay([1, 2, 3]), lay([4, 4]))
+
+
+def test_flex_flash_without_flash_attn_4_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import packing.attention as pa
+
+    monkeypatch.setattr(pa, "fa4_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match=r"flash-attn-4.*not installed.*backend='flex'"):
+        pa._resolve("flex_flash", torch.device("cuda", 0), None, torch.bfloat16)
+    # auto on CUDA without FA4: flex (Triton), and the reason says why
+    name, kernel, reason = pa._resolve("auto", torch.device("cuda", 0), None, torch.bfloat16)
+    assert (name, kernel) == ("flex", "triton") and "not installed" in reason
+    monkeypatch.setattr(pa, "fa4_available", lambda: True)
+    assert pa._resolve("auto", torch.device("cuda", 0), None, torch.bfloat16)[:2] == (
+        "varlen",
+        "fa4",
+    )
+    assert pa._resolve("auto", torch.device("cuda", 0), causal(), torch.bfloat16)[:2] == (
+        "flex_flash",
+        "flash",
+    )
+    # fp32 rules out the half-precision kernels, for auto and on request
+    assert pa._resolve("auto", torch.device("cuda", 0), None, torch.float32)[:2] == (
+        "flex",
+        "triton",
+    )
+    with pytest.raises(ValueError, match=r"bf16/fp16 only.*float32"):
+        pa._resolve("varlen", torch.device("cuda", 0), None, torch.float32)
+
+
+def test_shape_mismatch_names_the_counts() -> None:
+    mask = prepare_attention(lay([5, 3], 2), backend="sdpa")
+    q, k, v = qkv(9, 10)
+    with pytest.raises(ValueError, match=r"built for 10 query and 10 key tokens, but q has 9"):
+        attention(q, k, v, mask)
+    with pytest.raises(ValueError, match=r"\(T, H, D\)"):
+        attention(q.flatten(1), k.flatten(1), v.flatten(1), mask)
+
+
+def test_scale_is_passed_through() -> None:
+    q_lay = lay([6, 4], 0)
+    q, k, v = qkv(10, 10)
+    mask = prepare_attention(q_lay, backend="sdpa")
+    a = attention(q, k, v, mask, scale=0.5)
+    b = attention(q * (0.5 * math.sqrt(D)), k, v, mask)
+    torch.testing.assert_close(a, b)
