@@ -27,8 +27,13 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.packing-stamp" 2>/dev/null)" 
   py=$(find_python)
   echo "setting up $venv with $("$py" --version) ..." >&2
   "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -c constraints.txt -e ".[lerobot,hf,dev]"
+  log="$venv/install.log"
+  if ! { "$venv/bin/python" -m pip install --upgrade pip &&
+         "$venv/bin/python" -m pip install -c constraints.txt -e ".[lerobot,hf,dev]"; } >"$log" 2>&1; then
+    grep -v '^WARNING: Location' "$log" | tail -n 40 >&2
+    echo "error: installing into $venv failed; the whole log is $log" >&2
+    exit 1
+  fi
   echo "$stamp_want" > "$venv/.packing-stamp"
 fi
 
