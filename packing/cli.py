@@ -88,7 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="module:factory returning your packed model (see docs/verify.md)",
     )
     v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    v.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    v.add_argument(
+        "--adam-eps",
+        type=float,
+        default=1e-6,
+        help="AdamW eps (default 1e-6: keeps fp32 rounding noise of zero gradients below eps)",
+    )
     v.add_argument("--no-leak-check", dest="leak_check", action="store_false")
     v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     return parser
@@ -118,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model=args.model,
             seed=args.seed,
             lr=args.lr,
+            adam_eps=args.adam_eps,
             leak_check=args.leak_check,
         )
         report = run_verify(config)

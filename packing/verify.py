@@ -399,7 +399,8 @@ def compare_packed_unpacked(
     steps: int = 3,
     reduction: str = "episode",
     seed: int = 0,
-    lr: float = 1e-3,
+    lr: float = 1e-4,
+    adam_eps: float = 1e-6,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     compile: bool = False,
@@ -415,6 +416,16 @@ def compare_packed_unpacked(
     (every episode exactly once). ``model`` is deep-copied for the packed run, so both start
     from the same weights. ``dtype`` float32 runs the model as is; bf16/fp16 run it under
     ``torch.autocast`` with fp32 weights (the usual mixed-precision training set-up).
+
+    Why ``adam_eps=1e-6`` (not torch's 1e-8): AdamW steps each element by about
+    ``lr * g / (|g| + eps)``. Some gradients are exactly 0 in exact arithmetic -- the key bias
+    of attention (softmax ignores a constant added to a row of scores) -- and in fp32 are
+    rounding noise of ~1e-9 that differs with summation order. With eps=1e-8 AdamW turns that
+    noise into a step of a sizeable fraction of ``lr`` with a random sign, so two *unpacked*
+    runs that only sum in another order already differ by ~1e-3 in those parameters (measured
+    on the test model). eps=1e-6 keeps rounding noise below eps; a real packing mistake still
+    moves parameters by O(lr) and fails by orders of magnitude. ``lr=1e-4`` is a typical DiT
+    fine-tuning rate.
     """
     dev = torch.device(device)
     tol = tolerances or Tolerances.for_dtype(dtype)
@@ -438,8 +449,8 @@ def compare_packed_unpacked(
     model_p.train()
     run_u: nn.Module = torch.compile(model_u, dynamic=True) if compile else model_u  # type: ignore[assignment]
     run_p: nn.Module = torch.compile(model_p, dynamic=False) if compile else model_p  # type: ignore[assignment]
-    opt_u = torch.optim.AdamW(model_u.parameters(), lr=lr)
-    opt_p = torch.optim.AdamW(model_p.parameters(), lr=lr)
+    opt_u = torch.optim.AdamW(model_u.parameters(), lr=lr, eps=adam_eps)
+    opt_p = torch.optim.AdamW(model_p.parameters(), lr=lr, eps=adam_eps)
     params_u = dict(model_u.named_parameters())
     params_p = dict(model_p.named_parameters())
 
@@ -620,7 +631,8 @@ class VerifyConfig:
     dataset: str | None = None  # None: the embedded default dataset
     model: str | None = None  # "module:factory"; None: the tiny reference model
     seed: int = 0
-    lr: float = 1e-3
+    lr: float = 1e-4
+    adam_eps: float = 1e-6
     leak_check: bool = True
     loss_normaliser: str = "global"
 
@@ -776,6 +788,7 @@ def run_verify(config: VerifyConfig) -> VerifyReport:
         reduction=config.reduction,
         seed=config.seed,
         lr=config.lr,
+        adam_eps=config.adam_eps,
         device=config.device,
         dtype=config.torch_dtype,
         compile=config.compile,
