@@ -416,10 +416,9 @@ def _check_pair(doc_ids: Tensor, kv_doc_ids: Tensor | None) -> tuple[Tensor, Ten
 
 
 def _block_sizes(block_size: int | tuple[int, int]) -> tuple[int, int]:
-    sizes = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
-    if len(sizes) != 2 or not all(
-        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes
-    ):
+    sizes = (block_size, block_size) if isinstance(block_size, int) else block_size
+    ok = isinstance(sizes, tuple | list) and len(sizes) == 2
+    if not ok or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
         raise ValueError(
             f"block_size={block_size!r}; use a positive int or a (q_block, kv_block) pair of "
             "positive ints (FlexAttention kernels want multiples of 16, default 128)"

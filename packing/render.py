@@ -1,0 +1,133 @@
+"""Pictures of attention masks: ASCII for docstrings and tests, PNG for the docs.
+
+``ascii_mask`` draws a token-level bool mask (``#`` attends, ``.`` does not);
+``ascii_blocks`` draws a FlexAttention ``BlockMask`` tile by tile (``#`` full, ``+`` partial,
+``.`` skipped). Three episodes ``[3, 2, 3]`` + 1 pad::
+
+    >>> print(ascii_mask(dense_mask(doc_ids)))          # doctest: +SKIP
+    # # # . . . . . .
+    # # # . . . . . .
+    # # # . . . . . .
+    . . . # # . . . .
+    . . . # # . . . .
+    . . . . . # # # .
+    . . . . . # # # .
+    . . . . . # # # .
+    . . . . . . . . #
+
+``save_png`` needs matplotlib, imported only when called (``pip install matplotlib``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+__all__ = ["EMPTY", "FULL", "PARTIAL", "ascii_blocks", "ascii_mask", "block_classes", "save_png"]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+_TILE_CHAR = {EMPTY: ".", PARTIAL: "+", FULL: "#"}
+
+
+def block_classes(block_mask: BlockMask) -> Tensor:
+    """int8 ``(Q, K)`` tile classes of a BlockMask's first batch row and head: EMPTY/PARTIAL/FULL.
+
+    Read from ``kv_num_blocks``/``kv_indices`` (and the ``full_`` pair): the first
+    ``num[i]`` entries of ``indices[i]`` are the listed tiles of q tile ``i``.
+    """
+    out = _listed(block_mask.kv_num_blocks, block_mask.kv_indices) * PARTIAL
+    if block_mask.full_kv_num_blocks is not None and block_mask.full_kv_indices is not None:
+        full = _listed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+        out = torch.where(full.bool(), FULL, out)
+    return out.to(torch.int8)
+
+
+def _listed(num: Tensor, indices: Tensor) -> Tensor:
+    num_Q, idx_QK = num[0, 0].long(), indices[0, 0].long()
+    K = idx_QK.shape[-1]
+    listed = torch.arange(K, device=idx_QK.device) < num_Q[:, None]
+    dense = torch.zeros(idx_QK.shape[0], K + 1, dtype=torch.int64, device=idx_QK.device)
+    # Unlisted slots write to a spare last column, dropped below.
+    dense.scatter_(1, torch.where(listed, idx_QK, K), 1)
+    return dense[:, :K]
+
+
+def ascii_blocks(block_mask: BlockMask, sep: str = " ") -> str:
+    """One line per q tile: ``#`` full, ``+`` partial (mask_mod evaluated), ``.`` skipped."""
+    rows = block_classes(block_mask).tolist()
+    return "\n".join(sep.join(_TILE_CHAR[c] for c in row) for row in rows)
+
+
+def ascii_mask(mask: Tensor, sep: str = " ") -> str:
+    """One line per query: ``#`` where the bool ``(T_q, T_kv)`` mask attends, ``.`` elsewhere."""
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be 2-D (T_q, T_kv), got shape {tuple(mask.shape)}")
+    return "\n".join(sep.join("#" if v else "." for v in row) for row in mask.bool().tolist())
+
+
+def save_png(
+    path: str | Path,
+    mask: Tensor,
+    *,
+    block_mask: BlockMask | None = None,
+    doc_ids: Tensor | None = None,
+    title: str | None = None,
+) -> Path:
+    """Draw a bool ``(T_q, T_kv)`` mask to a PNG, coloured by episode, with the tile grid.
+
+    With ``block_mask``, full tiles get a solid outline and partial tiles a dashed one (skipped
+    tiles none), so the picture shows both what attends and what the kernel computes.
+    ``doc_ids`` (the queries') colours each attending pair by its episode (grey: padding).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Rectangle
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("save_png needs matplotlib: pip install matplotlib") from e
+
+    m = mask.detach().cpu().bool()
+    T_q, T_kv = m.shape
+    # Colour index per pair: 7 (grey in tab10) for padding, episode d -> d mod 7 otherwise;
+    # pairs that do not attend are left blank (NaN).
+    if doc_ids is None:
+        color = torch.zeros(T_q, T_kv)
+    else:
+        q_doc = doc_ids.detach().cpu().long()[:, None].expand(T_q, T_kv)
+        color = torch.where(q_doc >= 0, q_doc % 7, 7).float()
+    shown = color.masked_fill(~m, float("nan")).numpy()
+    fig, ax = plt.subplots(figsize=(5, 5 * T_q / T_kv + 0.4), dpi=120)
+    ax.imshow(shown, cmap=plt.get_cmap("tab10"), vmin=0, vmax=9, interpolation="nearest")
+    if block_mask is not None:
+        classes = block_classes(block_mask).cpu()
+        bq, bkv = block_mask.BLOCK_SIZE
+        for i, row in enumerate(classes.tolist()):
+            for j, c in enumerate(row):
+                if c == EMPTY:
+                    continue
+                ax.add_patch(
+                    Rectangle(
+                        (j * bkv - 0.5, i * bq - 0.5),
+                        min(bkv, T_kv - j * bkv),
+                        min(bq, T_q - i * bq),
+                        fill=False,
+                        edgecolor="black",
+                        linewidth=1.4 if c == FULL else 0.9,
+                        linestyle="-" if c == FULL else "--",
+                    )
+                )
+    ax.set_xlabel("key / value token")
+    ax.set_ylabel("query token")
+    if title:
+        ax.set_title(title, fontsize=10)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
