@@ -396,7 +396,7 @@ def test_video_feature_points_to_the_latent_workflow(root: Path, tmp_path: Path)
 
 def test_old_format_is_refused_with_the_conversion(root: Path, tmp_path: Path) -> None:
     r = _copy_with_info(root, tmp_path / "v21", lambda i: i.update(codebase_version="v2.1"))
-    with pytest.raises(ValueError, match="format v2.1.*convert_dataset_v21_to_v30"):
+    with pytest.raises(ValueError, match=r"format v2\.1.*convert_dataset_v21_to_v30"):
         LeRobotEpisodes(r, keys=KEYS)
 
 
