@@ -1,0 +1,204 @@
+"""A batch sampler that yields packs of dataset indices, the same number on every rank.
+
+    plan (P packs) -> equalise to a multiple of R ranks -> per epoch: shuffle from (seed, epoch),
+    group into steps of R packs of similar cost -> each rank takes one pack per step
+
+Two ranks, five packs of tokens ``[8, 8, 7, 5, 3]`` (budget 8): five is not a multiple of two,
+so the pack with most episodes is split in two (never truncated, never dropped), giving six
+packs; each step pairs packs of similar cost, and the heavier pack of a step goes to the rank
+that has seen fewer tokens so far, so per-rank totals differ by at most one pack's cost::
+
+    step   rank 0   rank 1
+    0      [8]      [8]
+    1      [7]      [5]
+    2      [x]      [y]        (the two halves of the split pack)
+
+Every rank computes the same table from (plan, seed, epoch, num_replicas), so no
+communication is needed. With fewer episodes than ranks a rank gets an empty pack ``[]``: the
+collator turns it into an all-padding batch with zero loss weight, which it can only build when
+the streams are declared with ``step_shape``/``dtype`` (it has no episode to copy shapes from);
+the rank still runs forward and backward, so DDP/FSDP collectives stay matched.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from packing.plan import Algorithm, Oversize, PackPlan, plan_packs
+
+__all__ = ["PackedBatchSampler", "equalise_packs"]
+
+Balance = Literal["tokens", "attention"]
+
+
+def equalise_packs(
+    packs: list[list[int]], lengths: np.ndarray, num_replicas: int
+) -> list[list[int]]:
+    """Split packs until their number is a multiple of ``num_replicas``; pad with ``[]`` only
+    when no pack has two episodes left to split. Splitting keeps every episode exactly once."""
+    packs = [list(p) for p in packs]
+    while len(packs) % num_replicas or not packs:
+        multi = [i for i, p in enumerate(packs) if len(p) > 1]
+        if not multi:
+            packs.append([])
+            continue
+        # The pack with most episodes (then most tokens) loses least by being halved.
+        i = max(multi, key=lambda j: (len(packs[j]), int(lengths[packs[j]].sum()), -j))
+        a: list[int] = []
+        b: list[int] = []
+        load_a = load_b = 0
+        for item in sorted(packs[i], key=lambda x: (-int(lengths[x]), x)):
+            if load_a <= load_b:
+                a.append(item)
+                load_a += int(lengths[item])
+            else:
+                b.append(item)
+                load_b += int(lengths[item])
+        packs[i] = a
+        packs.append(b)
+    return packs
+
+
+class PackedBatchSampler(Sampler[list[int]]):
+    """Yields, for this rank, one pack (a list of item indices) per step.
+
+    Give either ``lengths`` and ``token_budget`` (the plan is built here with ``plan_packs``)
+    or a prebuilt ``plan`` (see ``PackPlan.from_json``/``from_arrow``). Without ``oversize="split"``
+    items are dataset indices; with it they are rows of ``plan.pieces_I4``.
+
+    ``num_replicas``/``rank`` default to ``torch.distributed`` when it is initialised, else 1/0.
+    ``balance="attention"`` balances ranks by the sum of squared episode lengths (the cost of
+    document-masked attention) instead of tokens. ``__len__`` is the number of packs this rank
+    yields in a full epoch, identical on every rank.
+    """
+
+    def __init__(
+        self,
+        lengths: Any = None,
+        token_budget: int | None = None,
+        *,
+        plan: PackPlan | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        balance: Balance = "tokens",
+        balance_window: int = 64,
+        algorithm: Algorithm = "bfd",
+        max_docs: int | None = None,
+        oversize: Oversize = "error",
+        **split: int,
+    ) -> None:
+        if plan is None:
+            if lengths is None or token_budget is None:
+                raise ValueError("pass lengths and token_budget, or a prebuilt plan=")
+            plan = plan_packs(
+                lengths,
+                token_budget,
+                algorithm=algorithm,
+                max_docs=max_docs,
+                oversize=oversize,
+                **split,
+            )
+        elif lengths is not None or token_budget is not None:
+            raise ValueError("pass either plan= or lengths/token_budget, not both")
+        if num_replicas is None:
+            num_replicas = (
+                dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            )
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank={rank} is outside [0, num_replicas={num_replicas})")
+        if balance not in ("tokens", "attention"):
+            raise ValueError(f"balance={balance!r}; choose 'tokens' or 'attention'")
+        self.plan = plan
+        self.shuffle, self.seed = shuffle, int(seed)
+        self.num_replicas, self.rank = num_replicas, rank
+        self.balance, self.balance_window = balance, max(int(balance_window), 1)
+        self.packs = equalise_packs(plan.packs, plan.item_lengths, num_replicas)
+        lens = plan.item_lengths.astype(np.float64)
+        power = 1 if balance == "tokens" else 2
+        self.cost_P = np.array([float((lens[p] ** power).sum()) for p in self.packs])
+        self.epoch = 0
+        self._start = 0  # steps already consumed in self.epoch, from load_state_dict
+        self._yielded = 0
+        self._fingerprint = zlib.crc32(
+            np.concatenate([plan.item_lengths, plan.items_N, plan.offsets_P1]).tobytes()
+        )
+
+    def __len__(self) -> int:
+        return len(self.packs) // self.num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (its shuffle); a resumed position is kept for the epoch it was in."""
+        if epoch != self.epoch:
+            self._start = 0
+        self.epoch = int(epoch)
+
+    def schedule(self, epoch: int | None = None) -> np.ndarray:
+        """Pack ids of the epoch as a (steps, num_replicas) table; column r is rank r's order."""
+        epoch = self.epoch if epoch is None else epoch
+        n, r = len(self.packs), self.num_replicas
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        # Sort by cost inside windows of a few steps so each step's packs cost about the same,
+        # while packs still travel across the whole epoch from one epoch to the next.
+        win = r * self.balance_window
+        for lo in range(0, n, win):
+            chunk = order[lo : lo + win]
+            order[lo : lo + win] = chunk[np.argsort(-self.cost_P[chunk], kind="stable")]
+        steps: np.ndarray = order.reshape(-1, r)
+        if self.shuffle:
+            steps = steps[rng.permutation(len(steps))]
+        # Heaviest pack of a step to the rank with the least cost so far (ties: lower rank):
+        # this keeps every rank's running total within one pack's cost of every other's.
+        table = np.empty_like(steps)
+        load = np.zeros(r)
+        for s, row in enumerate(steps):
+            row = row[np.argsort(-self.cost_P[row], kind="stable")]
+            ranks = np.argsort(load, kind="stable")
+            table[s, ranks] = row
+            load[ranks] += self.cost_P[row]
+        return table
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, self._start = self._start, 0
+        column = self.schedule()[:, self.rank]
+        self._yielded = start
+        for p in column[start:].tolist():
+            self._yielded += 1
+            yield list(self.packs[p])
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Position to resume from. ``consumed`` = packs the training loop has used this epoch;
+        pass it when a DataLoader prefetches (the sampler runs ahead of training by up to
+        ``num_workers * prefetch_factor`` packs); by default, the packs yielded so far."""
+        return {
+            "epoch": self.epoch,
+            "consumed": self._yielded if consumed is None else int(consumed),
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "fingerprint": self._fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next ``__iter__`` yields exactly the packs of ``state['epoch']`` that
+        were not consumed."""
+        if state["num_replicas"] != self.num_replicas or state["fingerprint"] != self._fingerprint:
+            raise ValueError(
+                f"state was saved with num_replicas={state['num_replicas']} and plan "
+                f"fingerprint {state['fingerprint']}, this sampler has {self.num_replicas} and "
+                f"{self._fingerprint}; resume with the same world size and plan (save the plan "
+                f"with PackPlan.to_json and pass plan=)"
+            )
+        if not 0 <= state["consumed"] <= len(self):
+            raise ValueError(f"consumed={state['consumed']} is outside [0, {len(self)}]")
+        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+        self._start = self._yielded = int(state["consumed"])
