@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from packing._lazy import require
 
-__all__ = ["HFEpisodes", "arrow_to_numpy", "plan_columns"]
+__all__ = ["HFEpisodes", "arrow_to_numpy", "check_numeric", "plan_columns"]
 
 PAD_SUFFIX = "_is_pad"
 MASK_SUFFIX = "_loss_mask"
@@ -67,13 +67,27 @@ def arrow_to_numpy(column: Any, *, key: str) -> np.ndarray:
             break
         shape.append(dim)
         arr = arr.flatten()  # respects slice offsets, unlike .values
+    check_numeric(t, key=key)
+    values = arr.to_numpy(zero_copy_only=False, writable=True)
+    return values.reshape(n, *shape)
+
+
+def check_numeric(arrow_type: Any, *, key: str) -> None:
+    """Raise ``TypeError`` unless ``arrow_type`` is numbers or booleans, possibly nested in lists."""
+    pa = require("pyarrow", extra="hf")
+    t = arrow_type
+    while True:
+        if isinstance(t, pa.ExtensionType):
+            t = t.storage_type
+        elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+            t = t.value_type
+        else:
+            break
     if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
         raise TypeError(
             f"column {key!r} holds {t}, not numbers; only numeric or boolean features are "
             "served as tensors (pre-encode images or video to latents as a numeric feature)"
         )
-    values = arr.to_numpy(zero_copy_only=False, writable=True)
-    return values.reshape(n, *shape)
 
 
 def plan_columns(keys: Sequence[str], available: Sequence[str]) -> list[tuple[str, str, bool]]:
@@ -181,6 +195,9 @@ class HFEpisodes(Dataset):
                 f"episode column {episode_column!r} must be one integer per row, "
                 f"got {ep_ids.dtype} of shape {ep_ids.shape[1:]}"
             )
+        schema = dataset.data.schema  # validate early, not in a DataLoader worker
+        for _, col, _ in self._plan:
+            check_numeric(schema.field(col).type, key=col)
         ids, offsets, self._order = group_rows(ep_ids)
         # "arrow" format: indexing returns pyarrow Tables and honours select/shuffle indices;
         # selecting columns first keeps a gather of scattered rows to the columns we serve.
