@@ -169,10 +169,14 @@ class PackedBatchSampler(Sampler[list[int]]):
         return table
 
     def __iter__(self) -> Iterator[list[int]]:
+        # Not a generator itself: the position must reset when iter() is called, not at the
+        # first next(), or a state_dict taken in between would describe the previous pass.
         start, self._start = self._start, 0
-        column = self.schedule()[:, self.rank]
         self._yielded = start
-        for p in column[start:].tolist():
+        return self._yield(self.schedule()[start:, self.rank].tolist())
+
+    def _yield(self, pack_ids: list[int]) -> Iterator[list[int]]:
+        for p in pack_ids:
             self._yielded += 1
             yield list(self.packs[p])
 
