@@ -173,7 +173,7 @@ def test_state_dict_with_consumed_count_for_prefetching_loaders():
 
 def test_resume_refuses_another_world_size_or_plan():
     state = PackedBatchSampler([3, 4, 5], 8, num_replicas=2, rank=0).state_dict()
-    with pytest.raises(ValueError, match="num_replicas=2.*same world size and plan"):
+    with pytest.raises(ValueError, match=r"num_replicas=2.*same world size and plan"):
         PackedBatchSampler([3, 4, 5], 8, num_replicas=1, rank=0).load_state_dict(state)
     with pytest.raises(ValueError, match="same world size and plan"):
         PackedBatchSampler([3, 4, 6], 8, num_replicas=2, rank=0).load_state_dict(state)
