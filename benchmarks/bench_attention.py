@@ -1,0 +1,412 @@
+"""Packed attention: every kernel a user could pick, for the same episodes, fwd and fwd+bwd.
+
+ms (median of CUDA-event timed calls after warm-up, compile included in warm-up) and useful
+TFLOP/s, counting only in-episode (q, k) pairs that the mask keeps (fwd 4*pairs*D*H, fwd+bwd
+3.5x that, the FlashAttention convention). Each output is compared with one SDPA call per
+episode (the unpacked reference) before it is timed.
+
+Methods (rows):
+
+* ``packing.attention[auto|flex|flex_flash|varlen]``: the library call, (T, H, D) in.
+* ``flex triton + create_block_mask``: the same FlexAttention kernel with torch's mask builder.
+* ``FA4 varlen`` / ``torch varlen_attn``: ``cu_seqlens`` kernels called directly.
+* ``SDPA per episode``: one ``scaled_dot_product_attention`` call per episode (unpacked).
+* ``SDPA padded batch``: (K, H, L_max, D) with a key-padding mask.
+
+Masks: ``document`` (doc-only), ``frame_causal`` (32 tokens/frame), ``cross`` (video tokens
+-> the episode's 64-512 text tokens). ``aligned`` rows start every episode at a multiple of
+128 (pad tokens between episodes) to show what tile alignment buys.
+
+    python benchmarks/bench_attention.py              # H200, ~3 min (more the first time)
+    python benchmarks/bench_attention.py --quick      # tiny, CPU, for CI
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+from packing.attention import attention, fa4_available, prepare_attention
+from packing.layout import StreamLayout, layout_from_lengths
+from packing.masks import document_mask_mod, frame_causal, make_block_mask
+
+TPF = 32  # tokens per latent frame
+
+
+def aligned_layout(lengths: list[int], padded: int, align: int) -> StreamLayout:
+    """Each episode starts at a multiple of ``align``; pad (-1) between episodes."""
+    doc = torch.full((padded,), -1, dtype=torch.int32)
+    pos = torch.zeros(padded, dtype=torch.int32)
+    starts, s = [], 0
+    for k, n in enumerate(lengths):
+        starts.append(s)
+        doc[s : s + n] = k
+        pos[s : s + n] = torch.arange(n, dtype=torch.int32)
+        s = -(-(s + n) // align) * align
+    if s > padded:
+        raise ValueError(f"aligned pack needs {s} tokens > {padded}")
+    cu = torch.tensor([*starts, starts[-1] + lengths[-1]], dtype=torch.int32)
+    return StreamLayout(
+        doc_ids_T=doc,
+        position_ids_T=pos,
+        cu_seqlens_K1=cu,  # not contiguous runs: only the Flex/SDPA paths use this layout
+        max_seqlen=max(lengths),
+        lengths_K=tuple(lengths),
+        steps_K=tuple(n // TPF for n in lengths),
+    )
+
+
+def pairs(lengths: list[int], mask: str, kv_lengths: list[int] | None = None) -> list[float]:
+    """Useful (q, k) pairs per episode under ``mask``."""
+    if mask == "cross":
+        assert kv_lengths is not None
+        return [q * k for q, k in zip(lengths, kv_lengths, strict=True)]
+    if mask == "frame_causal":
+        return [TPF * TPF * (n // TPF) * (n // TPF + 1) / 2 for n in lengths]
+    return [n * n for n in lengths]
+
+
+class Case:
+    """One workload: episode lengths, layouts and tensors on the device."""
+
+    def __init__(self, name: str, lengths: list[int], budget: int, heads: int, dim: int,
+                 device: torch.device, dtype: torch.dtype, rng: torch.Generator,
+                 text: bool) -> None:  # fmt: skip
+        self.name, self.lengths, self.budget = name, lengths, budget
+        self.heads, self.dim, self.device, self.dtype = heads, dim, device, dtype
+        self.layout = layout_from_lengths(lengths, [n // TPF for n in lengths], budget, TPF)
+        self.aligned = aligned_layout(lengths, budget + 128 * len(lengths), 128)
+        self.text_lengths = [int(x) for x in torch.randint(64, 513, (len(lengths),), generator=rng)]
+        tb = -(-sum(self.text_lengths) // 128) * 128
+        self.text_layout = layout_from_lengths(self.text_lengths, self.text_lengths, tb, 1)
+
+        def r(t: int) -> torch.Tensor:
+            return torch.randn(t, heads, dim, generator=rng).to(device=device, dtype=dtype)
+
+        self.q, self.k, self.v = r(budget), r(budget), r(budget)
+        self.kt, self.vt = r(tb), r(tb)
+        ta = self.aligned.padded_len
+        self.qa, self.ka, self.va = r(ta), r(ta), r(ta)
+
+    def flops(self, mask: str, backward: bool) -> float:
+        kv = self.text_lengths if mask == "cross" else None
+        p = pairs(self.lengths, mask, kv)
+        return 4.0 * sum(p) * self.dim * self.heads * (3.5 if backward else 1.0)
+
+
+def _req(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def run_fn(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], backward: bool
+           ) -> Callable[[], None]:  # fmt: skip
+    if not backward:
+
+        def fwd() -> None:
+            with torch.no_grad():
+                fn(*inputs)
+
+        return fwd
+    leaves = _req(*inputs)
+    grad: list[torch.Tensor] = []
+
+    def fwd_bwd() -> None:
+        out = fn(*leaves)
+        if not grad:
+            grad.append(torch.randn_like(out))
+        out.backward(grad[0])
+
+    return fwd_bwd  # fmt: skip
+
+
+# ------------------------------------------------------------------ the alternatives
+def sdpa_per_episode(case: Case, mask: str) -> Callable[..., torch.Tensor]:
+    cu = [0, *torch.tensor(case.lengths).cumsum(0).tolist()]
+    cu_t = [0, *torch.tensor(case.text_lengths).cumsum(0).tolist()]
+    dense: list[torch.Tensor | None] = []
+    for n in case.lengths:
+        if mask == "frame_causal":
+            f = torch.arange(n, device=case.device) // TPF
+            dense.append(f[:, None] >= f[None, :])
+        else:
+            dense.append(None)
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kt: torch.Tensor | None = None,
+           vt: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        outs = []
+        for i in range(len(case.lengths)):
+            qs = q[cu[i] : cu[i + 1]].transpose(0, 1)[None]
+            if mask == "cross":
+                assert kt is not None and vt is not None
+                ks = kt[cu_t[i] : cu_t[i + 1]].transpose(0, 1)[None]
+                vs = vt[cu_t[i] : cu_t[i + 1]].transpose(0, 1)[None]
+            else:
+                ks = k[cu[i] : cu[i + 1]].transpose(0, 1)[None]
+                vs = v[cu[i] : cu[i + 1]].transpose(0, 1)[None]
+            outs.append(
+                F.scaled_dot_product_attention(qs, ks, vs, attn_mask=dense[i])[0].transpose(0, 1)
+            )
+        out = torch.cat(outs)
+        pad = q.shape[0] - out.shape[0]
+        return torch.cat([out, out.new_zeros(pad, *out.shape[1:])]) if pad else out
+
+    return fn
+
+
+def sdpa_padded(case: Case, mask: str) -> Callable[..., torch.Tensor]:
+    """(K, H, L_max, D) with a key-padding (and frame-causal) mask; scatter back to packed."""
+    L = max(case.lengths)
+    dev = case.device
+    lengths = torch.tensor(case.lengths, device=dev)
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    t = torch.arange(L, device=dev)
+    valid = t[None, :] < lengths[:, None]  # (K, L)
+    idx = (cu[:-1, None] + t[None, :]).clamp(max=case.budget - 1)  # (K, L) token index
+    tl = torch.tensor(case.text_lengths, device=dev)
+    Lt = int(tl.max())
+    cu_t = torch.cat([tl.new_zeros(1), tl.cumsum(0)])
+    tt = torch.arange(Lt, device=dev)
+    valid_t = tt[None, :] < tl[:, None]
+    idx_t = (cu_t[:-1, None] + tt[None, :]).clamp(max=case.kt.shape[0] - 1)
+    if mask == "cross":
+        attn_mask = valid_t[:, None, None, :]
+    elif mask == "frame_causal":
+        f = t // TPF
+        attn_mask = valid[:, None, None, :] & (f[:, None] >= f[None, :])[None, None]
+    else:
+        attn_mask = valid[:, None, None, :]
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kt: torch.Tensor | None = None,
+           vt: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        qb = q[idx].transpose(1, 2)  # (K, H, L, D)
+        if mask == "cross":
+            assert kt is not None and vt is not None
+            kb, vb = kt[idx_t].transpose(1, 2), vt[idx_t].transpose(1, 2)
+        else:
+            kb, vb = k[idx].transpose(1, 2), v[idx].transpose(1, 2)
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=attn_mask).transpose(1, 2)
+        out = q.new_zeros(q.shape)
+        return out.index_put((idx[valid],), ob[valid])
+
+    return fn
+
+
+def varlen_direct(case: Case, mask: str, kind: str) -> Callable[..., torch.Tensor]:
+    dev = case.device
+    cu_q = case.layout.cu_seqlens_K1.to(dev)
+    cu_k = case.text_layout.cu_seqlens_K1.to(dev) if mask == "cross" else cu_q
+    max_q = max(case.lengths)
+    max_k = max(case.text_lengths) if mask == "cross" else max_q
+    real = sum(case.lengths)
+    real_k = sum(case.text_lengths) if mask == "cross" else real
+    if kind == "fa4":
+        from flash_attn.cute.interface import flash_attn_varlen_func as f4
+    else:
+        from torch.nn.attention.varlen import varlen_attn
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kt: torch.Tensor | None = None,
+           vt: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if mask == "cross":
+            assert kt is not None and vt is not None
+            k, v = kt, vt
+        qs, ks, vs = q[:real], k[:real_k], v[:real_k]
+        if kind == "fa4":
+            res = f4(qs, ks, vs, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                     max_seqlen_k=max_k)  # fmt: skip
+            out = res[0] if isinstance(res, tuple) else res
+        else:
+            out = varlen_attn(qs, ks, vs, cu_q, cu_k, max_q, max_k)
+        pad = q.shape[0] - real
+        return torch.cat([out, out.new_zeros(pad, *out.shape[1:])]) if pad else out
+
+    return fn
+
+
+_FLEX: Any = None
+
+
+def flex_direct(case: Case, mask: str, builder: str, backend: str) -> Callable[..., torch.Tensor]:
+    """FlexAttention called directly, (1, H, T, D) views of the THD tensors (the strides
+    packing.attention uses, so both share one compiled kernel)."""
+    global _FLEX
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    dev = case.device
+    doc = case.layout.doc_ids_T.to(dev)
+    kv_doc = case.text_layout.doc_ids_T.to(dev) if mask == "cross" else None
+    inner = frame_causal(TPF) if mask == "frame_causal" else None
+    if builder == "ours":
+        bm = make_block_mask(doc, kv_doc, inner)
+    else:
+        mod = document_mask_mod(doc, kv_doc, inner)
+        tk = doc.shape[0] if kv_doc is None else kv_doc.shape[0]
+        bm = create_block_mask(mod, None, None, doc.shape[0], tk, device=dev, _compile=True)
+    opts = {"BACKEND": "FLASH"} if backend == "flash" else None
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kt: torch.Tensor | None = None,
+           vt: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if mask == "cross":
+            assert kt is not None and vt is not None
+            k, v = kt, vt
+        out = _FLEX(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                    block_mask=bm, kernel_options=opts)  # fmt: skip
+        return out[0].transpose(0, 1)
+
+    return fn
+
+
+def library(case: Case, mask: str, backend: str, aligned: bool = False
+            ) -> tuple[Callable[..., torch.Tensor], str]:  # fmt: skip
+    lay = case.aligned if aligned else case.layout
+    inner = frame_causal(TPF) if mask == "frame_causal" else None
+    kv = case.text_layout if mask == "cross" else None
+    m = prepare_attention(lay, kv, inner, backend, device=case.device, dtype=case.dtype)  # type: ignore[arg-type]
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kt: torch.Tensor | None = None,
+           vt: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if mask == "cross":
+            assert kt is not None and vt is not None
+            return attention(q, kt, vt, m)
+        return attention(q, k, v, m)
+
+    return fn, f"{m.backend}/{m.kernel}"
+
+
+# ------------------------------------------------------------------ driver
+def methods_for(case: Case, mask: str, quick: bool) -> list[tuple[str, Callable[[], Any]]]:
+    """(label, factory) pairs valid for this mask on this device; factories build lazily so a
+    missing kernel fails one row, not the run."""
+    cuda = case.device.type == "cuda"
+    fa4 = fa4_available()
+    out: list[tuple[str, Callable[[], Any]]] = [
+        ("packing.attention[auto]", lambda: library(case, mask, "auto"))
+    ]
+    if cuda:
+        out.append(("packing.attention[flex]", lambda: library(case, mask, "flex")))
+        if fa4:
+            out.append(("packing.attention[flex_flash]", lambda: library(case, mask, "flex_flash")))
+        if mask != "frame_causal":
+            out.append(("packing.attention[varlen]", lambda: library(case, mask, "varlen")))
+        if mask == "document":
+            out.append(("flex triton + create_block_mask",
+                        lambda: (flex_direct(case, mask, "cbm", "triton"), "flex/triton")))  # fmt: skip
+            out.append(("flex triton, aligned to 128",
+                        lambda: library(case, mask, "flex", aligned=True)))  # fmt: skip
+            if fa4:
+                out.append(("flex FLASH, aligned to 128",
+                            lambda: library(case, mask, "flex_flash", aligned=True)))  # fmt: skip
+        if mask != "frame_causal":
+            if fa4:
+                out.append(
+                    ("FA4 varlen (direct)", lambda: (varlen_direct(case, mask, "fa4"), "fa4"))
+                )
+            out.append(("torch varlen_attn (direct)",
+                        lambda: (varlen_direct(case, mask, "torch"), "torch")))  # fmt: skip
+    out.append(("SDPA per episode", lambda: (sdpa_per_episode(case, mask), "sdpa loop")))
+    out.append(("SDPA padded batch", lambda: (sdpa_padded(case, mask), "sdpa padded")))
+    return out
+
+
+def main() -> None:
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--masks", default="document,frame_causal,cross")
+    p.add_argument("--regimes", default="seed,short")
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    rng = torch.Generator().manual_seed(args.seed)
+    regimes = {
+        # name: (budget, lo, hi) tokens per episode, multiples of one frame
+        "seed": (65536, 4608, 10752),
+        "short": (49152, 320, 2528),
+    }
+    if args.quick:
+        regimes = {"seed": (1024, 256, 512), "short": (768, 32, 160)}
+        args.heads, args.dim, args.iters = 2, 16, 2
+    rows: list[dict[str, Any]] = []
+    for rname in args.regimes.split(","):
+        budget, lo, hi = regimes[rname]
+        lengths = common.fill_pack(rng, budget - 128, lo, hi, multiple=TPF)
+        case = Case(f"{rname}: {len(lengths)} eps, {sum(lengths) / 1e3:.1f}K tok", lengths,
+                    budget, args.heads, args.dim, dev, dtype, rng, text=True)  # fmt: skip
+        print(f"\n## {case.name} (lengths {lengths})", flush=True)
+        for mask in args.masks.split(","):
+            ins = [case.q, case.k, case.v, case.kt, case.vt]
+            ref_fn = sdpa_per_episode(case, mask)
+            with torch.no_grad():
+                ref = ref_fn(*ins).float()
+            real = sum(case.lengths)
+            for label, factory in methods_for(case, mask, args.quick):
+                aligned = "aligned" in label
+                try:
+                    fn, kernel = factory()
+                    if aligned:
+                        # same tokens, scattered to aligned positions; compare on real tokens
+                        dst = (case.aligned.doc_ids_T >= 0).nonzero().squeeze(1).to(dev)
+                        call_ins = [case.qa, case.ka, case.va]
+                        case.qa[dst] = case.q[:real]
+                        case.ka[dst] = case.k[:real]
+                        case.va[dst] = case.v[:real]
+                        with torch.no_grad():
+                            got = fn(*call_ins)[dst].float()
+                    else:
+                        call_ins = ins
+                        with torch.no_grad():
+                            got = fn(*call_ins).float()[:real]
+                    err = float((got - ref[:real]).abs().max())
+                    row: dict[str, Any] = {"regime": rname, "mask": mask, "method": label,
+                                           "kernel": kernel, "max err": err}  # fmt: skip
+                    for bwd in (False, True):
+                        t = common.time_fn(run_fn(fn, call_ins, bwd), device=dev, warmup=2,
+                                           iters=args.iters)  # fmt: skip
+                        key = "fwd+bwd" if bwd else "fwd"
+                        row[f"{key} ms"] = t.median_ms
+                        row[f"{key} TFLOP/s"] = common.tflops(case.flops(mask, bwd), t.median_ms)
+                        row[f"{key} timing"] = t.as_dict()
+                except Exception as e:  # a failing kernel is a row with its error, not a crash
+                    row = {"regime": rname, "mask": mask, "method": label,
+                           "error": f"{type(e).__name__}: {str(e)[:300]}"}  # fmt: skip
+                tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
+                if "max err" in row and not (row["max err"] <= tol):
+                    row["error"] = f"max err {row['max err']:.3g} > {tol}: WRONG OUTPUT"
+                row.update(tokens=real, episodes=len(case.lengths), budget=case.budget,
+                           heads=args.heads, dim=args.dim)  # fmt: skip
+                rows.append(row)
+                print({k: v for k, v in row.items() if "timing" not in k}, flush=True)
+    summarize(rows)
+    cols = ["regime", "mask", "method", "kernel", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms",
+            "fwd+bwd TFLOP/s", "vs per-episode", "max err"]  # fmt: skip
+    print()
+    print(common.markdown_table(rows, cols))
+    common.write_json("attention", args, {"rows": rows, "fa4": fa4_available(),
+                                          "flops_convention": "fwd 4*pairs*D*H; bwd 2.5x fwd"},
+                      device=dev)  # fmt: skip
+    if not fa4_available():
+        print("\nNOTE: flash-attn-4 is not installed: FA4 varlen and Flex FLASH rows are absent.")
+
+
+def summarize(rows: list[dict[str, Any]]) -> None:
+    """Ratios inside each (regime, mask): vs the per-episode SDPA loop (fwd+bwd)."""
+    for r in rows:
+        base = next((b for b in rows if b["regime"] == r["regime"] and b["mask"] == r["mask"]
+                     and b["method"] == "SDPA per episode" and "fwd+bwd ms" in b), None)  # fmt: skip
+        if base and "fwd+bwd ms" in r and not math.isnan(r["fwd+bwd ms"]):
+            r["vs per-episode"] = base["fwd+bwd ms"] / r["fwd+bwd ms"]
+
+
+if __name__ == "__main__":
+    main()
