@@ -465,3 +465,18 @@ def test_default_dataset_regenerates_identically(tmp_path: Path) -> None:
         assert a["latents"].equal(b["latents"]) and a["action"].equal(b["action"]), i
     with pytest.raises(ValueError, match="shorter than 2 frames"):
         write_default_dataset(tmp_path / "x", lengths=(3, 1))
+
+
+# -- the end-to-end example ---------------------------------------------------------------------------
+
+
+def test_training_example_runs_on_the_default_dataset() -> None:
+    """docs/example_lerobot_training.py, imported and run: it cannot rot unnoticed."""
+    import runpy
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "example_lerobot_training.py"
+    main = runpy.run_path(str(path))["main"]
+    out = main(["--epochs", "1", "--workers", "0", "--token-budget", "1024"])
+    assert out["steps"] >= 2  # several packs, so several episodes share a pack
+    assert sorted(out["episodes_seen"]) == list(range(out["num_episodes"]))  # one epoch, each once
+    assert all(np.isfinite(out["losses"]))
