@@ -34,7 +34,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from packing.lerobot import LeRobotEpisodes  # noqa: E402
+from packing.lerobot import LeRobotEpisodes
 
 LATENT = (48, 8, 16)
 ACTION = 14
@@ -112,7 +112,7 @@ def machine() -> dict[str, Any]:
     for pkg in ("torch", "numpy", "pyarrow", "datasets", "lerobot"):
         try:
             versions[pkg] = version(pkg)
-        except Exception:  # noqa: BLE001 - a missing package is recorded, not fatal
+        except Exception:
             versions[pkg] = None
     return {
         "cpu": cpu,
