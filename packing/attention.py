@@ -252,15 +252,22 @@ def prepare_attention(
 
 
 def _with_tail(lay: StreamLayout) -> tuple[Tensor, int]:
-    """``cu_seqlens`` (K+2,) with the padding tail as a last sequence, and its max length.
+    """``cu_seqlens`` (K+2,) with the padding tail as a last sequence, and a max length.
 
-    Lengths ``[2, 4, 3]`` padded to 12 -> ``[0, 2, 6, 9, 12]``; ``max(4, 3) = 4``. Documents
-    padded up to a static ``max_docs`` (repeated offsets) stay empty sequences.
+    Lengths ``[2, 4, 3]`` padded to 12 -> ``[0, 2, 6, 9, 12]``. Documents padded up to a
+    static ``max_docs`` (repeated offsets) stay empty sequences. The max length is rounded up
+    to a multiple of 256 (capped at the padded length): the kernels only size their grid with
+    it, and a value that changed every step would recompile a compiled model every step.
     """
     cu = lay.cu_seqlens_K1.to(torch.int32)
     tail = lay.padded_len - lay.num_tokens
     end = torch.full((1,), lay.padded_len, dtype=torch.int32, device=cu.device)
-    return torch.cat([cu, end]).contiguous(), max(lay.max_seqlen, tail, 1)
+    longest = max(lay.max_seqlen, tail, 1)
+    bucket = min(-(-longest // _MAX_SEQLEN_BUCKET) * _MAX_SEQLEN_BUCKET, max(lay.padded_len, 1))
+    return torch.cat([cu, end]).contiguous(), bucket
+
+
+_MAX_SEQLEN_BUCKET = 256
 
 
 # -- the call ----------------------------------------------------------------------------------
@@ -335,18 +342,16 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
             )
         q, k, v = q.detach(), k.detach(), v.detach()
     fn = _flex_fn(q.device)
-    with warnings.catch_warnings():
-        # Eager flex on CPU is deliberate (a forward cross-check); its "not compiled" warning
-        # would only repeat what `mask.reason` already says.
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = fn(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            block_mask=mask.block_mask,
-            scale=scale,
-            kernel_options=mask.kernel_options,
-        )
+    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    kw = dict(block_mask=mask.block_mask, scale=scale, kernel_options=mask.kernel_options)
+    if q.device.type == "cuda":
+        out = fn(*args, **kw)
+    else:
+        with warnings.catch_warnings():
+            # Eager flex on CPU is deliberate (a forward cross-check); its "not compiled"
+            # warning would only repeat what `mask.reason` already says.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch")
+            out = fn(*args, **kw)
     return out[0].transpose(0, 1)
 
 

@@ -365,6 +365,42 @@ class DiT(nn.Module):
         return torch.cat([t[:, None], hw], dim=1)
 
     # -- forward -------------------------------------------------------------------------------
+    @torch.compiler.disable
+    def prepare(self, batch: PackedBatch) -> dict[str, Any]:
+        """Everything host-side of a step, once: per-episode noise and timesteps, the joint
+        layout, RoPE positions, text tokens and the two attention masks shared by all blocks.
+
+        Kept out of ``torch.compile`` (it reads Python ints and seeds generators); what
+        follows in `forward` is pure tensor work with static shapes.
+        """
+        cfg = self.config
+        p = next(self.parameters())
+        dev = p.device
+        prep = self._inputs(batch)
+        joint = joint_layout(batch, ("latents", "action"))
+        if joint.layout.doc_ids_T.device != dev:
+            joint = joint.to(dev)
+        thw_v = batch.layout("latents").thw_T3
+        if thw_v is None:
+            raise ValueError("stream 'latents' must be a grid stream (Stream(grid=...))")
+        thw_a = self._action_thw(batch, dev)
+        prep["thw_J3"] = joint.join({"latents": thw_v.to(dev).long(), "action": thw_a})
+        prep["joint"] = joint
+        txt, txt_lay = self._text(batch, dev)
+        prep["text"] = txt
+        # Masks: built once per step, shared by every block.
+        q_lay = joint.layout if cfg.document_mask else _one_document(joint.layout)
+        kv_lay = txt_lay if cfg.document_mask else _one_document(txt_lay)
+        inner = frame_causal(cfg.tokens_per_frame) if cfg.frame_causal else None
+        adt = _attention_dtype(p)
+        prep["self_mask"] = prepare_attention(
+            q_lay, None, inner, cfg.attention, device=dev, dtype=adt
+        )
+        prep["cross_mask"] = prepare_attention(
+            q_lay, kv_lay, None, cfg.attention, device=dev, dtype=adt
+        )
+        return prep
+
     def predict(self, batch: PackedBatch) -> dict[str, Tensor]:
         """Per-token velocity predictions ``{"latents": (T_v, C*ph*pw), "action": (T_a, A)}``."""
         return self._run(batch)[0]
@@ -381,44 +417,26 @@ class DiT(nn.Module):
 
     def _run(self, batch: PackedBatch) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         cfg = self.config
-        p = next(self.parameters())
-        dev = p.device
-        inp = self._inputs(batch)
-        joint = joint_layout(batch, ("latents", "action"))
-        if joint.layout.doc_ids_T.device != dev:
-            joint = joint.to(dev)
-        lat_lay = batch.layout("latents")
+        prep = self.prepare(batch)
+        joint = prep["joint"]
 
         # Tokens: patchified latents and actions, one joint sequence per pack.
-        x_v = self.patch_embed(self.patchify(inp["xt_lat"]))
-        x_a = self.action_embed(inp["xt_act"])
+        x_v = self.patch_embed(self.patchify(prep["xt_lat"]))
+        x_a = self.action_embed(prep["xt_act"])
         x = joint.join({"latents": x_v, "action": x_a})
-        thw_v = lat_lay.thw_T3
-        if thw_v is None:
-            raise ValueError("stream 'latents' must be a grid stream (Stream(grid=...))")
-        thw = joint.join({"latents": thw_v.to(dev).long(), "action": self._action_thw(batch, dev)})
-        angles = rope_angles(thw, cfg.head_dim, cfg.rope_theta)
+        angles = rope_angles(prep["thw_J3"], cfg.head_dim, cfg.rope_theta)
 
         # Conditioning: the timestep MLP runs on K rows, then is gathered to the J tokens.
-        e_K = self.time_mlp(timestep_embedding(inp["t_K"], cfg.freq_dim).to(p.dtype))
+        t_emb = timestep_embedding(prep["t_K"], cfg.freq_dim).to(x_v.dtype)
+        e_K = self.time_mlp(t_emb)
         e0_K = self.time_proj(e_K).unflatten(1, (6, cfg.dim))
         ids_J = joint.layout.doc_ids_T
         e_J = broadcast_to_tokens(e_K, ids_J)
         e0_J = broadcast_to_tokens(e0_K, ids_J)
-
-        txt, txt_lay = self._text(batch, dev)
-        ctx = self.text_mlp(self.text_embed(txt))
-
-        # Masks: built once per step, shared by every block.
-        q_lay = joint.layout if cfg.document_mask else _one_document(joint.layout)
-        kv_lay = txt_lay if cfg.document_mask else _one_document(txt_lay)
-        inner = frame_causal(cfg.tokens_per_frame) if cfg.frame_causal else None
-        adt = _attention_dtype(p)
-        self_mask = prepare_attention(q_lay, None, inner, cfg.attention, device=dev, dtype=adt)
-        cross_mask = prepare_attention(q_lay, kv_lay, None, cfg.attention, device=dev, dtype=adt)
+        ctx = self.text_mlp(self.text_embed(prep["text"]))
 
         for block in self.blocks:
-            x = block(x, e0_J, ctx, angles, self_mask, cross_mask)
+            x = block(x, e0_J, ctx, angles, prep["self_mask"], prep["cross_mask"])
 
         shift, scale = (self.head_modulation + e_J[:, None]).unbind(1)
         x = self.head_norm(x) * (1 + scale) + shift
@@ -427,7 +445,7 @@ class DiT(nn.Module):
             "latents": self.video_head(parts["latents"]),
             "action": self.action_head(parts["action"]),
         }
-        target = {"latents": self.patchify(inp["v_lat"]), "action": inp["v_act"]}
+        target = {"latents": self.patchify(prep["v_lat"]), "action": prep["v_act"]}
         return pred, target
 
 

@@ -233,3 +233,16 @@ def test_verify_factory() -> None:
     assert not tiny_reference_model(document_mask=False).config.document_mask
     with pytest.raises(ValueError, match="mask='causal'"):
         tiny_reference_model(mask="causal")
+
+
+def test_leak_detector_finds_nothing_bit_exact_and_catches_the_broken_model() -> None:
+    from packing.leak import find_leaks
+
+    for frame_causal, gradients in ((False, True), (True, False)):
+        m = model(frame_causal=frame_causal).eval()
+        # atol=0: the other episodes' rows must stay bit-identical
+        report = find_leaks(m.predict, collate(m, EPISODES), gradients=gradients)
+        assert report.comparisons > 0
+        report.raise_if_leaking()
+    broken = model(document_mask=False).eval()
+    assert not find_leaks(broken.predict, collate(broken, EPISODES), gradients=False).ok
