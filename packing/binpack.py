@@ -22,6 +22,7 @@ the one-item-at-a-time version the tests compare it to).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -56,6 +57,20 @@ def _take(
     k = k_max[:m].copy()
     k[-1] -= max(int(cum[m - 1]) - c, 0)
     return m, k
+
+
+def _assign(out: np.ndarray, pos: int, bins: Sequence[int], per: int, last: int) -> None:
+    """out[pos:] = each of ``bins`` repeated ``per`` times, the last one ``last`` times."""
+    n = per * (len(bins) - 1) + last
+    if n <= 16:  # numpy's call overhead dominates for a few items
+        for j, b in enumerate(bins):
+            for _ in range(per if j < len(bins) - 1 else last):
+                out[pos] = b
+                pos += 1
+        return
+    reps = np.full(len(bins), per, dtype=np.int64)
+    reps[-1] = last
+    out[pos : pos + n] = np.repeat(np.asarray(bins, dtype=np.int64), reps)
 
 
 def best_fit_decreasing(
@@ -93,37 +108,43 @@ def best_fit_decreasing(
         while c > 0 and i < len(levels):
             r = levels[i]
             bins = bins_at[r]
-            window = min(len(bins), c)  # every open bin takes at least one item
-            cand = np.asarray(bins[len(bins) - window :][::-1], dtype=np.int64)
-            k_max: np.ndarray = np.full(window, r // L, dtype=np.int64)
-            if max_docs is not None:
-                k_max = np.minimum(k_max, max_docs - docs[cand])
-            m, k = _take(k_max, c)
-            used = cand[:m]
-            placed = int(k.sum())
-            bin_sorted[pos : pos + placed] = np.repeat(used, k)
+            if max_docs is None:  # plain ints: most levels hold a handful of bins
+                per = r // L
+                m = min(len(bins), -(-c // per))
+                used = bins[len(bins) - m :]
+                last = min(per, c - per * (m - 1))
+                _assign(bin_sorted, pos, used, per, last)
+                placed = per * (m - 1) + last
+                if m > 1:
+                    moves.append((used[:-1], r - per * L))
+                moves.append((used[-1:], r - last * L))
+            else:
+                window = min(len(bins), c)  # every open bin takes at least one item
+                cand = np.asarray(bins[len(bins) - window :][::-1], dtype=np.int64)
+                k_max = np.minimum(r // L, max_docs - docs[cand])
+                m, k = _take(k_max, c)
+                used_a = cand[:m]
+                placed = int(k.sum())
+                bin_sorted[pos : pos + placed] = np.repeat(used_a, k)
+                docs[used_a] += k
+                rooms = r - k * L
+                keep = (rooms >= min_len) & (docs[used_a] < max_docs)
+                for room in np.unique(rooms[keep]).tolist():
+                    moves.append((used_a[keep & (rooms == room)].tolist(), room))
             pos, c = pos + placed, c - placed
-            docs[used] += k
             del bins[len(bins) - m :]
             if not bins:
                 del bins_at[r]
                 levels.pop(i)
             else:
                 i += 1
-            rooms = r - k * L
-            keep = rooms >= min_len
-            if max_docs is not None:
-                keep &= docs[used] < max_docs
-            for room in np.unique(rooms[keep]).tolist():
-                moves.append((used[keep & (rooms == room)].tolist(), room))
         if c > 0:  # no open bin has room: open new ones, each filled with the run
             per = budget // L
             if max_docs is not None:
                 per = min(per, max_docs)
             need = -(-c // per)
-            ids = n_bins + np.arange(c, dtype=np.int64) // per
-            bin_sorted[pos : pos + c] = ids
             last = c - per * (need - 1)
+            _assign(bin_sorted, pos, range(n_bins, n_bins + need), per, last)
             docs[n_bins : n_bins + need - 1] = per
             docs[n_bins + need - 1] = last
             full_open = max_docs is None or per < max_docs
@@ -244,7 +265,10 @@ def best_fit_lookahead(lengths: np.ndarray, budget: int, max_docs: int | None = 
     order, sorted_len = _decreasing(lengths)
     starts, stops = _runs(sorted_len)
     vals = [int(sorted_len[s]) for s in reversed(starts)]  # distinct lengths, ascending
-    stack = {int(sorted_len[s]): list(range(e - 1, s - 1, -1)) for s, e in zip(starts, stops, strict=False)}
+    stack = {
+        int(sorted_len[s]): list(range(e - 1, s - 1, -1))
+        for s, e in zip(starts, stops, strict=False)
+    }
     cap = n if max_docs is None else max_docs
     b = 0
 
