@@ -80,9 +80,7 @@ class ToyActionModel(nn.Module):
         else:
             mod = broadcast_to_tokens(self.cond(t_K[:, None]), lay)
         scale, shift = mod.chunk(2, dim=-1)
-        pos = (
-            torch.arange(lay.padded_len) if self.global_positions else lay.position_ids_T.long()
-        )
+        pos = torch.arange(lay.padded_len) if self.global_positions else lay.position_ids_T.long()
         h = (self.inp(xt) + self.pos(pos)) * (1 + scale) + shift
         if self.document_mask:
             mask = prepare_attention(lay, backend="sdpa")
@@ -181,7 +179,7 @@ def test_correct_packed_model_passes_with_margin() -> None:
 
 
 def test_per_token_conditioning_is_slow_not_wrong() -> None:
-    report = _compare(ToyActionModel(per_token_conditioning=True))
+    report = _compare(ToyActionModel(per_token_conditioning=True), leak_check=False)
     assert report.passed, report.format()
 
 
@@ -202,7 +200,7 @@ def test_no_document_mask_fails_and_names_the_leak() -> None:
 
 
 def test_global_rng_noise_fails() -> None:
-    report = _compare(ToyActionModel(global_rng=True), leak_check=False)
+    report = _compare(ToyActionModel(global_rng=True), leak_check=False, steps=1)
     assert not report.passed
     assert report.loss_rel > 1e-3
 
@@ -216,7 +214,7 @@ def test_positions_not_reset_per_episode_fails() -> None:
 
 
 def test_mean_of_means_normaliser_fails() -> None:
-    report = _compare(ToyActionModel(), normalise="per-micro-step", leak_check=False)
+    report = _compare(ToyActionModel(), normalise="per-micro-step", leak_check=False, steps=1)
     assert not report.passed
     assert report.loss_rel > 1e-3
 
@@ -230,3 +228,150 @@ def test_packs_must_cover_every_episode_once() -> None:
             collate_packed=PackedCollator([Stream("action")]),
             packs=[[0]],
         )
+
+
+# -- the reference model on the embedded default dataset ------------------------------------------
+@pytest.fixture(scope="module")
+def default_episodes() -> list[dict]:
+    """The first five episodes of the embedded dataset, through the user's loading path."""
+    from packing.default_dataset import default_dataset_root
+    from packing.lerobot import LeRobotEpisodes
+
+    ds = LeRobotEpisodes(default_dataset_root(), keys=["latents", "action"])
+    return [ds[i] for i in range(5)]  # 5, 2, 9, 3, 7 latent frames
+
+
+def _small_dit(**overrides):
+    from packing.model import DiT, DiTConfig
+
+    torch.manual_seed(0)
+    small = dict(dim=32, heads=2, depth=1, ffn_dim=64, freq_dim=32, text_len=16)
+    return DiT(DiTConfig.tiny(**{**small, **overrides}))
+
+
+def _compare_dit(model: nn.Module, episodes: list[dict], **kw):
+    from packing.plan import plan_packs
+
+    budget = 384
+    lengths = [e["latents"].shape[0] * 32 for e in episodes]
+    packs = plan_packs(lengths, budget).packs
+    assert max(len(p) for p in packs) >= 2  # guard: some pack really holds several episodes
+    return compare_packed_unpacked(
+        model,
+        episodes,
+        collate_unpacked=PackedCollator(model.streams),
+        collate_packed=PackedCollator(model.streams, token_budget=budget),
+        packs=packs,
+        steps=kw.pop("steps", 2),
+        **kw,
+    )
+
+
+def test_reference_dit_passes(default_episodes: list[dict]) -> None:
+    report = _compare_dit(_small_dit(), default_episodes)
+    assert report.passed, report.format()
+    assert report.leak is not None and report.leak.ok
+    assert report.leak.inputs == ("latents", "action")
+
+
+def test_reference_dit_frame_causal_passes(default_episodes: list[dict]) -> None:
+    report = _compare_dit(_small_dit(frame_causal=True), default_episodes, leak_check=False)
+    assert report.passed, report.format()
+
+
+def test_reference_dit_without_document_mask_fails(default_episodes: list[dict]) -> None:
+    report = _compare_dit(_small_dit(document_mask=False), default_episodes, steps=1)
+    assert not report.passed
+    assert report.leak is not None and report.leak.pairs
+    assert report.loss_rel > 1e-4
+
+
+def test_reference_dit_with_global_rng_noise_fails(
+    default_episodes: list[dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import packing.model
+
+    def global_noise(batch, *, seed, step, stream, dtype=None, **_):
+        x = batch.streams[stream]
+        return torch.randn(x.shape, dtype=dtype or torch.float32)  # the mistake
+
+    monkeypatch.setattr(packing.model, "packed_noise", global_noise)
+    report = _compare_dit(_small_dit(), default_episodes, leak_check=False, steps=1)
+    assert not report.passed
+    assert report.loss_rel > 1e-3
+
+
+class GlobalPositions(nn.Module):
+    """Wraps a packed model and hands it positions that run on across the pack (the mistake):
+    1D positions are the index in the pack, (t, h, w) counts frames from the pack's start."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.streams = inner.streams
+
+    @staticmethod
+    def _global(batch: PackedBatch) -> PackedBatch:
+        from dataclasses import replace
+
+        layouts = {}
+        for name, lay in batch.layouts.items():
+            pos = torch.arange(lay.padded_len, dtype=lay.position_ids_T.dtype)
+            thw = None
+            if lay.thw_T3 is not None:
+                thw = lay.thw_T3.clone()
+                thw[:, 0] = pos // lay.tokens_per_step
+            layouts[name] = replace(lay, position_ids_T=pos, thw_T3=thw)
+        extras = {k: v for k, v in batch.extras.items() if k != "_joint"}
+        return replace(batch, layouts=layouts, extras=extras)
+
+    def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        return self.inner(self._global(batch))
+
+    def predict(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        return self.inner.predict(self._global(batch))
+
+
+def _camera_rate_actions(episodes: list[dict]) -> list[dict]:
+    """Actions at the camera rate, before the VAE's 4x temporal compression: 4F - 3 actions for
+    F latent frames, so the action-per-frame ratio changes with the episode's length."""
+    return [
+        {**e, "action": e["action"].repeat_interleave(4, dim=0)[: 4 * len(e["action"]) - 3]}
+        for e in episodes
+    ]
+
+
+def test_reference_dit_with_positions_not_reset_fails(default_episodes: list[dict]) -> None:
+    episodes = _camera_rate_actions(default_episodes)
+    assert _compare_dit(_small_dit(), episodes, leak_check=False, steps=1).passed  # data fine
+    report = _compare_dit(GlobalPositions(_small_dit()), episodes, steps=1)
+    assert not report.passed
+    assert report.loss_rel > 1e-6
+    # Not a leak: each episode still sees only itself; its positions are what changed.
+    assert report.leak is not None and report.leak.ok
+
+
+def test_rope_alone_hides_a_common_position_offset(default_episodes: list[dict]) -> None:
+    """With one action per latent frame, video and action positions run on by the same amount,
+    and RoPE only sees differences of positions: the mistake is invisible (docs/porting.md)."""
+    report = _compare_dit(
+        GlobalPositions(_small_dit()), default_episodes, leak_check=False, steps=1
+    )
+    assert report.passed, report.format()
+
+
+def test_reference_dit_with_mean_of_means_fails(default_episodes: list[dict]) -> None:
+    report = _compare_dit(
+        _small_dit(), default_episodes, normalise="per-micro-step", leak_check=False, steps=1
+    )
+    assert not report.passed
+    assert report.loss_rel > 1e-3
+
+
+def test_reference_dit_bf16_autocast_meets_the_bf16_tolerances(
+    default_episodes: list[dict],
+) -> None:
+    report = _compare_dit(_small_dit(), default_episodes, dtype=torch.bfloat16, leak_check=False)
+    assert report.tolerances == Tolerances.for_dtype(torch.bfloat16)
+    assert report.passed, report.format()
+    assert report.loss_rel > 0  # bf16 really ran: not bit-identical
