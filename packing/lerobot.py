@@ -54,7 +54,6 @@ _EPISODE_COLUMNS = [
     "dataset_from_index",
     "dataset_to_index",
 ]
-_NOT_NUMERIC = {"video", "image", "string"}
 
 
 def _check_root(root: Path) -> None:
@@ -303,6 +302,13 @@ class LeRobotEpisodes(Dataset):
             for name, col, invert in self._plan
             if not invert
         }
+        # Declared per-frame shape; a (1,) feature is served as (F,), like lerobot's scalars.
+        self._shapes = {
+            name: ()
+            if tuple(self.features[col]["shape"]) == (1,)
+            else tuple(self.features[col]["shape"])
+            for name, col, _ in self._plan
+        }
 
     def _check_numeric(self, key: str) -> None:
         dtype = self.features[key]["dtype"]
@@ -312,7 +318,11 @@ class LeRobotEpisodes(Dataset):
                 "Pre-encode the frames to latents and store them as a numeric feature (e.g. "
                 "'latents': {'dtype': 'float16', 'shape': (48, 8, 16)}), then request that key"
             )
-        if dtype in _NOT_NUMERIC:
+        try:
+            numeric = np.dtype(dtype).kind in "biuf"
+        except TypeError:
+            numeric = False
+        if not numeric:
             raise ValueError(
                 f"feature {key!r} has dtype {dtype!r}; LeRobotEpisodes serves numeric features "
                 "(encode images to latents stored as a numeric feature)"
@@ -337,6 +347,12 @@ class LeRobotEpisodes(Dataset):
         for name, want in self._dtypes.items():
             if item[name].dtype != want:  # stored type differs from the declared one
                 item[name] = item[name].to(want)
+        for name, shape in self._shapes.items():
+            if tuple(item[name].shape[1:]) != shape:
+                raise ValueError(
+                    f"episode {ep}: {name!r} has frames of shape {tuple(item[name].shape[1:])} "
+                    f"but meta/info.json declares {shape or (1,)}"
+                )
         item["episode_index"] = ep
         item["task"] = self.tasks[int(table.column("task_index")[0].as_py())]
         return item

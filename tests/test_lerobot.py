@@ -239,8 +239,11 @@ def test_is_pad_becomes_a_loss_mask_and_nothing_padded_reaches_the_loss(root: Pa
 # The test process has lerobot (and its threads) loaded for the reference reader; a user's
 # process that reads by root path has no extra threads when the workers fork.
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-def test_multiworker_dataloader_with_packed_collate(root: Path) -> None:
-    eps = LeRobotEpisodes(root, keys=KEYS)
+@pytest.mark.parametrize("source", ["root", "instance"])
+def test_multiworker_dataloader_with_packed_collate(
+    root: Path, reference: LeRobotDataset, source: str
+) -> None:
+    eps = LeRobotEpisodes(root if source == "root" else reference, keys=KEYS)
     packs = [[4, 0], [1, 2, 6], [3], [5]]  # a batch sampler: lists of item positions
     collate = PackedCollator(
         [Stream("latents", grid=(4, 8)), Stream("action"), Stream("action_loss_mask")],
@@ -480,3 +483,17 @@ def test_training_example_runs_on_the_default_dataset() -> None:
     assert out["steps"] >= 2  # several packs, so several episodes share a pack
     assert sorted(out["episodes_seen"]) == list(range(out["num_episodes"]))  # one epoch, each once
     assert all(np.isfinite(out["losses"]))
+
+
+def test_declared_shapes_and_dtypes_are_enforced(root: Path, tmp_path: Path) -> None:
+    def edit(info: dict[str, Any]) -> None:
+        info["features"]["action"]["shape"] = [7, 2]  # 14 values, but not the stored shape
+        info["features"]["language"] = {"dtype": "string", "shape": [1], "names": None}
+
+    r = _copy_with_info(root, tmp_path / "shape", edit)
+    with pytest.raises(
+        ValueError, match=r"'action' has frames of shape \(14,\).*declares \(7, 2\)"
+    ):
+        LeRobotEpisodes(r, keys=["action"])[0]
+    with pytest.raises(ValueError, match=r"'language' has dtype 'string'.*numeric"):
+        LeRobotEpisodes(r, keys=["language"])
