@@ -32,6 +32,7 @@ __all__ = [
     "best_fit_lookahead",
     "first_fit_decreasing",
     "next_fit",
+    "stable_argsort",
 ]
 
 
@@ -43,9 +44,24 @@ def _runs(sorted_len: np.ndarray) -> tuple[list[int], list[int]]:
     return starts, stops
 
 
+def stable_argsort(keys: np.ndarray) -> np.ndarray:
+    """Stable argsort of non-negative integers, as 16-bit radix passes (numpy radix-sorts
+    16-bit keys in O(N); int64 keys take a comparison sort, ~5x slower at 1M items)."""
+    if len(keys) == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.arange(len(keys))
+    top, shift = int(keys.max()), 0
+    while True:
+        digit = ((keys[order] >> shift) & 0xFFFF).astype(np.uint16)
+        order = order[np.argsort(digit, kind="stable")]
+        shift += 16
+        if top >> shift == 0:
+            return order
+
+
 def _decreasing(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    # Stable on the negated lengths: equal lengths keep index order, so plans are deterministic.
-    order = np.argsort(-lengths, kind="stable")
+    # Stable on the reversed lengths: equal lengths keep index order, so plans are deterministic.
+    order = stable_argsort(int(lengths.max()) - lengths)
     return order, lengths[order]
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -34,9 +35,10 @@ from packing.binpack import (
     best_fit_lookahead,
     first_fit_decreasing,
     next_fit,
+    stable_argsort,
 )
 
-__all__ = ["PackPlan", "frames_to_tokens", "plan_packs", "split_windows"]
+__all__ = ["PackPlan", "frames_to_tokens", "plan_packs", "slice_piece", "split_windows"]
 
 Algorithm = Literal["bfd", "ffd", "lookahead", "next_fit"]
 Oversize = Literal["error", "split", "drop"]
@@ -121,6 +123,29 @@ def split_windows(
         prev = out[-1][1]
         start = prev - overlap
         out.append((start, min(start + width, num_steps), prev))
+    return out
+
+
+def slice_piece(
+    episode: Mapping[str, Any], piece: Sequence[int], *, rows_per_step: Mapping[str, int]
+) -> dict[str, Any]:
+    """The window of ``episode`` that a split-plan item names, ready for the collator.
+
+    ``piece = (episode, start, stop, loss_start)`` in steps; ``rows_per_step`` says how many
+    rows of each step-level stream one step holds (a latent frame: 1; its 4 actions: 4).
+    Other values are copied. ``loss_start`` is returned in steps relative to the window: the
+    loss gives zero weight to steps before it (context already trained on)::
+
+        piece (7, 2, 6, 4), rows_per_step {"latents": 1, "action": 4}
+        -> latents[2:6], action[8:24], loss_start 2   (steps 2, 3 are context)
+    """
+    _, start, stop, loss_start = (int(v) for v in piece)
+    out = dict(episode)
+    for key, rows in rows_per_step.items():
+        if key not in episode:
+            raise KeyError(f"rows_per_step names {key!r}, which the episode does not have")
+        out[key] = episode[key][start * rows : stop * rows]
+    out["loss_start"] = loss_start - start
     return out
 
 
@@ -306,7 +331,7 @@ def plan_packs(
         raise ValueError(f"oversize={oversize!r}; choose 'error', 'split' or 'drop'")
     bin_K = _ALGORITHMS[algorithm](item_lengths[keep], token_budget, max_docs)
     # Group items by bin: a stable sort keeps each pack's items in their input order.
-    order = np.argsort(bin_K, kind="stable")
+    order = stable_argsort(bin_K)
     counts = np.bincount(bin_K, minlength=int(bin_K.max()) + 1 if len(bin_K) else 0)
     return PackPlan(
         items_N=keep[order].astype(np.int64),

@@ -19,7 +19,7 @@ from packing.binpack import (
     next_fit,
 )
 from packing.online import BufferedPacker
-from packing.plan import PackPlan, frames_to_tokens, plan_packs, split_windows
+from packing.plan import PackPlan, frames_to_tokens, plan_packs, slice_piece, split_windows
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ALGORITHMS = ["bfd", "ffd", "lookahead", "next_fit"]
@@ -264,3 +264,15 @@ def test_stream_packer_drops_loudly_or_raises():
         packs = list(packer([3, 9, 5, 4, 1]))
     assert packer.num_dropped == 1
     assert sorted(x for p in packs for x in p) == [1, 3, 4, 5]
+
+
+def test_slice_piece_cuts_every_step_stream_and_marks_the_context():
+    import torch
+
+    ep = {"latents": torch.arange(8), "action": torch.arange(32), "episode_index": 7}
+    got = slice_piece(ep, (7, 2, 6, 4), rows_per_step={"latents": 1, "action": 4})
+    assert got["latents"].tolist() == [2, 3, 4, 5]
+    assert got["action"].tolist() == list(range(8, 24))
+    assert got["loss_start"] == 2 and got["episode_index"] == 7
+    with pytest.raises(KeyError, match="'state'"):
+        slice_piece(ep, (7, 0, 1, 0), rows_per_step={"state": 1})
