@@ -49,7 +49,7 @@ def stable_argsort(keys: np.ndarray) -> np.ndarray:
     16-bit keys in O(N); int64 keys take a comparison sort, ~5x slower at 1M items)."""
     if len(keys) == 0:
         return np.zeros(0, dtype=np.int64)
-    order = np.arange(len(keys))
+    order: np.ndarray = np.arange(len(keys))
     top, shift = int(keys.max()), 0
     while True:
         digit = ((keys[order] >> shift) & 0xFFFF).astype(np.uint16)
