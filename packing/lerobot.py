@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from packing.hf import plan_columns, table_to_episode
 
 __all__ = ["LeRobotEpisodes", "episode_lengths"]
 
+_MAX_OPEN_FILES = 64  # parquet handles kept open per process (least recently used closed)
 _EPISODE_COLUMNS = [
     "episode_index",
     "length",
@@ -170,19 +172,23 @@ class _ParquetEpisodes:
                 )
             self.paths.append(path)
             self.row0[j] = r0
-        self._open: dict[Path, tuple[Any, np.ndarray]] = {}
+        self._open: OrderedDict[Path, tuple[Any, np.ndarray]] = OrderedDict()
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_open": {}}
+        return {**self.__dict__, "_open": OrderedDict()}
 
     def _file(self, path: Path) -> tuple[Any, np.ndarray]:
         if self._pid != os.getpid():  # forked: do not reuse the parent's handles
-            self._open, self._pid = {}, os.getpid()
-        if path not in self._open:
-            pf = require("pyarrow.parquet", extra="lerobot").ParquetFile(path, memory_map=True)
-            sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
-            self._open[path] = (pf, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+            self._open, self._pid = OrderedDict(), os.getpid()
+        if path in self._open:
+            self._open.move_to_end(path)
+            return self._open[path]
+        pf = require("pyarrow.parquet", extra="lerobot").ParquetFile(path, memory_map=True)
+        sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+        self._open[path] = (pf, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+        if len(self._open) > _MAX_OPEN_FILES:  # a big dataset must not exhaust file handles
+            self._open.popitem(last=False)[1][0].close()
         return self._open[path]
 
     def read(self, j: int, length: int, columns: list[str]) -> Any:
@@ -192,7 +198,7 @@ class _ParquetEpisodes:
         # episode). One thread: DataLoader workers are the parallelism.
         first = int(np.searchsorted(rg, r0, side="right")) - 1
         last = int(np.searchsorted(rg, r0 + length, side="left"))
-        table = pf.read_row_groups(range(first, last), columns=columns, use_threads=False)
+        table = pf.read_row_groups(list(range(first, last)), columns=columns, use_threads=False)
         return table.slice(r0 - int(rg[first]), length)
 
 
@@ -204,10 +210,14 @@ class _InstanceEpisodes:
         mapping = ds.absolute_to_relative_idx  # set only when the instance filters episodes
         self.row0 = np.array([lo_ if mapping is None else mapping[int(lo_)] for lo_ in lo])
         self._rows = ds.hf_dataset.with_format("arrow")  # drops lerobot's to-torch transform
+        self._selected: dict[tuple[str, ...], Any] = {}
 
     def read(self, j: int, length: int, columns: list[str]) -> Any:
+        key = tuple(columns)
+        if key not in self._selected:
+            self._selected[key] = self._rows.select_columns(columns)
         r0 = int(self.row0[j])
-        return self._rows.select_columns(columns)[r0 : r0 + length]
+        return self._selected[key][r0 : r0 + length]
 
 
 class LeRobotEpisodes(Dataset):

@@ -497,3 +497,14 @@ def test_declared_shapes_and_dtypes_are_enforced(root: Path, tmp_path: Path) -> 
         LeRobotEpisodes(r, keys=["action"])[0]
     with pytest.raises(ValueError, match=r"'language' has dtype 'string'.*numeric"):
         LeRobotEpisodes(r, keys=["language"])
+
+
+def test_file_handles_are_bounded(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import packing.lerobot as lr
+
+    monkeypatch.setattr(lr, "_MAX_OPEN_FILES", 1)
+    eps, full = LeRobotEpisodes(root, keys=["action"]), LeRobotEpisodes(root, keys=["action"])
+    order = [6, 0, 3, 6, 1, 5, 0, 2, 4]  # jumps between files, so handles are closed and reopened
+    for i in order:
+        assert eps[i]["action"].equal(full[i]["action"])
+        assert len(eps._reader._open) == 1  # type: ignore[union-attr]
