@@ -66,6 +66,12 @@ class DiTConfig:
     frame out as one step of ``grid = latent_hw / patch[1:]`` tokens. ``text_len`` caps the
     byte-level task text (BOS included). ``document_mask=False`` drops the document term from
     every attention mask: a deliberately broken model that `packing verify` must catch.
+
+    ``frame_causal=True`` applies ``packing.masks.frame_causal(tokens_per_frame)`` to the joint
+    sequence, whose episodes hold their video tokens first and their actions after them. So a
+    video token of frame f sees the episode's frames <= f (and no action); the actions see
+    all of the episode's video, and the actions of their own and earlier chunks of
+    ``tokens_per_frame`` actions. Cross-attention to the text stays document-only.
     """
 
     dim: int
@@ -309,12 +315,15 @@ class DiT(nn.Module):
     def _text(self, batch: PackedBatch, device: torch.device) -> tuple[Tensor, StreamLayout]:
         if "text" in batch.layouts:
             return batch.streams["text"].to(device), batch.layout("text").to(device)
+        k = batch.layout(batch.primary).num_docs
+        if k == 0:  # an all-padding pack (a rank with no episode): no text either
+            tokens, lay = pack_text([], self.config.text_len)
+            return tokens.to(device), lay.to(device)
         if "task" not in batch.per_episode:
             raise KeyError(
                 "the DiT attends to each episode's task text: the batch has neither a 'text' "
                 "stream (packing.model.text_tokens per episode) nor per-episode 'task' strings"
             )
-        k = batch.layout(batch.primary).num_docs
         tokens, lay = pack_text(list(batch.per_episode["task"])[:k], self.config.text_len)
         return tokens.to(device), lay.to(device)
 

@@ -246,3 +246,18 @@ def test_leak_detector_finds_nothing_bit_exact_and_catches_the_broken_model() ->
         report.raise_if_leaking()
     broken = model(document_mask=False).eval()
     assert not find_leaks(broken.predict, collate(broken, EPISODES), gradients=False).ok
+
+
+def test_an_all_padding_pack_gives_zero_loss_and_zero_gradients() -> None:
+    # What a data-parallel rank gets when there are fewer episodes than ranks.
+    m = model()
+    streams = [
+        Stream("latents", grid=(4, 8), step_shape=(48, 8, 16), dtype=torch.float16),
+        Stream("action", step_shape=(14,), dtype=torch.float32),
+    ]
+    empty = PackedCollator(streams)([])
+    empty.extras.update(seed=SEED, step=STEP)
+    out = m(empty)
+    assert all(v.shape[0] > 0 and (v == 0).all() for v in out.values())
+    sum(v.sum() for v in out.values()).backward()  # type: ignore[union-attr]
+    assert all(p.grad is None or (p.grad == 0).all() for p in m.parameters())
