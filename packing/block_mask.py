@@ -28,11 +28,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["BlockRule", "DocSide", "classify_blocks", "doc_side", "local_positions"]
+__all__ = [
+    "BlockRule",
+    "BlockTables",
+    "DocSide",
+    "block_tables",
+    "classify_blocks",
+    "doc_side",
+    "local_positions",
+    "tables_from_flags",
+]
 
 # (a, b, c, d) -> (may any pair be true, are all pairs true), for q rows a..b and kv columns
 # c..d (inclusive, episode-local, one episode). Elementwise over broadcast int64 tensors.
@@ -178,3 +188,57 @@ def _first_token_nonempty(q: DocSide, kv: DocSide, rule: BlockRule) -> Tensor:
 def _prefix(x_T: Tensor) -> Tensor:
     """(T+1,) exclusive prefix sum: ``out[j] - out[i]`` sums ``x[i:j]``."""
     return torch.nn.functional.pad(x_T.cumsum(0), (1, 0))
+
+
+class BlockTables(NamedTuple):
+    """The eight tensors of a FlexAttention ``BlockMask`` (batch and head dims of size 1).
+
+    ``kv_num_blocks[0, 0, i]`` partial kv tiles of q tile ``i``, listed first (ascending) in
+    ``kv_indices[0, 0, i]``; the ``full_`` pair lists the full tiles; the ``q_`` pairs are the
+    same tiles seen from the kv side (the backward pass walks them).
+    """
+
+    kv_num_blocks: Tensor
+    kv_indices: Tensor
+    full_kv_num_blocks: Tensor
+    full_kv_indices: Tensor
+    q_num_blocks: Tensor
+    q_indices: Tensor
+    full_q_num_blocks: Tensor
+    full_q_indices: Tensor
+
+
+def block_tables(
+    q_doc_T: Tensor,
+    kv_doc_T: Tensor,
+    rule: BlockRule,
+    q_block: int,
+    kv_block: int,
+    self_attention: bool,
+) -> BlockTables:
+    """Doc ids -> BlockMask tensors. Pure tensor code with static shapes: safe to compile."""
+    q = doc_side(q_doc_T, q_block)
+    kv = q if self_attention and q_block == kv_block else doc_side(kv_doc_T, kv_block)
+    any_QK, all_QK = classify_blocks(q, kv, rule, self_attention=self_attention)
+    return tables_from_flags(any_QK, all_QK)
+
+
+def tables_from_flags(any_QK: Tensor, all_QK: Tensor) -> BlockTables:
+    """Tile flags -> the eight BlockMask tensors (partial = any and not all)."""
+    partial_QK = any_QK & ~all_QK
+    kv = _ordered(partial_QK) + _ordered(all_QK)
+    q = _ordered(partial_QK.t()) + _ordered(all_QK.t())
+    return BlockTables(*(t[None, None] for t in kv + q))
+
+
+def _ordered(flags_QK: Tensor) -> tuple[Tensor, Tensor]:
+    """(num (Q,), indices (Q, K)) int32: row ``i`` lists its flagged columns first, ascending,
+    then the others (what a stable descending argsort gives, with a scan instead of a sort)."""
+    flags = flags_QK.to(torch.int32)
+    K = flags.shape[-1]
+    seen = flags.cumsum(-1, dtype=torch.int32)  # flagged columns up to and including j
+    num = seen[:, -1:]
+    col = torch.arange(K, device=flags.device, dtype=torch.int32).expand_as(flags)
+    slot = torch.where(flags.bool(), seen - 1, num + col - seen)
+    idx = torch.empty_like(flags).scatter_(-1, slot.long(), col)
+    return num[:, 0].contiguous(), idx

@@ -38,7 +38,15 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from packing.block_mask import BlockRule, classify_blocks, doc_side, local_positions
+from packing.block_mask import (
+    BlockRule,
+    BlockTables,
+    block_tables,
+    classify_blocks,
+    doc_side,
+    local_positions,
+    tables_from_flags,
+)
 
 __all__ = [
     "InnerMask",
@@ -236,6 +244,7 @@ def make_block_mask(
     block_size: int | tuple[int, int] = 128,
     *,
     inner_fallback: Literal["evaluate", "partial", "error"] = "evaluate",
+    compile: bool = False,
 ) -> BlockMask:
     """FlexAttention ``BlockMask`` for ``document_mask_mod(doc_ids, kv_doc_ids, inner)``.
 
@@ -267,19 +276,22 @@ def make_block_mask(
       full tiles and no sparsity from the inner mask.
     * ``"error"``: raise, for hot paths that must stay sync-free.
 
-    ``block_size`` is an int or ``(q_block, kv_block)``.
+    ``block_size`` is an int or ``(q_block, kv_block)``. ``compile=True`` runs the tile
+    classification through ``torch.compile`` (static shapes, one graph per ``(T_q, T_kv,
+    block_size, inner)``; the first call compiles): eager it is ~100 small kernels, which on a
+    GPU costs launch overhead rather than work. Reuse the same inner object (the factories here
+    are cached) so the compiled graph is reused.
     """
     q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
     bq, bkv = _block_sizes(block_size)
     if inner_fallback not in ("evaluate", "partial", "error"):
         raise ValueError(f"inner_fallback={inner_fallback!r}; use 'evaluate', 'partial' or 'error'")
     mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
-    q_side = doc_side(q_doc, bq)
-    kv_side = q_side if self_attention and bq == bkv else doc_side(kv_doc, bkv)
 
     rule: BlockRule | None = _document_only if inner is None else getattr(inner, "block_rule", None)
     if rule is not None:
-        any_QK, all_QK = classify_blocks(q_side, kv_side, rule, self_attention=self_attention)
+        build = _compiled_block_tables() if compile else block_tables
+        tables = build(q_doc, kv_doc, rule, bq, bkv, self_attention)
     elif inner_fallback == "error":
         raise ValueError(
             f"inner mask {_name(inner)!r} has no block_rule and inner_fallback='error'; attach "
@@ -287,24 +299,29 @@ def make_block_mask(
             "inner_fallback='evaluate' (one sync) or 'partial' (no full tiles)"
         )
     else:
+        q_side = doc_side(q_doc, bq)
+        kv_side = doc_side(kv_doc, bkv)
         any_QK, all_QK = classify_blocks(q_side, kv_side, _unknown, self_attention=self_attention)
         if inner_fallback == "evaluate":
-            any_QK, all_QK = _evaluate_tiles(
-                mask_mod, any_QK, q_side.doc_T.shape[0], kv_side.doc_T.shape[0], bq, bkv
-            )
+            T_q, T_kv = q_doc.shape[0], kv_doc.shape[0]
+            any_QK, all_QK = _evaluate_tiles(mask_mod, any_QK, T_q, T_kv, bq, bkv)
+        tables = tables_from_flags(any_QK, all_QK)
 
-    partial_QK = any_QK & ~all_QK
-    kv_num, kv_idx = _ordered(partial_QK)
-    full_num, full_idx = _ordered(all_QK)
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
+    # The constructor, not from_kv_blocks: the q-side tables are already built (from the
+    # transposed tile flags), which saves a scatter and two vmaps per call.
+    return BlockMask(
+        seq_lengths=(q_doc.shape[0], kv_doc.shape[0]),
+        **tables._asdict(),
         BLOCK_SIZE=(bq, bkv),
         mask_mod=mask_mod,
-        seq_lengths=(q_doc.shape[0], kv_doc.shape[0]),
     )
+
+
+@functools.cache
+def _compiled_block_tables() -> Callable[..., BlockTables]:
+    # Static shapes (dynamic=False): one graph per (T_q, T_kv, block, inner), reused for every
+    # document layout. fullgraph=True: a graph break would mean a sync crept in.
+    return torch.compile(block_tables, dynamic=False, fullgraph=True)
 
 
 def _document_only(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
@@ -338,14 +355,6 @@ def _evaluate_tiles(
         any_QK[i, j] = pairs.flatten(1).any(1)
         all_QK[i, j] = pairs.flatten(1).all(1)  # slots past T count as False: never full
     return any_QK, all_QK
-
-
-def _ordered(dense_QK: Tensor) -> tuple[Tensor, Tensor]:
-    """Dense tile flags -> BlockMask's (num_blocks (1,1,Q), indices (1,1,Q,K)), listed first."""
-    flags = dense_QK.to(torch.int32)
-    num = flags.sum(-1, dtype=torch.int32)
-    idx = torch.argsort(flags, dim=-1, descending=True, stable=True).to(torch.int32)
-    return num[None, None], idx[None, None]
 
 
 # --------------------------------------------------------------------------- validation

@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import (
     or_masks,
 )
 
-from packing.block_mask import local_positions
+from packing.block_mask import block_tables, local_positions
 from packing.masks import (
     causal,
     dense_mask,
@@ -325,3 +325,20 @@ def test_a_compiled_consumer_does_not_recompile_as_layouts_change():
 def test_local_positions_example():
     doc = torch.tensor([0, 0, 1, 1, 1, -1, 2])
     assert local_positions(doc).tolist() == [0, 1, 0, 1, 2, 0, 0]
+
+
+def test_the_builder_compiles_as_one_graph_reused_across_layouts():
+    """make_block_mask(compile=True) compiles block_tables with fullgraph=True: a sync or a
+    data-dependent shape would break the graph. aot_eager keeps the test fast; the tables
+    must equal the eager ones, and new layouts of the same T must not recompile."""
+    torch._dynamo.reset()
+    compiles = CompileCounterWithBackend("aot_eager")
+    build = torch.compile(block_tables, backend=compiles, fullgraph=True, dynamic=False)
+    rule = causal().block_rule  # type: ignore[attr-defined]
+    for lens in ([100, 56, 100], [256], [1] * 30 + [200], [9] * 28):
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+        doc = F.pad(doc, (0, 256 - len(doc)), value=-1)
+        got = build(doc, doc, rule, 32, 32, True)
+        want = block_tables(doc, doc, rule, 32, 32, True)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert compiles.frame_count == 1
