@@ -114,6 +114,20 @@ _ELEMENTWISE_KEYS = (
     "aten::clone",
     "aten::sin",
     "aten::cos",
+    "aten::eq",
+    "aten::ne",
+    "aten::lt",
+    "aten::le",
+    "aten::gt",
+    "aten::ge",
+    "aten::bitwise",
+    "aten::logical",
+    "aten::abs",
+    "aten::clamp",
+    "aten::tanh",
+    "aten::sigmoid",
+    "aten::fill",
+    "aten::zero",
 )
 
 

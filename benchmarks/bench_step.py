@@ -1,0 +1,382 @@
+"""Training step, end to end: packed vs one episode per micro-step vs padded batches.
+
+The reference DiT (`packing.model`, a few blocks at Wan-2.2-5B width: 3072, 24 heads of 128,
+FFN 14336), bf16 autocast, fused AdamW, the same episodes and weights in every variant. One
+optimizer step consumes the same set of episodes in every variant:
+
+* ``packed[auto]`` / ``packed[flex]``: one pack (static token budgets for latents, actions and
+  text, static ``max_docs``) per optimizer step, blocks compiled once.
+* ``unpacked SDPA flash``: one episode per micro-step + gradient accumulation, blocks compiled
+  with ``dynamic=True``, attention = plain ``scaled_dot_product_attention`` (flash kernel, no
+  mask: one unpadded episode needs none) -- the strongest unpacked setup.
+* ``padded batch``: every episode padded to the longest of the step (the FLOPs and memory of a
+  ``(K, L_max)`` batch; run through the packed model so the kernels are the same).
+* ``packed, per-token conditioning``: the mistake -- the timestep MLP run on every token.
+* ``packed eager``: no compile.
+
+Reported: step time (median over timed steps, CUDA events), real tokens/s, ratio vs the
+unpacked baseline, peak memory, MFU (useful FLOPs: 6 * block params * tokens + in-episode
+attention pairs, over the measured 790 TFLOP/s bf16 peak), and graphs compiled after warm-up
+(recompiles). Packs are drawn at random each step.
+
+    python benchmarks/bench_step.py                 # H200 (~6 min)
+    python benchmarks/bench_step.py --quick         # tiny model on CPU, for CI
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+import packing.model as pm
+from packing.collate import PackedCollator, Stream
+from packing.conditioning import broadcast_to_tokens
+from packing.layout import PackedBatch
+from packing.model import DiT, DiTConfig, text_tokens, timestep_embedding
+from packing.profile import StepProfiler
+
+ACTIONS_PER_FRAME = 1
+
+
+def random_packs(args: Any, cfg: DiTConfig, budget: int, fmin: int, fmax: int, max_docs: int,
+                 n_steps: int, seed: int | None = None) -> list[list[dict[str, Any]]]:  # fmt: skip
+    """``n_steps`` random packs drawn from a pool of episodes (random lengths, random order),
+    each filled up to the token budget (one frame = ``cfg.tokens_per_frame`` tokens)."""
+    seed = args.seed if seed is None else seed
+    rng = torch.Generator().manual_seed(seed)
+    prng = random.Random(seed)
+    pool_size = 24 if args.quick else 96
+    pool = [make_episode(i, prng.randint(fmin, fmax), cfg, rng) for i in range(pool_size)]
+    packs = []
+    for _ in range(n_steps):
+        order = prng.sample(range(pool_size), pool_size)
+        eps, tok = [], 0
+        for i in order:
+            n = pool[i]["latents"].shape[0] * cfg.tokens_per_frame
+            if tok + n > budget - 128 or len(eps) >= max_docs:
+                continue
+            eps.append(pool[i])
+            tok += n
+        packs.append(eps)
+    return packs
+
+
+def make_episode(i: int, frames: int, cfg: DiTConfig, rng: torch.Generator) -> dict[str, Any]:
+    c, (h, w) = cfg.latent_channels, cfg.latent_hw
+    return {
+        "latents": torch.randn(frames, c, h, w, generator=rng),
+        "action": torch.randn(frames * ACTIONS_PER_FRAME, cfg.action_dim, generator=rng),
+        "text": text_tokens(f"task {i % 13}: pick the {i}th object", cfg.text_len),
+        "episode_index": i,
+    }
+
+
+def pad_episode(ep: dict[str, Any], frames: int) -> dict[str, Any]:
+    """The episode padded with zero frames to ``frames`` (the cost of a padded batch row)."""
+    f = ep["latents"].shape[0]
+    out = dict(ep)
+    out["latents"] = torch.cat(
+        [ep["latents"], ep["latents"].new_zeros(frames - f, *ep["latents"].shape[1:])]
+    )
+    a = ep["action"]
+    out["action"] = torch.cat([a, a.new_zeros((frames - f) * ACTIONS_PER_FRAME, a.shape[1])])
+    return out
+
+
+# -- the unpacked baseline's attention: one unpadded episode -> plain SDPA, flash kernel -----
+_LIB_ATTENTION = pm.attention
+
+
+def sdpa_one_episode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+    """(T, H, D) of ONE unpadded episode: no mask is needed, so SDPA picks flash."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None])  # fmt: skip
+    return o[0].transpose(0, 1)
+
+
+# -- the mistake: the timestep MLP on every token ---------------------------------------------
+class PerTokenConditioningDiT(DiT):
+    """DiT whose adaLN conditioning is computed per token (broadcast t, then MLP on J rows),
+    instead of once per episode and gathered. Same function, far more work."""
+
+    def _run(self, batch: PackedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        cfg = self.config
+        prep = self.prepare(batch)
+        joint = prep["joint"]
+        x_v = self.patch_embed(self.patchify(prep["xt_lat"]))
+        x_a = self.action_embed(prep["xt_act"])
+        x = joint.join({"latents": x_v, "action": x_a})
+        angles = pm.rope_angles(prep["thw_J3"], cfg.head_dim, cfg.rope_theta)
+        ids_J = joint.layout.doc_ids_T
+        t_J = broadcast_to_tokens(prep["t_K"], ids_J)  # the mistake: per token from here on
+        e_J = self.time_mlp(timestep_embedding(t_J, cfg.freq_dim).to(x_v.dtype))
+        e0_J = self.time_proj(e_J).unflatten(1, (6, cfg.dim))
+        ctx = self.text_mlp(self.text_embed(prep["text"]))
+        for block in self.blocks:
+            x = block(x, e0_J, ctx, angles, prep["self_mask"], prep["cross_mask"])
+        shift, scale = (self.head_modulation + e_J[:, None]).unbind(1)
+        x = self.head_norm(x) * (1 + scale) + shift
+        parts = joint.split(x)
+        pred = {"latents": self.video_head(parts["latents"]),
+                "action": self.action_head(parts["action"])}  # fmt: skip
+        target = {"latents": self.patchify(prep["v_lat"]), "action": prep["v_act"]}
+        return pred, target
+
+
+# -- FLOPs ------------------------------------------------------------------------------------
+def block_params(cfg: DiTConfig) -> int:
+    d, f = cfg.dim, cfg.ffn_dim
+    return 3 * d * d + d * d + d * d + 2 * d * d + d * d + 2 * d * f  # qkv,out,q,kv,out,ffn
+
+
+def step_flops(cfg: DiTConfig, episodes: list[dict[str, Any]]) -> float:
+    """Useful fwd+bwd FLOPs of one optimizer step over these (unpadded) episodes."""
+    tpf = cfg.tokens_per_frame
+    total = 0.0
+    for ep in episodes:
+        j = ep["latents"].shape[0] * tpf + ep["action"].shape[0]
+        n_text = ep["text"].shape[0]
+        dense = 6.0 * block_params(cfg) * j
+        attn = 3.5 * 4.0 * (j * j + j * n_text) * cfg.head_dim * cfg.heads
+        total += cfg.depth * (dense + attn)
+    return total
+
+
+# -- one variant ---------------------------------------------------------------------------
+def loss_of(out: dict[str, torch.Tensor], denom: dict[str, float]) -> torch.Tensor:
+    return out["latents"].sum() / denom["latents"] + out["action"].sum() / denom["action"]
+
+
+def to_device(batch: PackedBatch, dev: torch.device) -> PackedBatch:
+    """Pinned, non-blocking copy; episode ids stay on the host (the model's RNG keys are read
+    there, and reading them from the GPU would be a sync)."""
+    ep = batch.per_episode["episode_index"]
+    b = batch.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else batch
+    b.per_episode["episode_index"] = ep
+    return b
+
+
+def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[str, Any]]],
+                dev: torch.device, state: dict[str, torch.Tensor]) -> dict[str, Any]:  # fmt: skip
+    """Train ``len(steps_eps)`` optimizer steps; the first ``args.warmup`` are untimed."""
+    kind = name.split(":")[0]
+    if dev.type != "cuda":
+        attn = "auto"  # CPU: sdpa (the unpacked run swaps in plain SDPA anyway)
+    elif kind == "unpacked":
+        attn = "varlen"  # only cu_seqlens get built; sdpa_one_episode does the attention
+    else:
+        attn = "flex" if "flex" in name else "auto"
+    mcfg = DiTConfig(**{**cfg.__dict__, "attention": attn})
+    cls = PerTokenConditioningDiT if kind == "per_token" else DiT
+    model = cls(mcfg).to(dev)
+    model.load_state_dict(state)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
+    compiled = kind != "eager" and not args.no_compile and dev.type == "cuda"
+    if compiled:
+        for i, b in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(b, dynamic=True if kind == "unpacked" else None)
+    pm.attention = sdpa_one_episode if kind == "unpacked" else _LIB_ATTENTION
+
+    budget = args.budget
+    tpf = mcfg.tokens_per_frame
+    if kind == "unpacked":
+        collator = PackedCollator([*mcfg.streams(), Stream("text")], pad_to_multiple=1)
+    else:
+        max_docs = args.max_docs
+        a_budget = -(-budget // tpf * ACTIONS_PER_FRAME // 128) * 128
+        collator = PackedCollator(
+            [Stream("latents", grid=mcfg.grid, budget=budget, step_shape=(48, 8, 16)),
+             Stream("action", budget=a_budget), Stream("text", budget=max_docs * mcfg.text_len)],
+            max_docs=max_docs,
+        )  # fmt: skip
+
+    def micro_batches(eps: list[dict[str, Any]]) -> list[PackedBatch]:
+        if kind == "unpacked":
+            return [collator([e]) for e in eps]
+        if kind == "padded":
+            fmax = max(e["latents"].shape[0] for e in eps)
+            eps = [pad_episode(e, fmax) for e in eps]
+            # a padded batch of K rows of L_max may not fit the pack budget: split it
+            out, cur = [], []
+            for e in eps:
+                if (len(cur) + 1) * fmax * tpf > budget:
+                    out.append(collator(cur))
+                    cur = []
+                cur.append(e)
+            return [*out, collator(cur)]
+        return [collator(eps)]
+
+    # collate ahead (collate speed is bench_collate's subject) and pin
+    plans = [micro_batches(eps) for eps in steps_eps]
+    g0 = None
+    times: list[float] = []
+    peak = 0
+    for s, (eps, mbs) in enumerate(zip(steps_eps, plans, strict=True)):
+        if s == args.warmup:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            g0 = common.dynamo_counters()["unique_graphs"]
+        denom = {"latents": float(sum(e["latents"].shape[0] * tpf for e in eps)),
+                 "action": float(sum(e["action"].shape[0] for e in eps))}  # fmt: skip
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        else:
+            import time
+
+            t0 = time.perf_counter()
+        for mb in mbs:
+            batch = to_device(mb, dev)
+            batch.extras["seed"], batch.extras["step"] = 0, s
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                out = model(batch)
+            loss_of(out, denom).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            b.record()
+            if s >= args.warmup:
+                times.append((a, b))  # type: ignore[arg-type]
+        elif s >= args.warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) for a, b in times]  # type: ignore[misc]
+        peak = torch.cuda.max_memory_allocated()
+    profile = None
+    if args.profile and kind in ("packed", "unpacked", "per_token"):
+        # One extra, untimed step under packing.profile: per-micro-step records and the
+        # kernel table of its first micro-step, grouped attention / GEMM / elementwise / other.
+        prof = StepProfiler(enabled=True, kernel_step=0, device=dev)
+        for mb in plans[-1]:
+            batch = to_device(mb, dev)
+            batch.extras["seed"], batch.extras["step"] = 0, len(plans)
+            with prof.micro_step(batch):
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                    out = model(batch)
+                loss_of(out, denom).backward()
+        opt.zero_grad(set_to_none=True)
+        profile = prof.as_dict()
+        if prof.kernel_table is not None:
+            print(f"\n{name}\n{prof.kernel_table.markdown()}\n", flush=True)
+    pm.attention = _LIB_ATTENTION
+    timed = steps_eps[args.warmup :]
+    tok = [sum(e["latents"].shape[0] * tpf + e["action"].shape[0] for e in eps) for eps in timed]
+    t = common.summarize(times)
+    ms_total = sum(times)
+    flops = sum(step_flops(mcfg, eps) for eps in timed)
+    micro = sum(len(p) for p in plans[args.warmup :]) / max(len(timed), 1)
+    resolved = None
+    try:
+        mb = plans[-1][0]
+        resolved = pm.prepare_attention(mb.layout(), None, None, mcfg.attention, device=dev,
+                                        dtype=torch.bfloat16).backend  # fmt: skip
+    except Exception as e:
+        resolved = f"? {type(e).__name__}"
+    return {
+        "variant": name,
+        "attention": "sdpa flash (per episode)" if kind == "unpacked" else resolved,
+        "compiled": compiled,
+        "steps timed": len(times),
+        "micro-steps/step": micro,
+        "step ms": t.median_ms,
+        "p10-p90 ms": f"{t.p10_ms:.0f}-{t.p90_ms:.0f}",
+        "tokens/s": sum(tok) / (ms_total * 1e-3),
+        "peak GB": peak / 1e9,
+        "MFU": flops / (ms_total * 1e-3) / (common.H200_BF16_PEAK_TFLOPS * 1e12),
+        "recompiles after warm-up": common.dynamo_counters()["unique_graphs"] - (g0 or 0),
+        "timing": t.as_dict(),
+        "profile": profile,
+    }
+
+
+def main() -> None:
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per variant")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--long-steps", type=int, default=0,
+                   help="also run packed[auto] for this many steps (recompile count)")  # fmt: skip
+    p.add_argument("--regimes", default="seed,short")
+    p.add_argument("--variants", default="unpacked,packed,packed_flex,padded,per_token,eager")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--profile", action="store_true", help="packing.profile kernel tables")
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    if args.quick:
+        cfg = DiTConfig.tiny(depth=1)
+        regimes = {"seed": (512, 4, 8, 16), "short": (512, 1, 3, 64)}
+        args.steps, args.warmup = 2, 1
+        args.variants = args.variants.replace(",packed_flex", "")
+    else:
+        cfg = DiTConfig.wan_2_2_5b(depth=args.depth)
+        # budget tokens, min frames, max frames, max_docs   (32 tokens / frame)
+        regimes = {"seed": (65536, 144, 336, 16), "short": (49152, 10, 79, 160)}
+    ref = DiT(cfg)
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    del ref
+    rows: list[dict[str, Any]] = []
+    variants = {
+        "unpacked": "unpacked: 1 episode/micro-step, SDPA flash, compiled dynamic",
+        "packed": "packed: backend auto, compiled",
+        "packed_flex": "packed: backend flex (Triton), compiled",
+        "padded": "padded: pad to longest, compiled",
+        "per_token": "per_token: packed auto, timestep MLP per token (mistake)",
+        "eager": "eager: packed auto, no compile",
+    }
+    for rname in args.regimes.split(","):
+        budget, fmin, fmax, max_docs = regimes[rname]
+        args.budget, args.max_docs = budget, max_docs
+        steps_eps = random_packs(args, cfg, budget, fmin, fmax, max_docs, args.warmup + args.steps)
+        for v in args.variants.split(","):
+            name = variants[v]
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            try:
+                row = run_variant(name, args, cfg, steps_eps, dev, state)
+            except Exception as e:
+                row = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row["regime"] = rname
+            row["episodes/step"] = sum(len(e) for e in steps_eps) / len(steps_eps)
+            rows.append(row)
+            print({k: v for k, v in row.items() if k not in ("timing", "profile")}, flush=True)
+        if args.long_steps and rname == "seed" and "packed" in args.variants.split(","):
+            long_eps = random_packs(args, cfg, budget, fmin, fmax, max_docs,
+                                    args.warmup + args.long_steps, seed=args.seed + 1)  # fmt: skip
+            name = variants["packed"] + f", {args.long_steps} steps"
+            try:
+                row = run_variant(name, args, cfg, long_eps, dev, state)
+            except Exception as e:
+                row = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row["regime"] = rname
+            row["episodes/step"] = sum(len(e) for e in long_eps) / len(long_eps)
+            rows.append(row)
+            print({k: v for k, v in row.items() if k not in ("timing", "profile")}, flush=True)
+    base = {r["regime"]: r for r in rows if r["variant"].startswith("unpacked") and "step ms" in r}
+    for r in rows:
+        b = base.get(r["regime"])
+        if b and "tokens/s" in r:
+            r["vs unpacked"] = r["tokens/s"] / b["tokens/s"]
+    cols = ["regime", "variant", "attention", "episodes/step", "micro-steps/step", "step ms",
+            "p10-p90 ms", "tokens/s", "vs unpacked", "MFU", "peak GB",
+            "recompiles after warm-up", "steps timed"]  # fmt: skip
+    print(common.markdown_table(rows, cols))
+    common.write_json("step", args, {"rows": rows, "model": cfg.__dict__ | {"attention": None}},
+                      device=dev)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

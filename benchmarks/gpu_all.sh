@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# What one device call runs, in stages (one stage per call keeps each under 10 minutes).
+#
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 1    # block mask, collate, machine probe
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 2    # FA4 install, attention, GPU tests
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 3    # training step
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 4    # token budget, verify --compile
+#
+# FlashAttention-4 travels as wheels in two pieces (/work/shared/gpu-recipes.md): stage 1's
+# call carries .whl/p1 (small wheels + first half of the 92 MB cu13 wheel), stage 2's call
+# carries .whl/p2 (second half) while the machine is still warm; both are copied to /tmp/whl
+# and installed into /tmp/site. Every benchmark also runs, and says so, without FA4.
+# Results: $OUT/<stage>/*.json and $OUT/<stage>.log (default OUT: .bench_out/).
+set -uo pipefail
+STAGE=${1:?stage 1-4}
+OUT=${OUT:-.bench_out}
+R=$OUT/s$STAGE
+mkdir -p "$R" /tmp/whl
+export PYTHONUNBUFFERED=1
+LOG=$OUT/s$STAGE.log
+exec > >(tee -a "$LOG") 2>&1
+
+for d in .whl/p1 .whl/p2; do [ -d "$d" ] && cp -n "$d"/* /tmp/whl/ 2>/dev/null; done
+if [ ! -d /tmp/site/flash_attn ] && [ -f /tmp/whl/cu13.part.aa ] && [ -f /tmp/whl/cu13.part.ab ]; then
+  cat /tmp/whl/cu13.part.aa /tmp/whl/cu13.part.ab \
+    > /tmp/whl/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+  md5sum /tmp/whl/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/whl/*.whl \
+    && echo "FA4 installed to /tmp/site" || echo "FA4 install FAILED"
+fi
+export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+python3 -c "import torch, packing.attention as a; print('torch', torch.__version__, 'gpu', torch.cuda.get_device_name(0), 'fa4', a.fa4_available())"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,memory.used --format=csv
+
+t() { local lim=$1; shift; echo "=== $* (limit ${lim}s)"; timeout "$lim" "$@"; echo "=== rc=$? $(date +%T)"; }
+
+case $STAGE in
+1)
+  t 330 python3 benchmarks/bench_block_mask.py --cpu --out "$R/block_mask.json"
+  t 120 python3 benchmarks/bench_collate.py --threads 1 --dataloader --out "$R/collate.json"
+  ;;
+2)
+  t 360 python3 benchmarks/bench_attention.py --out "$R/attention.json"
+  t 180 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -x
+  ;;
+3)
+  t 560 python3 benchmarks/bench_step.py --steps "${STEPS:-20}" --long-steps "${LONG_STEPS:-0}" \
+    --profile --out "$R/step.json"
+  ;;
+4)
+  t 150 python3 benchmarks/find_token_budget.py --preset wan_2_2_5b --depth 30 --out "$R/token_budget_5b.json"
+  t 120 python3 benchmarks/find_token_budget.py --preset wan_1_3b --depth 30 --out "$R/token_budget_1_3b.json"
+  t 240 python3 -m packing verify --device cuda --dtype bfloat16 --compile 2>&1 | tee "$R/verify.txt"
+  ;;
+esac
+ls -la "$R"

@@ -1,0 +1,49 @@
+"""Every benchmark script runs with --quick on the CPU, prints one table and writes its JSON.
+
+The scripts are plain programs run on the GPU by hand (benchmarks/gpu_all.sh); this keeps them
+from rotting as the library changes. Tiny sizes: the numbers mean nothing here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPTS = [
+    ("bench_collate.py", []),
+    ("bench_block_mask.py", []),
+    ("bench_attention.py", []),
+    (
+        "bench_step.py",
+        ["--regimes", "seed", "--variants", "unpacked,packed,per_token", "--profile"],
+    ),
+    ("find_token_budget.py", []),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "extra"), SCRIPTS, ids=[s for s, _ in SCRIPTS])
+def test_script_runs_quick_on_cpu(script: str, extra: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--device", "cpu",
+         "--out", str(out), *extra],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("|---")]
+    assert table_lines, f"{script} printed no markdown table"
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["torch"] and doc["command"] and doc["machine"]["date_utc"]
+    rows = doc["rows"]
+    assert rows, f"{script} wrote no rows"
+    errors = [r for r in rows if r.get("error")]
+    assert not errors, errors
