@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
+from itertools import chain
 from typing import Any, Literal
 
 import numpy as np
@@ -42,27 +43,35 @@ def equalise_packs(
 ) -> list[list[int]]:
     """Split packs until their number is a multiple of ``num_replicas``; pad with ``[]`` only
     when no pack has two episodes left to split. Splitting keeps every episode exactly once."""
-    packs = [list(p) for p in packs]
+    packs = list(packs)
+    docs, tokens = _docs_and_cost(packs, lengths.astype(np.float64))
     while len(packs) % num_replicas or not packs:
-        multi = [i for i, p in enumerate(packs) if len(p) > 1]
-        if not multi:
+        # The pack with most episodes (then most tokens, then first) loses least by halving.
+        key = np.where(docs > 1, docs * (tokens.max(initial=0) + 1) + tokens, -1)
+        i = int(np.argmax(key)) if len(key) else 0
+        if not len(key) or key[i] < 0:
             packs.append([])
+            docs, tokens = np.append(docs, 0), np.append(tokens, 0)
             continue
-        # The pack with most episodes (then most tokens) loses least by being halved.
-        i = max(multi, key=lambda j: (len(packs[j]), int(lengths[packs[j]].sum()), -j))
-        a: list[int] = []
-        b: list[int] = []
-        load_a = load_b = 0
+        halves: tuple[list[int], list[int]] = ([], [])
+        loads = [0, 0]
         for item in sorted(packs[i], key=lambda x: (-int(lengths[x]), x)):
-            if load_a <= load_b:
-                a.append(item)
-                load_a += int(lengths[item])
-            else:
-                b.append(item)
-                load_b += int(lengths[item])
-        packs[i] = a
-        packs.append(b)
+            side = 0 if loads[0] <= loads[1] else 1
+            halves[side].append(item)
+            loads[side] += int(lengths[item])
+        packs[i] = halves[0]
+        packs.append(halves[1])
+        docs[i], tokens[i] = len(halves[0]), loads[0]
+        docs, tokens = np.append(docs, len(halves[1])), np.append(tokens, loads[1])
     return packs
+
+
+def _docs_and_cost(packs: list[list[int]], per_item: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Episodes per pack and the sum of ``per_item`` over each pack, vectorised."""
+    docs = np.fromiter(map(len, packs), dtype=np.int64, count=len(packs))
+    flat = np.fromiter(chain.from_iterable(packs), dtype=np.int64, count=int(docs.sum()))
+    pack_of = np.repeat(np.arange(len(packs)), docs)
+    return docs, np.bincount(pack_of, weights=per_item[flat], minlength=len(packs))
 
 
 class PackedBatchSampler(Sampler[list[int]]):
@@ -123,9 +132,8 @@ class PackedBatchSampler(Sampler[list[int]]):
         self.num_replicas, self.rank = num_replicas, rank
         self.balance, self.balance_window = balance, max(int(balance_window), 1)
         self.packs = equalise_packs(plan.packs, plan.item_lengths, num_replicas)
-        lens = plan.item_lengths.astype(np.float64)
         power = 1 if balance == "tokens" else 2
-        self.cost_P = np.array([float((lens[p] ** power).sum()) for p in self.packs])
+        _, self.cost_P = _docs_and_cost(self.packs, plan.item_lengths.astype(np.float64) ** power)
         self.epoch = 0
         self._start = 0  # steps already consumed in self.epoch, from load_state_dict
         self._yielded = 0
