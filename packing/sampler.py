@@ -3,15 +3,17 @@
     plan (P packs) -> equalise to a multiple of R ranks -> per epoch: shuffle from (seed, epoch),
     group into steps of R packs of similar cost -> each rank takes one pack per step
 
-Two ranks, five packs of tokens ``[8, 8, 7, 5, 3]`` (budget 8): five is not a multiple of two,
-so the pack with most episodes is split in two (never truncated, never dropped), giving six
-packs; each step pairs packs of similar cost, and the heavier pack of a step goes to the rank
-that has seen fewer tokens so far, so per-rank totals differ by at most one pack's cost::
+Two ranks, episodes of ``[8, 8, 7, 5, 2, 3]`` tokens, budget 8, ``shuffle=False``. The plan
+has five packs ``[0] [1] [2] [3, 5] [4]``; five is not a multiple of two, so the pack with most
+episodes is split in two (never truncated, never dropped). Each step pairs packs of similar
+cost, and the heavier pack of a step goes to the rank with fewer tokens so far, so per-rank
+totals differ by at most one pack's cost::
 
-    step   rank 0   rank 1
-    0      [8]      [8]
-    1      [7]      [5]
-    2      [x]      [y]        (the two halves of the split pack)
+    step   rank 0          rank 1
+    0      [0]  8 tokens   [1]  8
+    1      [2]  7          [3]  5
+    2      [4]  2          [5]  3      (rank 1 was lighter: 13 < 15)
+    total       17              16
 
 Every rank computes the same table from (plan, seed, epoch, num_replicas), so no
 communication is needed. With fewer episodes than ranks a rank gets an empty pack ``[]``: the
@@ -84,7 +86,9 @@ class PackedBatchSampler(Sampler[list[int]]):
     ``num_replicas``/``rank`` default to ``torch.distributed`` when it is initialised, else 1/0.
     ``balance="attention"`` balances ranks by the sum of squared episode lengths (the cost of
     document-masked attention) instead of tokens. ``__len__`` is the number of packs this rank
-    yields in a full epoch, identical on every rank.
+    yields in a full epoch, identical on every rank. ``**split`` (``tokens_per_step``,
+    ``fixed_tokens``, ``split_multiple``, ``split_overlap``) goes to ``plan_packs`` with
+    ``oversize="split"``.
     """
 
     def __init__(
