@@ -276,3 +276,22 @@ def test_slice_piece_cuts_every_step_stream_and_marks_the_context():
     assert got["loss_start"] == 2 and got["episode_index"] == 7
     with pytest.raises(KeyError, match="'state'"):
         slice_piece(ep, (7, 0, 1, 0), rows_per_step={"state": 1})
+
+
+@FAST
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=0, max_size=120),
+    budget=st.integers(40, 100),
+    buffer_size=st.integers(1, 16),
+    max_docs=st.none() | st.integers(1, 5),
+)
+def test_stream_packer_invariants(lengths, budget, buffer_size, max_docs):
+    packer = BufferedPacker(
+        budget, length=lambda x: x[1], buffer_size=buffer_size, max_docs=max_docs
+    )
+    packs = list(packer(enumerate(lengths)))
+    assert sorted(i for p in packs for i, _ in p) == list(range(len(lengths)))
+    assert all(sum(n for _, n in p) <= budget and len(p) >= 1 for p in packs)
+    if max_docs is not None:
+        assert all(len(p) <= max_docs for p in packs)
+    assert packer.num_packs == len(packs) and packer.num_tokens == sum(lengths)
