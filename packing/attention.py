@@ -239,8 +239,11 @@ def prepare_attention(
         return AttentionMask(**common, block_mask=block_mask, kernel_options=options)
     # varlen: the padding tail becomes one more sequence on each side so that the kernel
     # writes every row (an unwritten row would be garbage); its rows are zeroed afterwards.
-    cu_q, max_q = _with_tail(q_lay)
-    cu_kv, max_kv = (cu_q, max_q) if not cross else _with_tail(kv_lay)
+    # Both sides need the same number of sequences: documents padded to a static max_docs on
+    # one side (and not the other) are matched with empty documents.
+    docs = max(len(q_lay.cu_seqlens_K1), len(kv_lay.cu_seqlens_K1)) - 1
+    cu_q, max_q = _with_tail(q_lay, docs)
+    cu_kv, max_kv = (cu_q, max_q) if not cross else _with_tail(kv_lay, docs)
     return AttentionMask(
         **common,
         keep_Q=q_lay.doc_ids_T >= 0,
@@ -251,20 +254,25 @@ def prepare_attention(
     )
 
 
-def _with_tail(lay: StreamLayout) -> tuple[Tensor, int]:
-    """``cu_seqlens`` (K+2,) with the padding tail as a last sequence, and a max length.
+def _with_tail(lay: StreamLayout, docs: int | None = None) -> tuple[Tensor, int]:
+    """``cu_seqlens`` (docs+2,) with the padding tail as a last sequence, and a max length.
 
-    Lengths ``[2, 4, 3]`` padded to 12 -> ``[0, 2, 6, 9, 12]``. Documents padded up to a
-    static ``max_docs`` (repeated offsets) stay empty sequences. The max length is rounded up
-    to a multiple of 256 (capped at the padded length): the kernels only size their grid with
-    it, and a value that changed every step would recompile a compiled model every step.
+    Lengths ``[2, 4, 3]`` padded to 12 -> ``[0, 2, 6, 9, 12]``; with ``docs=5`` (a static
+    ``max_docs``) -> ``[0, 2, 6, 9, 9, 9, 12]``: the extra documents are empty sequences. The
+    max length is rounded up to a multiple of 256 (capped at the padded length): the kernels
+    only size their grid with it, and a value that changed every step would recompile a
+    compiled model every step.
     """
-    cu = lay.cu_seqlens_K1.to(torch.int32)
+    k = lay.num_docs
+    docs = len(lay.cu_seqlens_K1) - 1 if docs is None else docs
+    cu = lay.cu_seqlens_K1[: k + 1].to(torch.int32)
+    dev = cu.device
+    empty = torch.full((docs - k,), lay.num_tokens, dtype=torch.int32, device=dev)
+    end = torch.full((1,), lay.padded_len, dtype=torch.int32, device=dev)
     tail = lay.padded_len - lay.num_tokens
-    end = torch.full((1,), lay.padded_len, dtype=torch.int32, device=cu.device)
     longest = max(lay.max_seqlen, tail, 1)
     bucket = min(-(-longest // _MAX_SEQLEN_BUCKET) * _MAX_SEQLEN_BUCKET, max(lay.padded_len, 1))
-    return torch.cat([cu, end]).contiguous(), bucket
+    return torch.cat([cu, empty, end]).contiguous(), bucket
 
 
 _MAX_SEQLEN_BUCKET = 256

@@ -286,5 +286,8 @@ def test_varlen_cu_seqlens_make_the_padding_tail_one_more_sequence() -> None:
     assert longest == 12  # max(4, tail 3) rounded up to 256, capped at the padded length
     cu, _ = _with_tail(layout_from_lengths([2, 4, 3], [2, 4, 3], 9, max_docs=5))
     assert cu.tolist() == [0, 2, 6, 9, 9, 9, 9]  # empty documents and an empty tail
+    # cross-attention: text packed without max_docs pairs with video packed with max_docs=5
+    cu, _ = _with_tail(layout_from_lengths([1, 2, 3], [1, 2, 3], 8), docs=5)
+    assert cu.tolist() == [0, 1, 3, 6, 6, 6, 8]
     _, longest = _with_tail(layout_from_lengths([300, 20], [300, 20], 1024))
     assert longest == 768  # the 704-token tail, bucketed: few distinct values, few recompiles

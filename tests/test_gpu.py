@@ -236,3 +236,22 @@ def _with_keys(batch: Any) -> Any:
     batch = batch.to(DEV)
     batch.extras.update(seed=0, step=1)
     return batch
+
+
+def test_model_with_a_static_max_docs_matches_without() -> None:
+    # max_docs pads cu_seqlens of the video/action layouts with empty documents while the text
+    # (packed by the model from the task strings) has none: varlen must pair them anyway.
+    from packing.collate import PackedCollator
+    from packing.model import DiT, DiTConfig
+
+    torch.manual_seed(0)
+    m = DiT(DiTConfig.tiny(dim=256, heads=2)).to(DEV)
+    eps = _episodes()
+    outs = []
+    for kw in ({}, {"max_docs": 6}):
+        batch = _with_keys(PackedCollator(m.streams, **kw)(eps))
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            outs.append(m(batch))
+    for s in ("latents", "action"):
+        assert torch.isfinite(outs[1][s]).all()
+        torch.testing.assert_close(outs[1][s], outs[0][s], rtol=1e-2, atol=1e-3)
