@@ -40,8 +40,10 @@ __all__ = [
     "block_tables",
     "classify_blocks",
     "doc_side",
+    "evaluate_tiles",
     "local_positions",
     "tables_from_flags",
+    "unknown_rule",
 ]
 
 # (a, b, c, d) -> (may any pair be true, are all pairs true), for q rows a..b and kv columns
@@ -242,3 +244,36 @@ def _ordered(flags_QK: Tensor) -> tuple[Tensor, Tensor]:
     slot = torch.where(flags.bool(), seen - 1, num + col - seen)
     idx = torch.empty_like(flags).scatter_(-1, slot.long(), col)
     return num[:, 0].contiguous(), idx
+
+
+def unknown_rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """No knowledge of the inner mask: any pair may be true, none is known to be."""
+    return torch.ones_like(a, dtype=torch.bool), torch.zeros_like(a, dtype=torch.bool)
+
+
+def evaluate_tiles(
+    mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    candidate_QK: Tensor,
+    T_q: int,
+    T_kv: int,
+    bq: int,
+    bkv: int,
+) -> tuple[Tensor, Tensor]:
+    """Evaluate ``mask_mod`` on every pair of the candidate tiles (this is the sync)."""
+    dev = candidate_QK.device
+    tiles = candidate_QK.nonzero()  # host-device sync: the number of candidates
+    any_QK = torch.zeros_like(candidate_QK)
+    all_QK = torch.zeros_like(candidate_QK)
+    rq = torch.arange(bq, device=dev)
+    rk = torch.arange(bkv, device=dev)
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    chunk = max(1, (1 << 22) // (bq * bkv))  # ~4M pairs per step bounds the memory
+    for s in range(0, tiles.shape[0], chunk):
+        i, j = tiles[s : s + chunk].unbind(1)
+        q = (i[:, None] * bq + rq)[:, :, None]  # (n, bq, 1)
+        kv = (j[:, None] * bkv + rk)[:, None, :]  # (n, 1, bkv)
+        inside = (q < T_q) & (kv < T_kv)
+        pairs = mask_mod(zero, zero, q.clamp_max(T_q - 1), kv.clamp_max(T_kv - 1)) & inside
+        any_QK[i, j] = pairs.flatten(1).any(1)
+        all_QK[i, j] = pairs.flatten(1).all(1)  # slots past T count as False: never full
+    return any_QK, all_QK

@@ -44,8 +44,10 @@ from packing.block_mask import (
     block_tables,
     classify_blocks,
     doc_side,
+    evaluate_tiles,
     local_positions,
     tables_from_flags,
+    unknown_rule,
 )
 
 __all__ = [
@@ -301,10 +303,12 @@ def make_block_mask(
     else:
         q_side = doc_side(q_doc, bq)
         kv_side = doc_side(kv_doc, bkv)
-        any_QK, all_QK = classify_blocks(q_side, kv_side, _unknown, self_attention=self_attention)
+        any_QK, all_QK = classify_blocks(
+            q_side, kv_side, unknown_rule, self_attention=self_attention
+        )
         if inner_fallback == "evaluate":
             T_q, T_kv = q_doc.shape[0], kv_doc.shape[0]
-            any_QK, all_QK = _evaluate_tiles(mask_mod, any_QK, T_q, T_kv, bq, bkv)
+            any_QK, all_QK = evaluate_tiles(mask_mod, any_QK, T_q, T_kv, bq, bkv)
         tables = tables_from_flags(any_QK, all_QK)
 
     # The constructor, not from_kv_blocks: the q-side tables are already built (from the
@@ -327,34 +331,6 @@ def _compiled_block_tables() -> Callable[..., BlockTables]:
 def _document_only(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     true = torch.ones_like(a, dtype=torch.bool)
     return true, true
-
-
-def _unknown(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
-    """No knowledge of the inner mask: any pair may be true, none is known to be."""
-    return torch.ones_like(a, dtype=torch.bool), torch.zeros_like(a, dtype=torch.bool)
-
-
-def _evaluate_tiles(
-    mask_mod: MaskMod, candidate_QK: Tensor, T_q: int, T_kv: int, bq: int, bkv: int
-) -> tuple[Tensor, Tensor]:
-    """Evaluate ``mask_mod`` on every pair of the candidate tiles (this is the sync)."""
-    dev = candidate_QK.device
-    tiles = candidate_QK.nonzero()  # host-device sync: the number of candidates
-    any_QK = torch.zeros_like(candidate_QK)
-    all_QK = torch.zeros_like(candidate_QK)
-    rq = torch.arange(bq, device=dev)
-    rk = torch.arange(bkv, device=dev)
-    zero = torch.zeros((), dtype=torch.int64, device=dev)
-    chunk = max(1, (1 << 22) // (bq * bkv))  # ~4M pairs per step bounds the memory
-    for s in range(0, tiles.shape[0], chunk):
-        i, j = tiles[s : s + chunk].unbind(1)
-        q = (i[:, None] * bq + rq)[:, :, None]  # (n, bq, 1)
-        kv = (j[:, None] * bkv + rk)[:, None, :]  # (n, 1, bkv)
-        inside = (q < T_q) & (kv < T_kv)
-        pairs = mask_mod(zero, zero, q.clamp_max(T_q - 1), kv.clamp_max(T_kv - 1)) & inside
-        any_QK[i, j] = pairs.flatten(1).any(1)
-        all_QK[i, j] = pairs.flatten(1).all(1)  # slots past T count as False: never full
-    return any_QK, all_QK
 
 
 # --------------------------------------------------------------------------- validation

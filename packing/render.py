@@ -101,8 +101,12 @@ def save_png(
         q_doc = doc_ids.detach().cpu().long()[:, None].expand(T_q, T_kv)
         color = torch.where(q_doc >= 0, q_doc % 7, 7).float()
     shown = color.masked_fill(~m, float("nan")).numpy()
-    fig, ax = plt.subplots(figsize=(5, 5 * T_q / T_kv + 0.4), dpi=120)
-    ax.imshow(shown, cmap=plt.get_cmap("tab10"), vmin=0, vmax=9, interpolation="nearest")
+    fig, ax = plt.subplots(figsize=(5, 5), dpi=120)
+    # Square pixels unless q and kv lengths differ a lot (cross-attention): then fill the axes.
+    aspect = "equal" if 0.5 <= T_q / T_kv <= 2 else "auto"
+    ax.imshow(
+        shown, cmap=plt.get_cmap("tab10"), vmin=0, vmax=9, interpolation="nearest", aspect=aspect
+    )
     if block_mask is not None:
         classes = block_classes(block_mask).cpu()
         bq, bkv = block_mask.BLOCK_SIZE

@@ -273,3 +273,16 @@ def test_with_block_rule_names_and_attaches():
     doc = torch.tensor([0] * 5 + [1] * 4)
     ref = (torch.arange(9)[:, None] - torch.arange(9)[None, :]) % 2 == 0
     assert torch.equal(dense_mask(doc, inner=inner), dense_mask(doc) & ref)
+
+
+def test_render_png_and_ascii(tmp_path):
+    pytest.importorskip("matplotlib")
+    from packing.render import ascii_blocks, save_png
+
+    doc = torch.tensor([0] * 20 + [1] * 5 + [2] * 30 + [-1] * 9)
+    bm = make_block_mask(doc, inner=causal(), block_size=16)
+    out = save_png(tmp_path / "m.png", dense_mask(doc, inner=causal()), block_mask=bm, doc_ids=doc)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ascii_blocks(bm) == "+ . . .\n+ + . .\n. + + .\n. + + +"
+    with pytest.raises(ValueError, match=r"mask must be 2-D"):
+        ascii_mask(torch.ones(3, dtype=torch.bool))
