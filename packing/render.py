@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -103,7 +104,7 @@ def save_png(
     shown = color.masked_fill(~m, float("nan")).numpy()
     fig, ax = plt.subplots(figsize=(5, 5), dpi=120)
     # Square pixels unless q and kv lengths differ a lot (cross-attention): then fill the axes.
-    aspect = "equal" if 0.5 <= T_q / T_kv <= 2 else "auto"
+    aspect: Literal["equal", "auto"] = "equal" if 0.5 <= T_q / T_kv <= 2 else "auto"
     ax.imshow(
         shown, cmap=plt.get_cmap("tab10"), vmin=0, vmax=9, interpolation="nearest", aspect=aspect
     )
