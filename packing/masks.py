@@ -84,10 +84,13 @@ def with_block_rule(inner: InnerMask, rule: BlockRule, name: str | None = None) 
     return inner
 
 
-def _band_rule(lo: float, hi: float) -> BlockRule:
-    """Rule for ``lo <= q - kv <= hi``: over a rectangle ``q - kv`` covers ``[a - d, b - c]``."""
+def _band_rule(lo: int, hi: int | None) -> BlockRule:
+    """Rule for ``lo <= q - kv <= hi`` (``hi=None``: no upper bound): over a rectangle of rows
+    ``a..b`` and columns ``c..d``, ``q - kv`` takes every value in ``[a - d, b - c]``."""
 
     def rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+        if hi is None:  # integer compares only: a float bound would promote to float32
+            return b - c >= lo, a - d >= lo
         return (b - c >= lo) & (a - d <= hi), (a - d >= lo) & (b - c <= hi)
 
     return rule
@@ -102,7 +105,7 @@ def causal() -> InnerMask:
     def causal_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return q >= kv
 
-    return with_block_rule(causal_mask, _band_rule(0, float("inf")), "causal")
+    return with_block_rule(causal_mask, _band_rule(0, None), "causal")
 
 
 @functools.cache
