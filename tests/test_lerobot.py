@@ -239,11 +239,14 @@ def test_is_pad_becomes_a_loss_mask_and_nothing_padded_reaches_the_loss(root: Pa
 # The test process has lerobot (and its threads) loaded for the reference reader; a user's
 # process that reads by root path has no extra threads when the workers fork.
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-@pytest.mark.parametrize("source", ["root", "instance"])
+@pytest.mark.parametrize("source", ["root", "root+cache", "instance"])
 def test_multiworker_dataloader_with_packed_collate(
-    root: Path, reference: LeRobotDataset, source: str
+    root: Path, reference: LeRobotDataset, source: str, tmp_path: Path
 ) -> None:
-    eps = LeRobotEpisodes(root if source == "root" else reference, keys=KEYS)
+    if source == "instance":
+        eps = LeRobotEpisodes(reference, keys=KEYS)
+    else:
+        eps = LeRobotEpisodes(root, keys=KEYS, cache_dir=tmp_path if "cache" in source else None)
     packs = [[4, 0], [1, 2, 6], [3], [5]]  # a batch sampler: lists of item positions
     collate = PackedCollator(
         [Stream("latents", grid=(4, 8)), Stream("action"), Stream("action_loss_mask")],
@@ -508,3 +511,28 @@ def test_file_handles_are_bounded(root: Path, monkeypatch: pytest.MonkeyPatch) -
     for i in order:
         assert eps[i]["action"].equal(full[i]["action"])
         assert len(eps._reader._open) == 1  # type: ignore[union-attr]
+
+
+def test_arrow_cache_reads_the_same_and_is_reused(root: Path, tmp_path: Path) -> None:
+    plain = LeRobotEpisodes(root, keys=KEYS)
+    cached = LeRobotEpisodes(root, keys=KEYS, cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()  # converted lazily, on first read of a file
+    for i in range(len(plain)):
+        a, b = plain[i], cached[i]
+        for k in a:
+            if isinstance(a[k], torch.Tensor):
+                assert a[k].dtype == b[k].dtype and a[k].equal(b[k]), (i, k)
+            else:
+                assert a[k] == b[k]
+    files = sorted((tmp_path / "cache").glob("*.arrow"))
+    assert len(files) == len(list((root / "data").glob("*/*.parquet"))) > 1
+    stamps = [f.stat().st_mtime_ns for f in files]
+    again = LeRobotEpisodes(root, keys=KEYS, cache_dir=tmp_path / "cache")
+    assert again[3]["latents"].equal(plain[3]["latents"])
+    assert [f.stat().st_mtime_ns for f in files] == stamps  # reused, not rewritten
+    other_keys = LeRobotEpisodes(root, keys=["action"], cache_dir=tmp_path / "cache")
+    other_keys[0]
+    assert len(list((tmp_path / "cache").glob("*.arrow"))) == len(files) + 1  # own columns
+    assert not list((tmp_path / "cache").glob(".*.tmp"))
+    with pytest.raises(ValueError, match="cache_dir applies to a root path"):
+        LeRobotEpisodes(LeRobotDataset(REPO, root=root), keys=KEYS, cache_dir=tmp_path)
