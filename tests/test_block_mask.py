@@ -141,6 +141,14 @@ def test_matches_create_block_mask_tile_for_tile():
         T_kv = len(doc) if kv is None else len(kv)
         ref = create_block_mask(ours.mask_mod, None, None, len(doc), T_kv, "cpu", block)
         assert torch.equal(block_classes(ours), block_classes(ref))
+        # The q-side tables (walked by the backward pass) are built here from the transposed
+        # tile flags: they must be exactly what BlockMask.from_kv_blocks derives.
+        derived = BlockMask.from_kv_blocks(
+            ours.kv_num_blocks, ours.kv_indices, ours.full_kv_num_blocks,
+            ours.full_kv_indices, block, ours.mask_mod, ours.seq_lengths,
+        )  # fmt: skip
+        for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(ours, name), getattr(derived, name)), name
 
     check()
 
