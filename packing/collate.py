@@ -182,12 +182,13 @@ class PackedCollator:
         for s in streams:
             data[s.name], layouts[s.name] = self._pack_stream(s, episodes)
         per_episode, kinds = self._stack_values(episodes, names)
+        ids = per_episode["episode_index"][: len(episodes)]
         batch = PackedBatch(
             streams=data,
             layouts=layouts,
             per_episode=per_episode,
             primary=streams[0].name,
-            extras={"_kinds": kinds},
+            extras={"_kinds": kinds, "_episode_ids": tuple(int(i) for i in ids.tolist())},
         )
         for j in self.joint:
             joint_layout(batch, j)  # cached on the batch
@@ -377,7 +378,7 @@ class PackedCollator:
             layouts=layouts,
             per_episode={"episode_index": torch.full((k_out,), -1, dtype=torch.int64)},
             primary=self.streams[0].name,
-            extras={"_kinds": {"episode_index": "absent"}},
+            extras={"_kinds": {"episode_index": "absent"}, "_episode_ids": ()},
         )
 
 

@@ -148,6 +148,21 @@ class PackedBatch(Mapping[str, Any]):
     def num_docs(self) -> int:
         return self.layouts[self.primary].num_docs
 
+    @property
+    def episode_ids(self) -> tuple[int, ...]:
+        """The K real documents' ``episode_index`` as host ints, kept on the host by ``to()``
+        so per-episode RNG keys never cost a device sync."""
+        ids = self.extras.get("_episode_ids")
+        if ids is not None:
+            return tuple(ids)
+        index = self.per_episode["episode_index"]
+        if index.device.type != "cpu":
+            raise RuntimeError(
+                "this PackedBatch was not built by PackedCollator and its episode_index is on "
+                f"{index.device}; reading it would be a host-device sync"
+            )
+        return tuple(int(i) for i in index[: self.num_docs].tolist())
+
     def layout(self, stream: str | None = None) -> StreamLayout:
         """The layout of ``stream`` (the primary stream when None)."""
         name = self.primary if stream is None else stream

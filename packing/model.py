@@ -341,8 +341,8 @@ class DiT(nn.Module):
         dev, dtype = p.device, p.dtype
         lat_lay, act_lay = batch.layout("latents"), batch.layout("action")
         k = lat_lay.num_docs
-        # The RNG keys are read on the host; a batch already on the GPU costs one tiny copy.
-        ep_K = batch["episode_index"][:k].cpu()
+        # The RNG keys are host ints (batch.episode_ids survives .to(device)): no sync.
+        ep_K = torch.tensor(batch.episode_ids, dtype=torch.int64)
         t_K = episode_timesteps(seed, step, ep_K, device=dev)
         lat = batch.streams["latents"].to(dev, dtype)
         act = batch.streams["action"].to(dev, dtype)
