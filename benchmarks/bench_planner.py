@@ -100,9 +100,10 @@ def main() -> None:
                          "algorithm": "pad_to_longest", "efficiency": pad,
                          "episodes_per_s": None, "packs": None})  # fmt: skip
     print(
-        "| lengths | budget (x median) | algorithm | M episodes/s (median, best) | efficiency | packs |"
+        "| lengths | budget (x median) | algorithm | episodes | M episodes/s (median, best) "
+        "| efficiency | packs |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         speed = (
             "—"
@@ -110,7 +111,7 @@ def main() -> None:
             else f"{r['episodes_per_s'] / 1e6:.2f}, {r['episodes_per_s_best'] / 1e6:.2f}"
         )
         packs = "—" if r["packs"] is None else f"{r['packs']:,}"
-        print(f"| {r['lengths']} | {r['budget']:,} ({r['x_median']}x) | {r['algorithm']} | "
+        print(f"| {r['lengths']} | {r['budget']:,} ({r['x_median']}x) | {r['algorithm']} | {r['n']:,} | "
               f"{speed} | {100 * r['efficiency']:.2f}% | {packs} |")  # fmt: skip
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
