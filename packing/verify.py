@@ -311,10 +311,18 @@ def _json_default(o: Any) -> Any:
 
 # -- the harness ---------------------------------------------------------------------------------
 def _with_step(batch: PackedBatch, seed: int, step: int, device: torch.device) -> PackedBatch:
-    # Per-episode noise keys are read on the host (episode_index stays a CPU tensor in the
-    # model's RNG calls); move the data, then attach the keys both runs share.
+    """The batch on ``device`` with the RNG keys both runs share in ``extras``.
+
+    ``episode_index`` stays on the host: it is the key of each episode's noise and timestep,
+    read on the host by `packing.conditioning` (reading it back from the GPU would be a sync).
+    """
     moved = batch.to(device)
-    return replace(moved, extras={**moved.extras, "seed": seed, "step": step})
+    per_episode = dict(moved.per_episode)
+    if "episode_index" in batch.per_episode:
+        per_episode["episode_index"] = batch.per_episode["episode_index"]
+    return replace(
+        moved, per_episode=per_episode, extras={**moved.extras, "seed": seed, "step": step}
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -734,13 +742,15 @@ def build_model(config: VerifyConfig) -> nn.Module:
     return model
 
 
-def default_token_budget(lengths: Sequence[int], multiple: int = 128) -> int:
+def default_token_budget(lengths: Sequence[int]) -> int:
     """About a third of one step's tokens (so ~3 packs of several episodes), never below the
-    longest episode, rounded up to ``multiple``::
+    longest episode, rounded up to a multiple of 128 (of 8 below 512 tokens)::
 
         lengths [160, 64, 288, 96]  (608 tokens) -> max(203, 288) -> 384
+        lengths [5, 2, 9, 3, 7]     (26 tokens)  -> max(9, 9)     -> 16
     """
     want = max(-(-sum(lengths) // 3), max(lengths))
+    multiple = 128 if want >= 512 else 8
     return -(-want // multiple) * multiple
 
 
