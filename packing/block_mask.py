@@ -135,34 +135,29 @@ def classify_blocks(
     hi = torch.minimum(q_last, k_last)
     shared = lo <= hi
 
-    any_QK = torch.zeros_like(shared)
-    rule_all_lo = any_QK
-    spans = {}
-    for name, d in (("lo", lo), ("hi", hi)):
-        qs, qe = q.span(d)
-        ks, ke = kv.span(d)
-        spans[name] = (qs, qe)
-        # Clip the document to the tile, then shift to episode-local coordinates.
-        a = torch.maximum(qs, q.start_Q[:, None]) - qs
-        b = torch.minimum(qe, q.stop_Q[:, None]) - 1 - qs
-        c = torch.maximum(ks, kv.start_Q[None, :]) - ks
-        e = torch.minimum(ke, kv.stop_Q[None, :]) - 1 - ks
-        r_any, r_all = rule(a, b, c, e)
-        any_QK = any_QK | (shared & (a <= b) & (c <= e) & r_any)
-        if name == "lo":
-            rule_all_lo = r_all
+    # Both boundary documents at once (leading dim 2: lo, hi), clipped to the tile and shifted
+    # to episode-local coordinates.
+    d = torch.stack([lo, hi])
+    qs, qe = q.span(d)
+    ks, ke = kv.span(d)
+    a = torch.maximum(qs, q.start_Q[:, None]) - qs
+    b = torch.minimum(qe, q.stop_Q[:, None]) - 1 - qs
+    c = torch.maximum(ks, kv.start_Q[None, :]) - ks
+    e = torch.minimum(ke, kv.stop_Q[None, :]) - 1 - ks
+    r_any, r_all = rule(a, b, c, e)
+    hit = (a <= b) & (c <= e) & r_any
+    any_QK = shared & (hit[0] | hit[1])
 
     # Documents strictly between lo and hi lie whole in both tiles: count those with a true
     # pair through a prefix sum over their first q tokens.
-    _, qe_lo = spans["lo"]
-    qs_hi, _ = spans["hi"]
+    qe_lo, qs_hi = qe[0], qs[1]
     count_T1 = _prefix(_first_token_nonempty(q, kv, rule))
     inner_any = (lo < hi) & (count_T1[qs_hi] > count_T1[torch.minimum(qe_lo, qs_hi)])
     any_QK = any_QK | inner_any
 
     one_doc_q = q.all_real_Q & (q.first_Q == q.last_Q)
     one_doc_k = kv.all_real_Q & (kv.first_Q == kv.last_Q)
-    all_QK = one_doc_q[:, None] & one_doc_k[None, :] & (q_first == k_first) & rule_all_lo
+    all_QK = one_doc_q[:, None] & one_doc_k[None, :] & (q_first == k_first) & r_all[0]
 
     if self_attention:
         # A padding token attends to itself: a tile holds such a pair when the q and kv
@@ -227,28 +222,24 @@ def block_tables(
 
 def tables_from_flags(any_QK: Tensor, all_QK: Tensor) -> BlockTables:
     """Tile flags -> the eight BlockMask tensors (partial = any and not all)."""
-    partial_QK = any_QK & ~all_QK
-    kv = _ordered(partial_QK) + _ordered(all_QK)
-    q = _ordered(partial_QK.t()) + _ordered(all_QK.t())
-    return BlockTables(*(t[None, None] for t in kv + q))
+    flags = torch.stack([any_QK & ~all_QK, all_QK])  # (2, Q, K): partial, full
+    kv_num, kv_idx = _ordered(flags)
+    q_num, q_idx = _ordered(flags.transpose(1, 2))
+    per_side = (kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], q_num[0], q_idx[0], q_num[1], q_idx[1])
+    return BlockTables(*(t[None, None] for t in per_side))
 
 
-def _ordered(flags_QK: Tensor) -> tuple[Tensor, Tensor]:
-    """(num (Q,), indices (Q, K)) int32: row ``i`` lists its flagged columns first, ascending,
-    then the others (what a stable descending argsort gives, with a scan instead of a sort)."""
-    flags = flags_QK.to(torch.int32)
-    K = flags.shape[-1]
+def _ordered(flags_RC: Tensor) -> tuple[Tensor, Tensor]:
+    """(num (..., R), indices (..., R, C)) int32: row ``r`` lists its flagged columns first,
+    ascending, then the others (what a stable descending argsort gives, with a scan)."""
+    flags = flags_RC.to(torch.int32)
+    C = flags.shape[-1]
     seen = flags.cumsum(-1, dtype=torch.int32)  # flagged columns up to and including j
-    num = seen[:, -1:]
-    col = torch.arange(K, device=flags.device, dtype=torch.int32).expand_as(flags)
+    num = seen[..., -1:]
+    col = torch.arange(C, device=flags.device, dtype=torch.int32).expand_as(flags)
     slot = torch.where(flags.bool(), seen - 1, num + col - seen)
     idx = torch.empty_like(flags).scatter_(-1, slot.long(), col)
-    return num[:, 0].contiguous(), idx
-
-
-def unknown_rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
-    """No knowledge of the inner mask: any pair may be true, none is known to be."""
-    return torch.ones_like(a, dtype=torch.bool), torch.zeros_like(a, dtype=torch.bool)
+    return num[..., 0].contiguous(), idx
 
 
 def evaluate_tiles(
@@ -277,3 +268,8 @@ def evaluate_tiles(
         any_QK[i, j] = pairs.flatten(1).any(1)
         all_QK[i, j] = pairs.flatten(1).all(1)  # slots past T count as False: never full
     return any_QK, all_QK
+
+
+def unknown_rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """No knowledge of the inner mask: any pair may be true, none is known to be."""
+    return torch.ones_like(a, dtype=torch.bool), torch.zeros_like(a, dtype=torch.bool)

@@ -283,7 +283,7 @@ def make_block_mask(
 
     ``block_size`` is an int or ``(q_block, kv_block)``. ``compile=True`` runs the tile
     classification through ``torch.compile`` (static shapes, one graph per ``(T_q, T_kv,
-    block_size, inner)``; the first call compiles): eager it is ~100 small kernels, which on a
+    block_size, inner)``; the first call compiles): eager it is ~140 small kernels, which on a
     GPU costs launch overhead rather than work. Reuse the same inner object (the factories here
     are cached) so the compiled graph is reused.
     """
