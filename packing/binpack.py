@@ -271,7 +271,9 @@ def best_fit_lookahead(lengths: np.ndarray, budget: int, max_docs: int | None = 
     Best-fit decreasing packs the long items first, three mid-size items per pack when the
     budget is ~4x the median, leaving gaps no item can fill; this look-ahead keeps every pack
     completable, and reaches ~99% where best-fit decreasing gets ~96% (see
-    docs/planning.md). It works on distinct lengths (a few Python operations per item placed),
+    docs/planning.md). Its weak spot: it uses the shortest items as fillers early, so on
+    lengths spread evenly over a narrow range the last packs hold only mid-size items, four to
+    a pack with a few percent left (98.9% overall on uniform 4.6K-10.7K at 4x the median). It works on distinct lengths (a few Python operations per item placed),
     so it is slower than ``best_fit_decreasing``.
     """
     n = len(lengths)

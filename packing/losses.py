@@ -273,8 +273,9 @@ def reduce_loss(
     With ``denominator=None`` the pack's own ``D`` is used: exact only when this pack is the
     whole optimizer step on a single rank. Otherwise pass ``global_denominator(...)`` (or use
     ``LossNormalizer``). Padding and masked tokens contribute exactly 0 even if their loss is
-    inf or NaN (it is selected away, not multiplied by 0). A step with nothing to learn (D = 0)
-    gives 0, not NaN.
+    inf or NaN (it is selected away, not multiplied by 0); their gradient is exactly 0 too,
+    unless the model's own derivative on those rows is NaN (0 * NaN in the chain rule), so
+    keep padding rows finite. A step with nothing to learn (D = 0) gives 0, not NaN.
     """
     ids = _doc_ids(layout)
     if loss.shape[0] != ids.shape[0]:

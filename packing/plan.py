@@ -51,6 +51,7 @@ _ALGORITHMS = {
     "next_fit": next_fit,
 }
 _FORMAT = "packing.plan/v1"
+_PIECE_COLUMNS = ("episode", "start", "stop", "loss_start")
 
 
 def frames_to_tokens(
@@ -224,16 +225,34 @@ class PackPlan:
         return cls._from_parts(doc, doc.pop("packs"))
 
     def to_arrow(self, path: str | Path) -> None:
-        """Save as a Hugging Face ``datasets`` Arrow table, one row per pack, the plan's header
-        in the dataset description. Needs ``pip install 'packing[hf]'``."""
+        """Save as a Hugging Face ``datasets`` Arrow table (memory-mapped when loaded), one row
+        per pack: ``items``, their ``lengths`` and, for split plans, the pieces' ``episode``,
+        ``start``, ``stop``, ``loss_start``; the rest of the plan in the dataset description.
+        Needs ``pip install 'packing[hf]'``."""
         from packing._lazy import require
 
         datasets = require("datasets", extra="hf")
-        table = datasets.Dataset.from_dict(
-            {"items": self.packs, "tokens": self.tokens_P.tolist()},
-            info=datasets.DatasetInfo(description=json.dumps(self._header())),
-        )
-        table.save_to_disk(str(path))
+        pa = require("pyarrow", extra="hf")
+        offsets = pa.array(self.offsets_P1)
+
+        def per_pack(values: np.ndarray) -> Any:
+            return pa.LargeListArray.from_arrays(offsets, pa.array(values[self.items_N]))
+
+        columns = {
+            "items": per_pack(np.arange(len(self.item_lengths))),
+            "lengths": per_pack(self.item_lengths),
+        }
+        if self.pieces_I4 is not None:
+            for j, name in enumerate(_PIECE_COLUMNS):
+                columns[name] = per_pack(self.pieces_I4[:, j])
+        head = {k: v for k, v in self._header().items() if k not in ("item_lengths", "pieces")}
+        dropped = list(self.dropped)
+        head |= {
+            "num_items": len(self.item_lengths),
+            "dropped_lengths": self.item_lengths[dropped].tolist(),
+        }
+        info = datasets.DatasetInfo(description=json.dumps(head))
+        datasets.Dataset(pa.table(columns), info=info).save_to_disk(str(path))
 
     @classmethod
     def from_arrow(cls, path: str | Path) -> PackPlan:
@@ -241,7 +260,33 @@ class PackPlan:
 
         datasets = require("datasets", extra="hf")
         table = datasets.load_from_disk(str(path))
-        return cls._from_parts(json.loads(table.info.description), table["items"])
+        head = json.loads(table.info.description)
+        if head.get("format") != _FORMAT:
+            raise ValueError(f"{path} is not a packing plan (format={head.get('format')!r})")
+
+        def flat(name: str) -> np.ndarray:
+            return table.data.column(name).combine_chunks().values.to_numpy().astype(np.int64)
+
+        col = table.data.column("items").combine_chunks()
+        items = flat("items")
+        item_lengths = np.zeros(head["num_items"], dtype=np.int64)
+        item_lengths[items] = flat("lengths")
+        item_lengths[head["dropped"]] = head["dropped_lengths"]
+        pieces = None
+        if _PIECE_COLUMNS[0] in table.column_names:
+            pieces = np.zeros((head["num_items"], 4), dtype=np.int64)
+            pieces[items] = np.stack([flat(c) for c in _PIECE_COLUMNS], axis=1)
+        return cls(
+            items_N=items,
+            offsets_P1=col.offsets.to_numpy().astype(np.int64),
+            item_lengths=item_lengths,
+            token_budget=int(head["token_budget"]),
+            pieces_I4=pieces,
+            dropped=tuple(head["dropped"]),
+            algorithm=head["algorithm"],
+            max_docs=head["max_docs"],
+            meta=head.get("meta", {}),
+        )
 
     def _header(self) -> dict[str, Any]:
         return {

@@ -155,7 +155,7 @@ def test_non_deterministic_fn_is_refused() -> None:
     def noisy(batch: PackedBatch) -> dict[str, torch.Tensor]:
         return {"x": model(batch)["x"] + torch.randn(())}
 
-    with pytest.raises(ValueError, match="not deterministic.*global RNG"):
+    with pytest.raises(ValueError, match=r"not deterministic.*global RNG"):
         find_leaks(noisy, _batch())
 
 
