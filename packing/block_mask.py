@@ -125,8 +125,9 @@ def classify_blocks(
 ) -> tuple[Tensor, Tensor]:
     """``(any_QK, all_QK)`` bool: does the tile hold a true pair / are all its pairs true.
 
-    ``rule`` must be exact for exact tiles (a looser ``any`` only lists tiles that turn out
-    empty, a looser ``all`` only leaves full tiles partial: the attention stays exact). With
+    With an exact ``rule`` the tiles are exact (the same as ``create_block_mask``'s); a looser
+    ``any`` only lists tiles that turn out empty and a stricter ``all`` only leaves full tiles
+    partial, so the attention stays exact either way. With
     ``self_attention`` a padding token attends to itself (the tile on the diagonal is partial).
     """
     q_first, q_last = q.first_Q[:, None], q.last_Q[:, None]
