@@ -216,6 +216,7 @@ def test_split_needs_lengths_made_of_steps():
 
 def assert_same_plan(a: PackPlan, b: PackPlan) -> None:
     assert a.packs == b.packs and a.token_budget == b.token_budget and a.dropped == b.dropped
+    assert (a.algorithm, a.max_docs) == (b.algorithm, b.max_docs)
     assert np.array_equal(a.item_lengths, b.item_lengths)
     assert (a.pieces_I4 is None) == (b.pieces_I4 is None)
     if a.pieces_I4 is not None:
@@ -295,3 +296,10 @@ def test_stream_packer_invariants(lengths, budget, buffer_size, max_docs):
     if max_docs is not None:
         assert all(len(p) <= max_docs for p in packs)
     assert packer.num_packs == len(packs) and packer.num_tokens == sum(lengths)
+
+
+def test_split_plan_round_trips_through_arrow(tmp_path):
+    pytest.importorskip("datasets")
+    plan = plan_packs([5, 30, 4, 7], 8, oversize="split", split_overlap=2, max_docs=2)
+    plan.to_arrow(tmp_path / "plan")
+    assert_same_plan(plan, PackPlan.from_arrow(tmp_path / "plan"))
