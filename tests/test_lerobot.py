@@ -170,7 +170,8 @@ def test_lengths_equal_metadata(root: Path, reference: LeRobotDataset) -> None:
 
 
 def test_token_lengths_use_the_planners_formula(root: Path) -> None:
-    plan = pytest.importorskip("packing.plan", reason="packing.plan not written yet")
+    from packing import plan
+
     eps = LeRobotEpisodes(root, keys=["latents"])
     kw = {"latent_hw": (8, 16), "patch": (1, 2, 2), "action_tokens_per_frame": 1}
     want = [int(plan.frames_to_tokens(int(n), **kw)) for n in LENGTHS]
