@@ -121,6 +121,11 @@ class PackedBatchSampler(Sampler[list[int]]):
             )
         elif lengths is not None or token_budget is not None:
             raise ValueError("pass either plan= or lengths/token_budget, not both")
+        elif split or max_docs is not None or oversize != "error" or algorithm != "bfd":
+            raise ValueError(
+                "algorithm/max_docs/oversize/split arguments plan packs from lengths=; with "
+                "plan= they would be ignored: pass them to plan_packs when building the plan"
+            )
         if num_replicas is None:
             num_replicas = (
                 dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -134,7 +139,9 @@ class PackedBatchSampler(Sampler[list[int]]):
         self.plan = plan
         self.shuffle, self.seed = shuffle, int(seed)
         self.num_replicas, self.rank = num_replicas, rank
-        self.balance, self.balance_window = balance, max(int(balance_window), 1)
+        if balance_window < 1:
+            raise ValueError(f"balance_window={balance_window} must be >= 1 (steps)")
+        self.balance, self.balance_window = balance, int(balance_window)
         self.packs = equalise_packs(plan.packs, plan.item_lengths, num_replicas)
         power = 1 if balance == "tokens" else 2
         _, self.cost_P = _docs_and_cost(self.packs, plan.item_lengths.astype(np.float64) ** power)

@@ -56,6 +56,8 @@ def test_epoch_and_rank_defaults():
         PackedBatchSampler([3], 8, num_replicas=2, rank=2)
     with pytest.raises(ValueError, match="pass lengths and token_budget"):
         PackedBatchSampler()
+    with pytest.raises(ValueError, match="with plan= they would be ignored"):
+        PackedBatchSampler(plan=plan_packs([3, 4], 8), max_docs=1)
 
 
 def test_each_epoch_has_its_own_order_from_seed_and_epoch_not_the_global_rng():
