@@ -304,7 +304,7 @@ class LossNormalizer:
 
         micro = [next(loader) for _ in range(accum)]          # all micro-batches first
         norm = LossNormalizer.for_step([b.layout("action") for b in micro], "episode",
-                                       loss_masks=[~b["action_is_pad"] for b in micro])
+                                       [~b["action_is_pad"] for b in micro], device="cuda")
         for b in micro:
             norm(loss_T(b), b.layout("action"), ~b["action_is_pad"]).backward()
 
