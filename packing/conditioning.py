@@ -234,7 +234,8 @@ def episode_timesteps(
             z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
             t = 1.0 / (1.0 + math.exp(-(mean + std * z)))
         ts.append(shift * t / (1.0 + (shift - 1.0) * t))
-    return torch.tensor(ts, dtype=torch.float64).to(dtype=dtype, device=device)
+    # non_blocking: a pageable host-to-device copy is staged, never a wait on the GPU.
+    return torch.tensor(ts, dtype=torch.float64).to(dtype).to(device, non_blocking=True)
 
 
 def cfg_dropout_mask(
@@ -258,7 +259,7 @@ def cfg_dropout_mask(
         _uniform(_mix64(seed, step, e, stream)) < p
         for e in _indices(episode_index_K, "cfg_dropout_mask")
     ]
-    return torch.tensor(drop, dtype=torch.bool).to(device)
+    return torch.tensor(drop, dtype=torch.bool).to(device, non_blocking=True)
 
 
 # -- noise -----------------------------------------------------------------------------------
@@ -311,6 +312,8 @@ def packed_noise(
     ``StreamLayout`` pass ``step_shape`` and ``episode_index_K`` (``num_steps`` defaults to
     ``padded_len // tokens_per_step``). ``stream`` both picks the layout and salts the seed,
     so "latents" and "action" noise are independent. Cost: K generator seeds + K draws.
+    To draw on the GPU, call it on the CPU batch (whose episode indices are readable without
+    a sync) with ``device="cuda"``, then move the batch.
     """
     if isinstance(batch_or_layout, PackedBatch):
         batch = batch_or_layout

@@ -86,6 +86,12 @@ def _reduction(reduction: str) -> str:
     return reduction
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move without a host sync: host-to-device copies are non-blocking (staged); a copy *to*
+    the host stays blocking, since its value is read right away."""
+    return t.to(device, non_blocking=device.type != "cpu")
+
+
 def _doc_ids(layout: LayoutLike) -> torch.Tensor:
     ids = layout.doc_ids_T if isinstance(layout, StreamLayout) else layout
     if ids.dim() != 1:
@@ -127,7 +133,7 @@ def _mask(
             f"{tuple(loss_mask.shape)}; for LeRobot use ~batch['action_is_pad'], and expand a "
             "per-step mask of a grid stream with .repeat_interleave(tokens_per_step)"
         )
-    return real * loss_mask.to(dtype)
+    return real * _to(loss_mask.to(dtype), doc_ids_T.device)
 
 
 def _bucket_mass(
@@ -202,9 +208,9 @@ def _one_denominator(
     ids = _doc_ids(layout)
     m = _mask(ids, loss_mask, torch.float64)
     if red == "token" or (red == "frame" and tps == 1):
-        return m.sum().to(device)
+        return _to(m.sum(), device)
     _, mass = _bucket_mass(ids, m, red, tps)
-    return (mass > 0).sum().to(dtype=torch.float64, device=device)
+    return _to((mass > 0).sum().to(torch.float64), device)
 
 
 def local_denominator(
@@ -292,7 +298,7 @@ def reduce_loss(
         denominator = local_denominator(layout, reduction, loss_mask, tokens_per_step)
     if not isinstance(denominator, torch.Tensor):
         denominator = torch.tensor(float(denominator), dtype=torch.float64)
-    d = denominator.to(dtype=total.dtype, device=total.device)
+    d = _to(denominator.to(total.dtype), total.device)
     return total / torch.where(d > 0, d, 1)
 
 

@@ -309,3 +309,22 @@ def test_noise_uses_no_global_rng() -> None:
     episode_timesteps(0, 0, [1, 2])
     assert torch.equal(torch.get_rng_state(), before)
     assert math.isfinite(float(episode_noise(0, 0, 1, (4,)).sum()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_device_sync_on_cuda() -> None:
+    cpu_batch = pack([_episode(7, 2), _episode(3, 4)], pad_to_multiple=8)
+    doc_ids = cpu_batch.doc_ids.cuda()
+    mod_KD = torch.rand(2, 4, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        t_K = episode_timesteps(0, 0, cpu_batch["episode_index"], device="cuda")
+        broadcast_to_tokens(t_K, doc_ids)
+        broadcast_to_tokens(mod_KD, doc_ids)
+        noise = packed_noise(cpu_batch, seed=0, step=0, stream="x", device="cuda")
+        cfg_dropout_mask(0, 0, cpu_batch["episode_index"], 0.1, device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    # Per episode, the CUDA generator's draws are the same whatever the pack.
+    assert torch.equal(noise[2:6], episode_noise(0, 0, 3, (4, 2), stream="x", device="cuda"))

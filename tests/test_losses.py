@@ -388,3 +388,19 @@ def test_loss_normalizer_under_real_ddp_with_an_empty_rank() -> None:
                 for proc in ctx.processes:
                     proc.kill()
                 pytest.fail("DDP workers did not finish in 300 s (a collective hung)")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_device_sync_on_cuda() -> None:
+    lay = _layout([2, 4, 3], 12).to("cuda")
+    cpu_mask = torch.tensor([1] * 8 + [0] * 4, dtype=torch.bool)  # action_is_pad from the worker
+    mask, loss = cpu_mask.cuda(), torch.rand(12, 2, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for red in REDUCTIONS:
+            d = local_denominator([lay, lay], red, [mask, cpu_mask], device="cuda")
+            reduce_loss(loss, lay, red, mask, denominator=d)
+            reduce_loss(loss, lay.doc_ids_T, red, mask, 1, denominator=local_denominator(lay, red))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
