@@ -26,8 +26,8 @@ draws themselves. On the CPU (e.g. in the DataLoader worker, or on the pinned CP
 before ``batch.to(device)``) it never touches the GPU; on CUDA (``device="cuda"``) a
 per-episode ``torch.Generator("cuda").manual_seed(s)`` is host-side state and ``randn`` is one
 kernel per episode, so neither path makes a host-device sync. What *would* sync is reading
-episode indices from a CUDA tensor, so these functions refuse one and ask for the CPU tensor or
-Python ints (``batch["episode_index"]`` before ``.to(device)``).
+episode indices from a CUDA tensor, so these functions refuse one and ask for Python ints
+(``batch.episode_ids``, which ``batch.to(device)`` keeps on the host) or a CPU tensor.
 
 ``step`` must be a counter both runs agree on -- the optimizer step or the epoch -- not the
 micro-step index, which differs between the packed and the unpacked run. If a sampler can put
@@ -174,8 +174,8 @@ def _indices(episode_index_K: Sequence[int] | torch.Tensor, what: str) -> list[i
         if episode_index_K.device.type != "cpu":
             raise ValueError(
                 f"{what}: episode_index_K is on {episode_index_K.device}; reading it would be a "
-                "host-device sync. Pass batch['episode_index'] before batch.to(device), or a "
-                "list of ints"
+                "host-device sync. Pass batch.episode_ids (host ints that survive .to(device)) "
+                "or a list of ints"
             )
         return [int(i) for i in episode_index_K.reshape(-1).tolist()]
     return [int(i) for i in episode_index_K]
@@ -301,8 +301,8 @@ def packed_noise(
     """Noise for a packed stream, episode by episode, zeros on padding.
 
     With a ``PackedBatch`` the result has the shape, dtype and device of ``batch[stream]``
-    (step level: ``(S, *step_shape)``), and episode indices come from
-    ``batch["episode_index"]``. Steps ``[2, 4, 3]`` of episodes ``[7, 3, 5]``, ``S = 12``::
+    (step level: ``(S, *step_shape)``), and episode indices come from ``batch.episode_ids``
+    (host ints, kept on the host by ``batch.to(device)``). Steps ``[2, 4, 3]`` of episodes ``[7, 3, 5]``, ``S = 12``::
 
         rows     n7 n7 n3 n3 n3 n3 n5 n5 n5  0  0  0
         n7     = episode_noise(seed, step, 7, (2, *step_shape), stream=stream)
@@ -312,8 +312,8 @@ def packed_noise(
     ``StreamLayout`` pass ``step_shape`` and ``episode_index_K`` (``num_steps`` defaults to
     ``padded_len // tokens_per_step``). ``stream`` both picks the layout and salts the seed,
     so "latents" and "action" noise are independent. Cost: K generator seeds + K draws.
-    To draw on the GPU, call it on the CPU batch (whose episode indices are readable without
-    a sync) with ``device="cuda"``, then move the batch.
+    On a CUDA batch the generators run on the GPU; ``device=`` overrides (e.g. draw with CUDA
+    generators for a CPU batch). The reference run must draw on the same kind of device.
     """
     if isinstance(batch_or_layout, PackedBatch):
         batch = batch_or_layout
@@ -332,8 +332,8 @@ def packed_noise(
                     "packing; give each episode dict its dataset 'episode_index' (or pass "
                     "episode_index_K=)"
                 )
-            # With max_docs the per-episode tensor is padded with -1 past the K real docs.
-            episode_index_K = _indices(batch["episode_index"], "packed_noise")[: layout.num_docs]
+            # Host ints that survive batch.to(device): reading them is never a sync.
+            episode_index_K = batch.episode_ids
     else:
         layout = batch_or_layout
         if step_shape is None or episode_index_K is None:

@@ -141,7 +141,7 @@ def test_timesteps_distributions() -> None:
 
 
 def test_timesteps_refuse_device_indices_and_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="host-device sync"):
+    with pytest.raises(ValueError, match=r"host-device sync. Pass batch.episode_ids"):
         episode_timesteps(0, 0, torch.zeros(3, dtype=torch.int64, device="meta"))
     with pytest.raises(ValueError, match="distribution='normal'"):
         episode_timesteps(0, 0, [1], distribution="normal")  # type: ignore[arg-type]
@@ -250,7 +250,7 @@ def test_packed_inputs_identical_whatever_the_packing() -> None:
                 continue
             batch = pack(members, pad_to_multiple=data.draw(st.sampled_from([1, 5, 16])))
             noise = packed_noise(batch, seed=2, step=9, stream="x")
-            t_K = episode_timesteps(2, 9, batch["episode_index"])
+            t_K = episode_timesteps(2, 9, batch.episode_ids)
             t_S = broadcast_to_tokens(t_K, batch.doc_ids)
             x_t, target = flow_matching_inputs(batch["x"], noise, t_S)
             lay = batch.layout("x")
@@ -313,17 +313,16 @@ def test_noise_uses_no_global_rng() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_host_device_sync_on_cuda() -> None:
-    cpu_batch = pack([_episode(7, 2), _episode(3, 4)], pad_to_multiple=8)
-    doc_ids = cpu_batch.doc_ids.cuda()
+    batch = pack([_episode(7, 2), _episode(3, 4)], pad_to_multiple=8).to("cuda")
     mod_KD = torch.rand(2, 4, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        t_K = episode_timesteps(0, 0, cpu_batch["episode_index"], device="cuda")
-        broadcast_to_tokens(t_K, doc_ids)
-        broadcast_to_tokens(mod_KD, doc_ids)
-        noise = packed_noise(cpu_batch, seed=0, step=0, stream="x", device="cuda")
-        cfg_dropout_mask(0, 0, cpu_batch["episode_index"], 0.1, device="cuda")
+        t_K = episode_timesteps(0, 0, batch.episode_ids, device="cuda")
+        broadcast_to_tokens(t_K, batch.doc_ids)
+        broadcast_to_tokens(mod_KD, batch.doc_ids)
+        noise = packed_noise(batch, seed=0, step=0, stream="x")
+        cfg_dropout_mask(0, 0, batch.episode_ids, 0.1, device="cuda")
     finally:
         torch.cuda.set_sync_debug_mode(0)
     # Per episode, the CUDA generator's draws are the same whatever the pack.
