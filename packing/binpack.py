@@ -265,16 +265,17 @@ def next_fit(lengths: np.ndarray, budget: int, max_docs: int | None = None) -> n
 
 
 def best_fit_lookahead(lengths: np.ndarray, budget: int, max_docs: int | None = None) -> np.ndarray:
-    """One pack at a time: open it with the longest item left, then add the longest item that
-    still leaves room for the shortest one left, and close with the best fit.
+    """One pack at a time: open it, add the longest item that still leaves room for the
+    shortest one left, and close with the best fit.
 
-    Best-fit decreasing packs the long items first, three mid-size items per pack when the
-    budget is ~4x the median, leaving gaps no item can fill; this look-ahead keeps every pack
-    completable, and reaches ~99% where best-fit decreasing gets ~96% (see
-    docs/planning.md). Its weak spot: it uses the shortest items as fillers early, so on
-    lengths spread evenly over a narrow range the last packs hold only mid-size items, four to
-    a pack with a few percent left (98.9% overall on uniform 4.6K-10.7K at 4x the median). It works on distinct lengths (a few Python operations per item placed),
-    so it is slower than ``best_fit_decreasing``.
+    A pack opens with the longest item left when that is over half the budget, else with the
+    middle one of the distinct lengths left. Best-fit decreasing packs the long items first,
+    three mid-size items per pack when the budget is ~4x the median, leaving gaps no item can
+    fill (~96%); opening with the longest and filling with look-ahead fixes those packs but
+    spends the short items as fillers, and the last packs hold only mid-size items (~98.9%);
+    opening from the middle keeps both ends available to the end (>= 99.4% on the benchmark's
+    lengths at >= 4x the median, docs/planning.md). Works on distinct lengths (a few Python
+    operations per pack), so it is slower than ``best_fit_decreasing``.
     """
     n = len(lengths)
     bin_sorted = np.empty(n, dtype=np.int64)
@@ -298,8 +299,12 @@ def best_fit_lookahead(lengths: np.ndarray, budget: int, max_docs: int | None = 
         return v
 
     while vals:
-        before = {v: len(stack[v]) for v in vals[-1:]}
-        pattern = [take(len(vals) - 1)]
+        # Open with the longest item if it is over half the budget (no two such items can share
+        # a pack anyway), else with the middle one of the distinct lengths left: opening with
+        # the longest would use up the short items as fillers and leave only mid-size ones.
+        j0 = len(vals) - 1 if 2 * vals[-1] > budget else len(vals) // 2
+        before = {vals[j0]: len(stack[vals[j0]])}
+        pattern = [take(j0)]
         room = budget - pattern[0]
         while vals and len(pattern) < cap:
             j = bisect_left(vals, room + 1) - 1  # largest length <= room

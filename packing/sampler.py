@@ -103,7 +103,7 @@ class PackedBatchSampler(Sampler[list[int]]):
         rank: int | None = None,
         balance: Balance = "tokens",
         balance_window: int = 64,
-        algorithm: Algorithm = "bfd",
+        algorithm: Algorithm = "lookahead",
         max_docs: int | None = None,
         oversize: Oversize = "error",
         **split: int,
@@ -121,7 +121,7 @@ class PackedBatchSampler(Sampler[list[int]]):
             )
         elif lengths is not None or token_budget is not None:
             raise ValueError("pass either plan= or lengths/token_budget, not both")
-        elif split or max_docs is not None or oversize != "error" or algorithm != "bfd":
+        elif split or max_docs is not None or oversize != "error" or algorithm != "lookahead":
             raise ValueError(
                 "algorithm/max_docs/oversize/split arguments plan packs from lengths=; with "
                 "plan= they would be ignored: pass them to plan_packs when building the plan"

@@ -31,6 +31,10 @@ def seed_like(n: int, seed: int = 0) -> np.ndarray:
     return frames_to_tokens(frames, action_tokens_per_frame=4, text_tokens=512)
 
 
+def uniform_tokens(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(4600, 10701, size=n)
+
+
 def long_tailed(n: int, seed: int = 0) -> np.ndarray:
     x = np.random.default_rng(seed).lognormal(np.log(2000), 1.0, size=n)
     return np.maximum(x.astype(np.int64), 16)
@@ -122,18 +126,20 @@ def test_the_algorithms_agree_on_the_budget_with_a_doc_cap(max_docs):
             assert np.bincount(bins).max() <= max_docs
 
 
-def test_efficiency_long_tailed_bfd_and_seed_like_lookahead_at_4x_median():
-    tails = long_tailed(20_000)
-    budget = int(4 * np.median(tails))
-    tails = np.minimum(tails, budget)
-    bfd = plan_packs(tails, budget)
-    naive = plan_packs(tails, budget, algorithm="next_fit")
-    assert bfd.efficiency >= 0.99 > naive.efficiency
-    seed = seed_like(20_000)
-    budget = int(4 * np.median(seed))
-    assert plan_packs(seed, budget, algorithm="lookahead").efficiency >= 0.99
-    # Best-fit decreasing leaves three mid-size episodes per pack here (docs/planning.md).
-    assert plan_packs(seed, budget).efficiency >= 0.95
+@pytest.mark.parametrize("make", [seed_like, uniform_tokens, long_tailed])
+def test_efficiency_at_4x_the_median(make):
+    lengths = make(20_000)
+    budget = int(4 * np.median(lengths))
+    lengths = np.minimum(lengths, budget)
+    default = plan_packs(lengths, budget)  # lookahead
+    bfd = plan_packs(lengths, budget, algorithm="bfd")
+    naive = plan_packs(lengths, budget, algorithm="next_fit")
+    assert default.algorithm == "lookahead"
+    assert default.efficiency >= 0.99 and default.efficiency >= bfd.efficiency > naive.efficiency
+    if make is long_tailed:
+        assert bfd.efficiency >= 0.99
+    else:  # best-fit decreasing leaves three mid-size episodes per pack (docs/planning.md)
+        assert 0.95 <= bfd.efficiency < 0.98
 
 
 def test_plans_are_deterministic():
