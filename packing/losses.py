@@ -100,6 +100,8 @@ def _doc_ids(layout: LayoutLike) -> torch.Tensor:
 
 
 def _tokens_per_step(layout: LayoutLike, reduction: str, tokens_per_step: int | None) -> int:
+    if tokens_per_step is not None and tokens_per_step < 1:
+        raise ValueError(f"tokens_per_step={tokens_per_step} must be >= 1")
     if isinstance(layout, StreamLayout):
         tps = layout.tokens_per_step if tokens_per_step is None else tokens_per_step
         if reduction == "frame":

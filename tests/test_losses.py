@@ -270,6 +270,8 @@ def test_errors_name_the_problem_and_the_fix() -> None:
         ValueError, match="document 2 has 3 tokens, not a multiple of tokens_per_step=2"
     ):
         token_weights(lay, "frame", tokens_per_step=2)
+    with pytest.raises(ValueError, match="tokens_per_step=0 must be >= 1"):
+        token_weights(lay.doc_ids_T, "frame", tokens_per_step=0)
     with pytest.raises(ValueError, match="needs tokens_per_step="):
         token_weights(lay.doc_ids_T, "frame")
     with pytest.raises(ValueError, match="loss has 9 rows but the layout has 12 tokens"):
