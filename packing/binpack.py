@@ -290,6 +290,8 @@ def best_fit_lookahead(lengths: np.ndarray, budget: int, max_docs: int | None = 
     }
     cap = n if max_docs is None else max_docs
     b = 0
+    rep_pos: list[int] = []
+    rep_bin: list[int] = []
 
     def take(j: int) -> int:
         v = vals[j]
@@ -325,10 +327,17 @@ def best_fit_lookahead(lengths: np.ndarray, budget: int, max_docs: int | None = 
         reps = min(before[v] // m for v, m in mult.items()) - 2
         if reps > 0:
             for v, m in mult.items():
-                pos = stack[v][len(stack[v]) - m * reps :]
-                del stack[v][len(stack[v]) - m * reps :]
-                bin_sorted[pos] = np.repeat(np.arange(b, b + reps), m)
+                cut = len(stack[v]) - m * reps
+                rep_pos.extend(stack[v][cut:])
+                del stack[v][cut:]
+                rep_bin.extend(
+                    range(b, b + reps)
+                    if m == 1
+                    else [x for x in range(b, b + reps) for _ in range(m)]
+                )
             b += reps
+    # Repeated packs were recorded as plain lists: one numpy scatter beats one per repeat.
+    bin_sorted[np.asarray(rep_pos, dtype=np.int64)] = np.asarray(rep_bin, dtype=np.int64)
     bin_N = np.empty(n, dtype=np.int64)
     bin_N[order] = bin_sorted
     return bin_N
