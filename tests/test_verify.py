@@ -154,7 +154,8 @@ def test_tolerances_depend_on_dtype() -> None:
 
 
 def test_default_token_budget() -> None:
-    assert default_token_budget([160, 64, 288, 96]) == 384
+    assert default_token_budget([160, 64, 288, 96]) == 288
+    assert default_token_budget([32 * f for f in (5, 2, 9, 3, 7, 4, 8, 2, 6, 9, 3, 5)]) == 768
     assert default_token_budget([1000, 10]) == 1024
     assert default_token_budget([5, 2, 9, 3, 7]) == 16
 

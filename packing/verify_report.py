@@ -1,0 +1,282 @@
+"""What `packing verify` measures and prints: relative differences, tolerances, the report.
+
+Relative difference of a tensor, ``b`` the reference (the unpacked run)::
+
+    rel(a, b) = max|a - b| / max|b|        a = [1.0, -4.0, 2.2], b = [1.0, -4.0, 2.0] -> 0.05
+
+One scale per tensor, so a tiny element of ``b`` cannot blow the ratio up the way an
+elementwise relative error would. ``VerifyReport.format()`` is the printed table,
+``to_json()`` the machine-readable report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from packing.leak import LeakReport
+
+__all__ = [
+    "GradDiff",
+    "StepRecord",
+    "Tolerances",
+    "VerifyReport",
+    "cosine_similarity",
+    "relative_difference",
+]
+
+
+# -- metrics -----------------------------------------------------------------------------------
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b| / max|b|`` in float64; 0 when both are all zero, inf when only b is.
+
+    ``b`` is the reference (the unpacked run). One scale for the whole tensor, so a tiny
+    element of ``b`` does not blow the ratio up the way an elementwise relative error would.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    a64, b64 = a.detach().double(), b.detach().double()
+    num = float((a64 - b64).abs().max()) if a.numel() else 0.0
+    den = float(b64.abs().max()) if b.numel() else 0.0
+    if math.isnan(num):
+        return math.inf
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine of the flattened tensors in float64; 1 when both are zero, 0 when one is."""
+    a64, b64 = a.detach().double().flatten(), b.detach().double().flatten()
+    na, nb = float(a64.norm()), float(b64.norm())
+    if na == 0.0 and nb == 0.0:
+        return 1.0
+    if na == 0.0 or nb == 0.0 or math.isnan(na) or math.isnan(nb):
+        return 0.0
+    return float(a64 @ b64) / (na * nb)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tolerances:
+    """Pass limits. ``None`` means the quantity is reported but not gated.
+
+    fp32 is exact up to summation order, so everything is gated by relative difference. In
+    bf16 a single rounding flip moves a small gradient element by its own size, so gradients
+    are gated by direction (cosine) and parameters after AdamW (which normalises each
+    element's step to about ``lr``, whatever the gradient's size) are only reported.
+    """
+
+    loss_rel: float
+    grad_rel: float | None = None
+    grad_cos: float | None = None
+    param_rel: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.grad_rel is None and self.grad_cos is None:
+            raise ValueError("gate gradients by grad_rel or grad_cos (or both)")
+
+    @classmethod
+    def for_dtype(cls, dtype: torch.dtype) -> Tolerances:
+        if dtype == torch.float32:
+            return cls(loss_rel=1e-6, grad_rel=1e-5, param_rel=1e-5)
+        if dtype in (torch.bfloat16, torch.float16):
+            return cls(loss_rel=5e-3, grad_cos=0.999)
+        raise ValueError(f"no tolerances for dtype {dtype}; use float32 or bfloat16")
+
+
+# -- records -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    step: int
+    loss_unpacked: float
+    loss_packed: float
+    loss_rel: float
+    micro_steps_unpacked: int
+    micro_steps_packed: int
+    seconds_unpacked: float
+    seconds_packed: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradDiff:
+    """The worst, over steps, of one parameter's gradient difference."""
+
+    name: str
+    shape: tuple[int, ...]
+    rel: float
+    cos: float
+    max_abs: float
+    step: int
+
+
+@dataclass(kw_only=True)
+class VerifyReport:
+    """Everything `packing verify` measured; ``passed`` is the exit status."""
+
+    config: dict[str, Any]
+    tolerances: Tolerances
+    steps: list[StepRecord]
+    grads: list[GradDiff]  # every parameter, worst first
+    param_rel: float  # all parameters as one vector (gated)
+    param_worst: str  # the tensor with the largest per-tensor relative difference
+    param_worst_rel: float  # its per-tensor value (reported)
+    episodes: int
+    tokens: int  # real tokens of one step (primary stream)
+    padded_tokens_unpacked: int
+    padded_tokens_packed: int
+    packs: int
+    pack_sizes: list[int]
+    leak: LeakReport | None
+    failures: list[str] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def loss_rel(self) -> float:
+        """The definition applied to the vector of per-step losses."""
+        a = torch.tensor([s.loss_packed for s in self.steps], dtype=torch.float64)
+        b = torch.tensor([s.loss_unpacked for s in self.steps], dtype=torch.float64)
+        return relative_difference(a, b)
+
+    @property
+    def efficiency_packed(self) -> float:
+        return self.tokens / max(self.padded_tokens_packed, 1)
+
+    @property
+    def efficiency_unpacked(self) -> float:
+        return self.tokens / max(self.padded_tokens_unpacked, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "failures": self.failures,
+            "config": self.config,
+            "tolerances": asdict(self.tolerances),
+            "loss_rel": self.loss_rel,
+            "grad_rel_max": max((g.rel for g in self.grads), default=0.0),
+            "grad_cos_min": min((g.cos for g in self.grads), default=1.0),
+            "param_rel": self.param_rel,
+            "param_worst": self.param_worst,
+            "param_worst_rel": self.param_worst_rel,
+            "steps": [asdict(s) for s in self.steps],
+            "grads": [asdict(g) for g in self.grads],
+            "episodes": self.episodes,
+            "tokens": self.tokens,
+            "padded_tokens_unpacked": self.padded_tokens_unpacked,
+            "padded_tokens_packed": self.padded_tokens_packed,
+            "efficiency_unpacked": self.efficiency_unpacked,
+            "efficiency_packed": self.efficiency_packed,
+            "packs": self.packs,
+            "pack_sizes": self.pack_sizes,
+            "leak": None if self.leak is None else self.leak.to_dict(),
+            "environment": self.environment,
+        }
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, default=_json_default)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    def format(self, worst: int = 5) -> str:
+        """The printed report: per-step table, worst gradients, summary, PASS/FAIL."""
+        tol = self.tolerances
+        out: list[str] = []
+        cfg = self.config
+        out.append(
+            f"packing verify: {self.episodes} episodes, {len(self.steps)} AdamW steps, "
+            f"{cfg.get('dtype')} on {cfg.get('device')}, reduction={cfg.get('reduction')}, "
+            f"mask={cfg.get('mask')}{'' if cfg.get('document_mask', True) else ' (NO document mask)'}"
+        )
+        out.append(f"model: {cfg.get('model')}   data: {cfg.get('dataset')}")
+        out.append("")
+        out.append(
+            "| step | loss unpacked | loss packed | rel diff | micro-steps u/p | s/step u | s/step p |"
+        )
+        out.append("|---:|---:|---:|---:|---:|---:|---:|")
+        for s in self.steps:
+            out.append(
+                f"| {s.step} | {s.loss_unpacked:.9g} | {s.loss_packed:.9g} | {s.loss_rel:.2e} | "
+                f"{s.micro_steps_unpacked}/{s.micro_steps_packed} | {s.seconds_unpacked:.3f} | "
+                f"{s.seconds_packed:.3f} |"
+            )
+        out.append("")
+        out.append(f"worst {min(worst, len(self.grads))} of {len(self.grads)} parameter gradients:")
+        out.append("| parameter | shape | rel diff | cosine | max abs diff | step |")
+        out.append("|---|---|---:|---:|---:|---:|")
+        for g in self.grads[:worst]:
+            out.append(
+                f"| {g.name} | {tuple(g.shape)} | {g.rel:.2e} | {g.cos:.7f} | {g.max_abs:.2e} | "
+                f"{g.step} |"
+            )
+        out.append("")
+
+        def gate(value: float, limit: float | None, le: bool = True) -> str:
+            if limit is None:
+                return f"{value:.2e} (reported, not gated)"
+            ok = value <= limit if le else value >= limit
+            return f"{value:.2e} {'<=' if le else '>='} {limit:g}  {'ok' if ok else 'FAIL'}"
+
+        rel = max((g.rel for g in self.grads), default=0.0)
+        cos = min((g.cos for g in self.grads), default=1.0)
+        su = statistics.median(s.seconds_unpacked for s in self.steps) if self.steps else 0.0
+        sp = statistics.median(s.seconds_packed for s in self.steps) if self.steps else 0.0
+        out.append("summary:")
+        out.append(f"  max rel loss diff        {gate(self.loss_rel, tol.loss_rel)}")
+        out.append(f"  max rel gradient diff    {gate(rel, tol.grad_rel)}")
+        cos_line = (
+            f"{cos:.7f} >= {tol.grad_cos:g}  {'ok' if cos >= tol.grad_cos else 'FAIL'}"
+            if tol.grad_cos is not None
+            else f"{cos:.7f} (reported, not gated)"
+        )
+        out.append(f"  min gradient cosine      {cos_line}")
+        out.append(
+            f"  rel param diff after {len(self.steps)}  {gate(self.param_rel, tol.param_rel)}"
+            f"  (all parameters; worst tensor {self.param_worst} {self.param_worst_rel:.2e})"
+        )
+        out.append(
+            f"  tokens per step          {self.tokens:,} real; padded {self.padded_tokens_unpacked:,}"
+            f" unpacked ({self.efficiency_unpacked:.1%}) vs {self.padded_tokens_packed:,} packed"
+            f" ({self.efficiency_packed:.1%})"
+        )
+        out.append(
+            f"  micro-steps per step     {self.episodes} unpacked vs {self.packs} packed "
+            f"(episodes per pack {self.pack_sizes})"
+        )
+        out.append(
+            f"  median time per step     {su:.3f} s unpacked vs {sp:.3f} s packed "
+            f"(first step includes warm-up)"
+        )
+        if self.leak is not None:
+            out.append("  " + self.leak.summary().replace("\n", "\n  "))
+        out.append("")
+        if self.passed:
+            out.append("PASS: packed training matches unpacked within tolerance")
+        else:
+            out.append("FAIL: " + "; ".join(self.failures))
+        return "\n".join(out)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, torch.dtype):
+        return str(o).removeprefix("torch.")
+    if isinstance(o, Path):
+        return str(o)
+    return repr(o)
+
+
+def grad_badness(g: GradDiff, tol: Tolerances) -> float:
+    """How close to (or past) its limit a gradient is; ranks the 'worst five'."""
+    if tol.grad_rel is not None:
+        return g.rel / tol.grad_rel
+    assert tol.grad_cos is not None
+    return (1.0 - g.cos) / max(1.0 - tol.grad_cos, 1e-12)
