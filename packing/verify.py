@@ -371,8 +371,11 @@ def _leak_check(
             return fn(b)
 
     # Half precision reorders sums by tile on GPU: exactness is an fp32-on-CPU promise.
-    atol = 0.0 if autocast is None and dev.type == "cpu" else 1e-3
-    return find_leaks(outputs, batch, atol=atol)
+    # fp32 on CPU is bit-exact. Half precision and GPU kernels with atomic accumulation are
+    # not bitwise reproducible: a leak must then move a row by more than 1% of the output's
+    # scale (a missing document mask moves it by tens of percent).
+    exact = autocast is None and dev.type == "cpu"
+    return find_leaks(outputs, batch, rtol=0.0 if exact else 1e-2)
 
 
 def _environment(dev: torch.device) -> dict[str, str]:

@@ -166,3 +166,17 @@ def test_errors_name_the_fix() -> None:
         find_leaks(lambda b: {"y": torch.zeros(b.layout().padded_len)}, _batch())
     with pytest.raises(KeyError, match="'nope' is not a stream"):
         find_leaks(DocAttention(), _batch(), inputs=["nope"])
+
+
+def test_rtol_ignores_noise_below_the_threshold_but_not_a_leak() -> None:
+    """A tiny cross-episode term passes under rtol; a real leak (no mask) still fails."""
+
+    class Tiny(DocAttention):
+        def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+            y = super().forward(batch)["x"]
+            return {"x": y + 1e-6 * batch["x"].sum()}
+
+    batch = _batch([2, 3, 4])
+    assert not find_leaks(Tiny(), batch, gradients=False).ok
+    assert find_leaks(Tiny(), batch, gradients=False, rtol=1e-2).ok
+    assert not find_leaks(DocAttention(document_mask=False), batch, rtol=1e-2).ok
