@@ -371,11 +371,10 @@ def _leak_check(
             return fn(b)
 
     # Half precision reorders sums by tile on GPU: exactness is an fp32-on-CPU promise.
-    # fp32 on CPU is bit-exact. Half precision and GPU kernels with atomic accumulation are
-    # not bitwise reproducible: a leak must then move a row by more than 1% of the output's
-    # scale (a missing document mask moves it by tens of percent).
-    exact = autocast is None and dev.type == "cpu"
-    return find_leaks(outputs, batch, rtol=0.0 if exact else 1e-2)
+    # On CPU the check is bit-exact in any dtype (masked keys contribute an exact 0). GPU
+    # kernels may accumulate with atomics: there a leak must exceed 10x the run-to-run noise
+    # measured on two clean runs (still exact when the kernels are deterministic).
+    return find_leaks(outputs, batch, noise_floor=None if dev.type == "cpu" else 10.0)
 
 
 def _environment(dev: torch.device) -> dict[str, str]:

@@ -180,3 +180,15 @@ def test_rtol_ignores_noise_below_the_threshold_but_not_a_leak() -> None:
     assert not find_leaks(Tiny(), batch, gradients=False).ok
     assert find_leaks(Tiny(), batch, gradients=False, rtol=1e-2).ok
     assert not find_leaks(DocAttention(document_mask=False), batch, rtol=1e-2).ok
+
+
+def test_noise_floor_is_measured_and_zero_for_a_deterministic_fn() -> None:
+    """noise_floor scales the run-to-run noise; deterministic kernels keep the check exact."""
+
+    class Tiny(DocAttention):
+        def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+            y = super().forward(batch)["x"]
+            return {"x": y + 1e-6 * batch["x"].sum()}
+
+    report = find_leaks(Tiny(), _batch([2, 3, 4]), gradients=False, noise_floor=10.0)
+    assert not report.ok and report.notes == ()
