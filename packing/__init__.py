@@ -6,7 +6,9 @@
 
 from typing import TYPE_CHECKING, Any
 
-from packing.attention import AttentionMask, attention, prepare_attention
+# The function `attention` stays in its module: exporting it here would shadow the module
+# `packing.attention` (`import packing.attention` would then bind the function).
+from packing.attention import AttentionMask, prepare_attention
 from packing.collate import PackedCollator, Stream, pack, unpack
 from packing.conditioning import (
     broadcast_to_tokens,
@@ -59,7 +61,6 @@ __all__ = [
     "Stream",
     "StreamLayout",
     "assert_no_leaks",
-    "attention",
     "broadcast_to_tokens",
     "causal",
     "cfg_dropout_mask",
