@@ -143,3 +143,21 @@ def test_python_dash_m_packing_runs_the_cli() -> None:
     )
     assert res.returncode == 0
     assert "--no-document-mask" in res.stdout and "--model" in res.stdout
+
+
+def test_dataset_flag_reads_a_users_lerobot_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--dataset takes any local LeRobot v3 root: here a copy of the embedded one."""
+    import shutil
+
+    from packing.default_dataset import default_dataset_root
+
+    root = tmp_path / "my_robot"
+    shutil.copytree(default_dataset_root(), root)
+    out = tmp_path / "r.json"
+    code = main(["verify", "--dataset", str(root), "--episodes", "3", "--steps", "1",
+                 "--no-leak-check", "--json", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["config"]["dataset"] == str(root) and report["episodes"] == 3

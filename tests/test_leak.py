@@ -192,3 +192,41 @@ def test_noise_floor_is_measured_and_zero_for_a_deterministic_fn() -> None:
 
     report = find_leaks(Tiny(), _batch([2, 3, 4]), gradients=False, noise_floor=10.0)
     assert not report.ok and report.notes == ()
+
+
+def _reference_pack(document_mask: bool = True):
+    from packing.default_dataset import default_dataset_root
+    from packing.lerobot import LeRobotEpisodes
+    from packing.model import DiT, DiTConfig
+
+    torch.manual_seed(0)
+    cfg = dict(dim=32, heads=2, depth=1, ffn_dim=64, freq_dim=32, text_len=16)
+    model = DiT(DiTConfig.tiny(document_mask=document_mask, **cfg)).eval()
+    ds = LeRobotEpisodes(default_dataset_root(), keys=["latents", "action"])
+    batch = pack([ds[i] for i in (1, 3, 0)], streams=model.streams)  # 2, 3, 5 frames
+    batch.extras.update(seed=0, step=0)
+    return model, batch
+
+
+def test_reference_dit_has_no_leak_in_predictions_or_losses() -> None:
+    model, batch = _reference_pack()
+    report = find_leaks(model.predict, batch)
+    assert report.ok, report.summary()
+    assert report.inputs == ("latents", "action") and report.outputs == ("latents", "action")
+    assert report.num_docs == 3 and report.episode_index == (1, 3, 0)
+    assert find_leaks(model, batch, gradients=False).ok  # the per-token losses too
+
+
+def test_reference_dit_without_document_mask_leaks_between_every_pair() -> None:
+    model, batch = _reference_pack(document_mask=False)
+    report = find_leaks(model.predict, batch, padding=False)
+    assert {(i, j) for i, j in report.pairs} == {
+        (i, j) for i in range(3) for j in range(3) if i != j
+    }
+    # Named by stream: video perturbations reach the actions of other episodes, and back.
+    assert {(lk.input_stream, lk.output) for lk in report.leaks if lk.kind == "output"} == {
+        ("latents", "latents"),
+        ("latents", "action"),
+        ("action", "latents"),
+        ("action", "action"),
+    }
