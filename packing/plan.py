@@ -34,8 +34,8 @@ import numpy as np
 
 from packing.binpack import (
     best_fit_decreasing,
-    best_fit_lookahead,
     first_fit_decreasing,
+    lookahead,
     next_fit,
     stable_argsort,
 )
@@ -47,7 +47,7 @@ Oversize = Literal["error", "split", "drop"]
 _ALGORITHMS = {
     "bfd": best_fit_decreasing,
     "ffd": first_fit_decreasing,
-    "lookahead": best_fit_lookahead,
+    "lookahead": lookahead,
     "next_fit": next_fit,
 }
 _FORMAT = "packing.plan/v1"
