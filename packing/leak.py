@@ -338,8 +338,7 @@ def find_leaks(
                         )
     if not padding:
         notes.append("padding was not perturbed")
-    ep = batch.get("episode_index")
-    episode_index = tuple(int(e) for e in ep.tolist()) if ep is not None else tuple(range(num_docs))
+    episode_index = batch.episode_ids
     return LeakReport(
         leaks=tuple(leaks),
         num_docs=num_docs,

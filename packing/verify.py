@@ -78,16 +78,11 @@ _DTYPES = {
 def _with_step(batch: PackedBatch, seed: int, step: int, device: torch.device) -> PackedBatch:
     """The batch on ``device`` with the RNG keys both runs share in ``extras``.
 
-    ``episode_index`` stays on the host: it is the key of each episode's noise and timestep,
-    read on the host by `packing.conditioning` (reading it back from the GPU would be a sync).
+    Episode identities travel as host ints (``batch.episode_ids``), so the model's
+    per-episode draws never read a device tensor back.
     """
     moved = batch.to(device)
-    per_episode = dict(moved.per_episode)
-    if "episode_index" in batch.per_episode:
-        per_episode["episode_index"] = batch.per_episode["episode_index"]
-    return replace(
-        moved, per_episode=per_episode, extras={**moved.extras, "seed": seed, "step": step}
-    )
+    return replace(moved, extras={**moved.extras, "seed": seed, "step": step})
 
 
 def _sync(device: torch.device) -> None:

@@ -67,8 +67,7 @@ class ToyActionModel(nn.Module):
         lay = batch.layout("action")
         x0 = batch["action"].float()
         seed, step = batch.extras["seed"], batch.extras["step"]
-        ep = batch.per_episode["episode_index"].cpu()
-        t_K = episode_timesteps(seed, step, ep)
+        t_K = episode_timesteps(seed, step, batch.episode_ids)
         t_T = broadcast_to_tokens(t_K, lay)
         if self.global_rng:
             noise = torch.randn_like(x0) * (lay.doc_ids_T >= 0)[:, None]
