@@ -39,6 +39,7 @@ from torch import nn
 
 from packing.layout import PackedBatch
 from packing.leak import LeakReport, find_leaks
+from packing.losses import LossNormalizer, reduce_loss
 from packing.verify_report import (
     GradDiff,
     StepRecord,
@@ -97,7 +98,6 @@ def _loss_mask(model: nn.Module, batch: PackedBatch, stream: str) -> torch.Tenso
 
 def _train_step(
     model: nn.Module,
-    opt: torch.optim.Optimizer,
     batches: Sequence[PackedBatch],
     *,
     reduction: str,
@@ -111,8 +111,6 @@ def _train_step(
     ``normalise="global"`` is the library's exact reduction; ``"per-micro-step"`` is the
     common mistake (each micro-step's own mean, then averaged), kept to prove it is caught.
     """
-    from packing.losses import LossNormalizer
-
     _sync(device)
     t0 = time.perf_counter()
     streams = list(batches[0].layouts)
@@ -146,8 +144,6 @@ def _train_step(
             if normalise == "global":
                 loss = loss + norms[k](v, lay, mask)
             else:  # the mistake: this pack's own mean, then an average over micro-steps
-                from packing.losses import reduce_loss
-
                 loss = loss + reduce_loss(v, lay, reduction, mask) / len(batches)  # type: ignore[arg-type]
         loss.backward()
         total += loss.detach().double()
@@ -229,12 +225,10 @@ def compare_packed_unpacked(
         # Same global RNG state for both halves: anything that does not depend on packing
         # draws the same numbers, so a difference can only come from packing.
         torch.manual_seed(seed * 1_000_003 + s)
-        loss_u, sec_u = _train_step(
-            run_u, opt_u, bu, reduction=reduction, autocast=autocast, device=dev
-        )
+        loss_u, sec_u = _train_step(run_u, bu, reduction=reduction, autocast=autocast, device=dev)
         torch.manual_seed(seed * 1_000_003 + s)
         loss_p, sec_p = _train_step(
-            run_p, opt_p, bp, reduction=reduction, autocast=autocast, device=dev,
+            run_p, bp, reduction=reduction, autocast=autocast, device=dev,
             normalise=normalise,
         )  # fmt: skip
         b_loss = torch.tensor([loss_u], dtype=torch.float64)
