@@ -245,7 +245,7 @@ def test_plan_round_trips_through_arrow(tmp_path):
 
 
 def test_import_needs_only_numpy_and_torch():
-    code = "import sys, packing.plan, packing.sampler; assert 'datasets' not in sys.modules"
+    code = "import sys, packing.plan, packing.sampler, packing.online; assert 'datasets' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
