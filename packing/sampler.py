@@ -178,6 +178,8 @@ class PackedBatchSampler(Sampler[list[int]]):
             steps = steps[rng.permutation(len(steps))]
         # Heaviest pack of a step to the rank with the least cost so far (ties: lower rank):
         # this keeps every rank's running total within one pack's cost of every other's.
+        if r == 1:  # nothing to balance
+            return steps
         table = np.empty_like(steps)
         load = np.zeros(r)
         for s, row in enumerate(steps):
