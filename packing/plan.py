@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 import json
 import warnings
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -39,6 +38,7 @@ from packing.binpack import (
     next_fit,
     stable_argsort,
 )
+from packing.pieces import pieces_of, slice_piece, split_windows
 
 __all__ = ["PackPlan", "frames_to_tokens", "plan_packs", "slice_piece", "split_windows"]
 
@@ -99,57 +99,6 @@ def frames_to_tokens(
         )
     per_frame = (h // ph) * (w // pw)
     return (f_lat // pt) * per_frame + f_lat * action_tokens_per_frame + text_tokens
-
-
-def split_windows(
-    num_steps: int, max_steps: int, *, multiple: int = 1, overlap: int = 0
-) -> list[tuple[int, int, int]]:
-    """Cut ``num_steps`` steps into windows ``(start, stop, loss_start)`` of at most ``max_steps``.
-
-    Cuts fall on multiples of ``multiple`` (a latent frame, an action chunk); each window after
-    the first starts ``overlap`` steps before the previous one stopped, and those steps are
-    context only (``loss_start`` = previous stop), so every step carries loss exactly once.
-    The last window stops at ``num_steps``: no step is invented to round it up::
-
-        split_windows(10, 4, multiple=2, overlap=2)
-        -> [(0, 4, 0), (2, 6, 4), (4, 8, 6), (6, 10, 8)]
-    """
-    width = (max_steps // multiple) * multiple
-    if width < multiple or overlap % multiple or overlap >= width:
-        raise ValueError(
-            f"cannot split {num_steps} steps into windows of <= {max_steps} steps cut on "
-            f"multiples of {multiple} with overlap {overlap}: need overlap a multiple of "
-            f"{multiple} and below {width}; raise token_budget or lower split_overlap"
-        )
-    out = [(0, min(width, num_steps), 0)]
-    while out[-1][1] < num_steps:
-        prev = out[-1][1]
-        start = prev - overlap
-        out.append((start, min(start + width, num_steps), prev))
-    return out
-
-
-def slice_piece(
-    episode: Mapping[str, Any], piece: Sequence[int], *, rows_per_step: Mapping[str, int]
-) -> dict[str, Any]:
-    """The window of ``episode`` that a split-plan item names, ready for the collator.
-
-    ``piece = (episode, start, stop, loss_start)`` in steps; ``rows_per_step`` says how many
-    rows of each step-level stream one step holds (a latent frame: 1; its 4 actions: 4).
-    Other values are copied. ``loss_start`` is returned in steps relative to the window: the
-    loss gives zero weight to steps before it (context already trained on)::
-
-        piece (7, 2, 6, 4), rows_per_step {"latents": 1, "action": 4}
-        -> latents[2:6], action[8:24], loss_start 2   (steps 2, 3 are context)
-    """
-    _, start, stop, loss_start = (int(v) for v in piece)
-    out = dict(episode)
-    for key, rows in rows_per_step.items():
-        if key not in episode:
-            raise KeyError(f"rows_per_step names {key!r}, which the episode does not have")
-        out[key] = episode[key][start * rows : stop * rows]
-    out["loss_start"] = loss_start - start
-    return out
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -379,7 +328,7 @@ def plan_packs(
             stacklevel=2,
         )
     elif oversize == "split":
-        pieces_I4 = _pieces(
+        pieces_I4 = pieces_of(
             lengths_N, token_budget, tokens_per_step, fixed_tokens, split_multiple, split_overlap
         )
         item_lengths = fixed_tokens + (pieces_I4[:, 2] - pieces_I4[:, 1]) * tokens_per_step
@@ -400,23 +349,3 @@ def plan_packs(
         algorithm=algorithm,
         max_docs=max_docs,
     )
-
-
-def _pieces(
-    lengths_N: np.ndarray, budget: int, tps: int, fixed: int, multiple: int, overlap: int
-) -> np.ndarray:
-    steps_N, rem = np.divmod(lengths_N - fixed, tps)
-    if (rem != 0).any() or (steps_N < 1).any():
-        e = int(np.flatnonzero((rem != 0) | (steps_N < 1))[0])
-        raise ValueError(
-            f"episode {e} has {int(lengths_N[e]):,} tokens, not fixed_tokens + steps * "
-            f"tokens_per_step ({fixed} + k * {tps}); oversize='split' needs the token count "
-            f"of a step: pass tokens_per_step and fixed_tokens that match frames_to_tokens"
-        )
-    max_steps = (budget - fixed) // tps
-    rows = [(e, 0, int(s), 0) for e, s in enumerate(steps_N.tolist())]
-    for e in np.flatnonzero(lengths_N > budget).tolist():
-        wins = split_windows(int(steps_N[e]), max_steps, multiple=multiple, overlap=overlap)
-        rows[e] = (e, *wins[0])
-        rows.extend((e, *w) for w in wins[1:])
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 4)
