@@ -22,7 +22,7 @@ from packing.conditioning import (
 )
 from packing.joint import JointLayout, joint_layout
 from packing.layout import PackedBatch, StreamLayout
-from packing.leak import assert_no_leaks, find_leaks
+from packing.leak import LeakReport, assert_no_leaks, find_leaks
 from packing.losses import LossNormalizer, global_denominator, reduce_loss, token_weights
 from packing.masks import (
     causal,
@@ -38,6 +38,8 @@ from packing.online import BufferedPacker
 from packing.plan import PackPlan, frames_to_tokens, plan_packs
 from packing.profile import StepProfiler, profiling
 from packing.sampler import PackedBatchSampler
+from packing.verify import VerifyConfig, compare_packed_unpacked, run_verify
+from packing.verify_report import Tolerances, VerifyReport
 
 if TYPE_CHECKING:
     from packing.default_dataset import default_dataset_root
@@ -52,6 +54,7 @@ __all__ = [
     "HFEpisodes",
     "JointLayout",
     "LeRobotEpisodes",
+    "LeakReport",
     "LossNormalizer",
     "PackPlan",
     "PackedBatch",
@@ -60,10 +63,14 @@ __all__ = [
     "StepProfiler",
     "Stream",
     "StreamLayout",
+    "Tolerances",
+    "VerifyConfig",
+    "VerifyReport",
     "assert_no_leaks",
     "broadcast_to_tokens",
     "causal",
     "cfg_dropout_mask",
+    "compare_packed_unpacked",
     "default_dataset_root",
     "dense_mask",
     "document_mask_mod",
@@ -84,6 +91,7 @@ __all__ = [
     "prepare_attention",
     "profiling",
     "reduce_loss",
+    "run_verify",
     "sliding_window",
     "step_doc_ids",
     "token_weights",
