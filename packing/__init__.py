@@ -35,7 +35,7 @@ from packing.masks import (
 )
 from packing.model import DiT, DiTConfig
 from packing.online import BufferedPacker
-from packing.plan import PackPlan, frames_to_tokens, plan_packs
+from packing.plan import PackPlan, frames_to_tokens, plan_packs, slice_piece, split_windows
 from packing.profile import StepProfiler, profiling
 from packing.sampler import PackedBatchSampler
 from packing.verify import VerifyConfig, compare_packed_unpacked, run_verify
@@ -92,7 +92,9 @@ __all__ = [
     "profiling",
     "reduce_loss",
     "run_verify",
+    "slice_piece",
     "sliding_window",
+    "split_windows",
     "step_doc_ids",
     "token_weights",
     "unpack",
