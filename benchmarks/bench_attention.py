@@ -327,6 +327,11 @@ def main() -> None:
     p.add_argument("--regimes", default="seed,short")
     args = p.parse_args()
     dev = torch.device(args.device)
+    # One process compiles FlexAttention for 3 masks x 2 shapes x (grad on/off) x 2 backends:
+    # past dynamo's default limit of 8 graphs it silently falls back to eager flex, which
+    # materialises the T x T scores (the 100-200 GiB OOMs of the first H200 run).
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rng = torch.Generator().manual_seed(args.seed)
     regimes = {

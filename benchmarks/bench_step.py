@@ -171,6 +171,10 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
                 dev: torch.device, state: dict[str, torch.Tensor]) -> dict[str, Any]:  # fmt: skip
     """Train ``len(steps_eps)`` optimizer steps; the first ``args.warmup`` are untimed."""
     kind = name.split(":")[0]
+    # Each variant compiles from scratch: Block.forward is one code object shared by every
+    # variant, and without a reset the variants' graphs pile up in one cache until dynamo hits
+    # its recompile limit and silently runs the rest eager (seen in the first H200 run).
+    torch._dynamo.reset()
     if dev.type != "cuda":
         attn = "auto"  # CPU: sdpa (the unpacked run swaps in plain SDPA anyway)
     elif kind == "unpacked":
@@ -316,6 +320,10 @@ def main() -> None:
     args = p.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(args.seed)
+    # 4 blocks x (fwd under grad, first-block fp32 input vs bf16) need a few graphs per
+    # variant; the default limit of 8 would silently fall back to eager.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     if args.quick:
         cfg = DiTConfig.tiny(depth=1)
         regimes = {"seed": (512, 4, 8, 16), "short": (512, 1, 3, 64)}
