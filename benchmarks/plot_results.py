@@ -1,0 +1,119 @@
+"""Plots for docs/benchmarks.md from benchmarks/results/*.json (matplotlib, no GPU needed).
+
+python benchmarks/plot_results.py          # writes docs/img/bench_*.png
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+ROOT = Path(__file__).resolve().parents[1]
+RES = ROOT / "benchmarks" / "results"
+IMG = ROOT / "docs" / "img"
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((RES / f"{name}.json").read_text())
+
+
+def attention() -> None:
+    rows = [r for r in load("attention")["rows"] if "fwd+bwd TFLOP/s" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharex=False)
+    for ax, regime in zip(axes, ("seed", "short"), strict=True):
+        rs = [r for r in rows if r["regime"] == regime and r["mask"] == "document"]
+        rs.sort(key=lambda r: r["fwd+bwd TFLOP/s"])
+        ax.barh([r["method"] for r in rs], [r["fwd+bwd TFLOP/s"] for r in rs], color="tab:blue")
+        for i, r in enumerate(rs):
+            ax.text(r["fwd+bwd TFLOP/s"], i, f" {r['fwd+bwd ms']:.1f} ms", va="center", fontsize=8)
+        ax.set_title(f"{regime}: {rs[0]['episodes']} episodes, {rs[0]['tokens'] / 1e3:.1f}K tokens")
+        ax.set_xlabel("useful TFLOP/s, fwd+bwd (document mask, bf16, 12x128)")
+    fig.suptitle("Packed attention on one H200 (higher is better)")
+    fig.tight_layout()
+    fig.savefig(IMG / "bench_attention.png", dpi=110)
+
+
+def block_mask() -> None:
+    d = load("block_mask")
+    rows = [r for r in d["rows"] if r["device"] == "cuda" and r["episodes"] == 16]
+    t = [r["tokens"] / 1024 for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label in (
+        ("ours ms", "make_block_mask (eager)"),
+        ("ours compiled ms", "make_block_mask(compile=True)"),
+        ("cbm compiled ms", "create_block_mask(_compile=True)"),
+        ("cbm eager ms", "create_block_mask (eager)"),
+    ):
+        pts = [(x, r[key]) for x, r in zip(t, rows, strict=True) if r.get(key)]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+    ax.axhline(0.3, color="grey", ls=":", label="goal 0.3 ms")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens (K), 16 episodes")
+    ax.set_ylabel("build time, ms (CUDA events, median)")
+    ax.set_title("Document BlockMask build on one H200")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(IMG / "bench_block_mask.png", dpi=110)
+
+
+def _short(r: dict[str, Any]) -> str:
+    v = r["variant"].replace(", compiled", "").replace("1 episode/micro-step, ", "")
+    return f"{v.split(',')[0][:34]} [{r.get('attention', '')}]"
+
+
+def step() -> None:
+    d1 = load("step_run1")["rows"]
+    d2 = load("step")["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.2))
+    for ax, regime in zip(axes, ("seed", "short"), strict=True):
+        rs = [r for r in d1 if r["regime"] == regime and "tokens/s" in r]
+        labels = [_short(r) + " (run 1)" for r in rs]
+        vals = [r["tokens/s"] / 1e3 for r in rs]
+        if regime == "seed":
+            for r in d2:
+                labels.append(_short(r) + " (run 2)")
+                vals.append(r["tokens/s"] / 1e3)
+        colors = ["tab:orange" if "run 2" in lab else "tab:blue" for lab in labels]
+        ax.barh(labels, vals, color=colors)
+        ax.set_xlabel("real tokens/s (K), 4 DiT blocks at Wan-2.2-5B width")
+        ax.set_title(f"{regime} regime")
+    fig.suptitle("Training step: packed vs one episode per micro-step (run 2 = fixed compile)")
+    fig.tight_layout()
+    fig.savefig(IMG / "bench_step.png", dpi=110)
+
+
+def collate() -> None:
+    rows = [r for r in load("collate")["rows"] if "vs naive" in r]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    groups = sorted({(r["regime"], r["dtype"]) for r in rows})
+    methods = ["PackedCollator", "naive torch.cat", "pad to longest"]
+    w = 0.27
+    for j, m in enumerate(methods):
+        ys = [next(r["GB/s"] for r in rows if (r["regime"], r["dtype"]) == g and r["method"] == m)
+              for g in groups]  # fmt: skip
+        ax.bar([i + (j - 1) * w for i in range(len(groups))], ys, w, label=m)
+    ax.set_xticks(range(len(groups)), [f"{g[0].split()[0]}\n{g[1]}" for g in groups])
+    ax.axhline(10, color="grey", ls=":", label="goal 10 GB/s")
+    ax.set_ylabel("GB/s of episode data, one thread")
+    ax.set_title("Collate per DataLoader worker (H200 host CPU)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(IMG / "bench_collate.png", dpi=110)
+
+
+def main() -> None:
+    IMG.mkdir(parents=True, exist_ok=True)
+    for fn in (attention, block_mask, step, collate):
+        fn()
+        print(f"wrote {IMG / ('bench_' + fn.__name__ + '.png')}")
+
+
+if __name__ == "__main__":
+    main()
