@@ -107,6 +107,23 @@ def _req(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t.detach().clone().requires_grad_(True) for t in ts]
 
 
+def grads_of(fn: Callable[..., torch.Tensor], ins: list[torch.Tensor], g_out: torch.Tensor,
+             mask: str) -> list[torch.Tensor]:  # fmt: skip
+    """Gradients w.r.t. q and the k/v actually used (text k/v for cross-attention)."""
+    q, k, v, kt, vt = _req(*ins)
+    fn(q, k, v, kt, vt).backward(g_out)
+    used = (q, kt, vt) if mask == "cross" else (q, k, v)
+    return [t.grad.float() if t.grad is not None else torch.zeros_like(t, dtype=torch.float32)
+            for t in used]  # fmt: skip
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor, real: int, case: Any, mask: str, i: int) -> float:
+    """Cosine of two gradients over the real rows (padding rows are not compared)."""
+    n = sum(case.text_lengths) if (mask == "cross" and i > 0) else real
+    a, b = a[:n].flatten(), b[:n].flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
+
+
 def run_fn(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], backward: bool
            ) -> Callable[[], None]:  # fmt: skip
     if not backward:
@@ -355,6 +372,8 @@ def main() -> None:
             with torch.no_grad():
                 ref = ref_fn(*ins).float()
             real = sum(case.lengths)
+            g_out = torch.randn(ref.shape, generator=rng).to(dev, dtype)
+            ref_grads = grads_of(ref_fn, ins, g_out, mask)
             for label, factory in methods_for(case, mask, args.quick):
                 aligned = "aligned" in label
                 try:
@@ -375,6 +394,13 @@ def main() -> None:
                     err = float((got - ref[:real]).abs().max())
                     row: dict[str, Any] = {"regime": rname, "mask": mask, "method": label,
                                            "kernel": kernel, "max err": err}  # fmt: skip
+                    if not aligned:
+                        # the backward too: a kernel can be right forward and wrong backward
+                        got_g = grads_of(fn, call_ins, g_out, mask)
+                        row["grad cosine"] = min(
+                            cosine(a, b, real, case, mask, i)
+                            for i, (a, b) in enumerate(zip(got_g, ref_grads, strict=True))
+                        )
                     for bwd in (False, True):
                         t = common.time_fn(run_fn(fn, call_ins, bwd), device=dev, warmup=2,
                                            iters=args.iters)  # fmt: skip
@@ -385,6 +411,8 @@ def main() -> None:
                 except Exception as e:  # a failing kernel is a row with its error, not a crash
                     row = {"regime": rname, "mask": mask, "method": label,
                            "error": f"{type(e).__name__}: {str(e)[:300]}"}  # fmt: skip
+                if "grad cosine" in row and not (row["grad cosine"] >= 0.99):
+                    row["error"] = f"grad cosine {row['grad cosine']:.3g} < 0.99: WRONG GRADIENT"
                 tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
                 if "max err" in row and not (row["max err"] <= tol):
                     row["error"] = f"max err {row['max err']:.3g} > {tol}: WRONG OUTPUT"
@@ -394,7 +422,7 @@ def main() -> None:
                 print({k: v for k, v in row.items() if "timing" not in k}, flush=True)
     summarize(rows)
     cols = ["regime", "mask", "method", "kernel", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms",
-            "fwd+bwd TFLOP/s", "vs per-episode", "max err"]  # fmt: skip
+            "fwd+bwd TFLOP/s", "vs per-episode", "max err", "grad cosine"]  # fmt: skip
     print()
     print(common.markdown_table(rows, cols))
     common.write_json("attention", args, {"rows": rows, "fa4": fa4_available(),
