@@ -225,9 +225,12 @@ def tables_from_flags(any_QK: Tensor, all_QK: Tensor) -> BlockTables:
     """Tile flags -> the eight BlockMask tensors (partial = any and not all)."""
     flags = torch.stack([any_QK & ~all_QK, all_QK])  # (2, Q, K): partial, full
     kv_num, kv_idx = _ordered(flags)
-    q_num, q_idx = _ordered(flags.transpose(1, 2))
+    # Contiguous, not a transposed view: Flex's backward kernel indexes q_indices as if
+    # contiguous (its template says so); a view would walk the wrong tiles and give right
+    # outputs with wrong gradients.
+    q_num, q_idx = _ordered(flags.transpose(1, 2).contiguous())
     per_side = (kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], q_num[0], q_idx[0], q_num[1], q_idx[1])
-    return BlockTables(*(t[None, None] for t in per_side))
+    return BlockTables(*(t[None, None].contiguous() for t in per_side))
 
 
 def _ordered(flags_RC: Tensor) -> tuple[Tensor, Tensor]:
