@@ -243,7 +243,9 @@ def prepare_attention(
     # one side (and not the other) are matched with empty documents.
     docs = max(len(q_lay.cu_seqlens_K1), len(kv_lay.cu_seqlens_K1)) - 1
     cu_q, max_q = _with_tail(q_lay, docs)
-    cu_kv, max_kv = (cu_q, max_q) if not cross else _with_tail(kv_lay, docs)
+    # A separate tensor for the keys even when equal: FA4's compiled entry point guards
+    # against aliased arguments and recompiled every step when both were the same tensor.
+    cu_kv, max_kv = (cu_q.clone(), max_q) if not cross else _with_tail(kv_lay, docs)
     return AttentionMask(
         **common,
         keep_Q=q_lay.doc_ids_T >= 0,
@@ -337,8 +339,33 @@ def _flex_fn(device: torch.device) -> Callable[..., Any]:
         return flex_attention
     global _COMPILED_FLEX
     if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        # dynamic=None: the first shape compiles static, a second one marks the dimension that
+        # changed as dynamic, so a run over many lengths (the unpacked reference) stays at a
+        # couple of graphs instead of one per length (the static packed run has one anyway).
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=None)
     return _COMPILED_FLEX
+
+
+def call_compiled(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a ``torch.compile``-d function, failing loudly instead of falling back to eager.
+
+    Past ``torch._dynamo.config.recompile_limit`` dynamo silently runs the function eagerly;
+    for FlexAttention that means materialising the T x T scores (tens of GiB at 64K tokens)
+    and a backward torch itself flags as possibly wrong. Seen on an H200 in `packing verify`.
+    """
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return fn(*args, **kwargs)
+    except Exception as err:
+        if type(err).__name__ != "FailOnRecompileLimitHit":
+            raise
+        limit = torch._dynamo.config.recompile_limit
+        raise RuntimeError(
+            f"compiled attention hit torch._dynamo's recompile_limit ({limit}): it would have "
+            "run eagerly (dense T x T scores). Give every pack one shape "
+            "(PackedCollator(token_budget=..., max_docs=...)), or raise "
+            "torch._dynamo.config.recompile_limit if the shapes really vary"
+        ) from err
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:
@@ -352,8 +379,10 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
     fn = _flex_fn(q.device)
     args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
     kw = dict(block_mask=mask.block_mask, scale=scale, kernel_options=mask.kernel_options)
-    if q.device.type == "cuda":
-        out = fn(*args, **kw)
+    if q.device.type == "cuda" and torch.compiler.is_compiling():
+        out = fn(*args, **kw)  # inside the caller's compiled model: traced into its graph
+    elif q.device.type == "cuda":
+        out = call_compiled(fn, *args, **kw)
     else:
         with warnings.catch_warnings():
             # Eager flex on CPU is deliberate (a forward cross-check); its "not compiled"

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from packing.attention import call_compiled
 from packing.layout import PackedBatch
 from packing.leak import LeakReport, find_leaks
 from packing.losses import LossNormalizer, reduce_loss
@@ -121,7 +122,8 @@ def _train_step(
     total = torch.zeros((), dtype=torch.float64, device=device)
     for b in batches:
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-            out = model(b)
+            # With --compile, a model past dynamo's recompile limit would silently run eager.
+            out = call_compiled(model, b)
         if not isinstance(out, Mapping) or not out:
             raise TypeError(
                 f"{type(model).__name__}.forward(batch) must return a dict {{stream: per-token "
