@@ -66,6 +66,9 @@ __all__ = [
 Backend = Literal["auto", "sdpa", "flex", "flex_flash", "varlen"]
 _BACKENDS = ("auto", "sdpa", "flex", "flex_flash", "varlen")
 _HALF = (torch.float16, torch.bfloat16)
+# Head dims flash-attn-4's CuTe kernels support (its interface's "Supported features"); others
+# are not rejected by every entry point, and a tiny model's head dim 16 gave wrong gradients.
+FA4_HEAD_DIMS = (64, 96, 128)
 
 
 @cache
@@ -123,7 +126,11 @@ def _name(fn: Any) -> str | None:
 
 
 def _resolve(
-    backend: str, device: torch.device, inner: InnerMask | None, dtype: torch.dtype | None
+    backend: str,
+    device: torch.device,
+    inner: InnerMask | None,
+    dtype: torch.dtype | None,
+    head_dim: int | None = None,
 ) -> tuple[str, str, str]:
     """(backend, kernel, reason) for a request, or a ValueError that names the fix."""
     if backend not in _BACKENDS:
@@ -138,11 +145,18 @@ def _resolve(
                 f"auto: {device.type} -> sdpa (the only CPU backend with backward)",
             )
         fa4 = fa4_available()
-        if inner is None and fa4 and half:
+        fa4_dim = head_dim is None or head_dim in FA4_HEAD_DIMS
+        if inner is None and fa4 and half and fa4_dim:
             return "varlen", "fa4", "auto: CUDA, document-only mask, flash-attn-4 installed"
-        if fa4 and half:
+        if fa4 and half and fa4_dim:
             return "flex_flash", "flash", "auto: CUDA, inner mask, flash-attn-4 installed"
-        why = "flash-attn-4 not installed" if not fa4 else f"dtype {dtype} is not bf16/fp16"
+        why = (
+            "flash-attn-4 not installed"
+            if not fa4
+            else f"dtype {dtype} is not bf16/fp16"
+            if not half
+            else f"head_dim {head_dim} is not one of flash-attn-4's {FA4_HEAD_DIMS}"
+        )
         return "flex", "triton", f"auto: CUDA, {why} -> FlexAttention (Triton)"
     if backend == "sdpa":
         return "sdpa", "math", "requested"
@@ -192,6 +206,7 @@ def prepare_attention(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
 ) -> AttentionMask:
     """Build the attention mask of one step for ``backend``; share it across layers.
 
@@ -199,7 +214,9 @@ def prepare_attention(
     ``kv_layout`` the key side for cross-attention (``None``: self-attention). ``inner`` is an
     episode-local rule from `packing.masks` (``causal()``, ``frame_causal(...)``,
     ``sliding_window(...)``) AND-ed with the document mask. ``device`` defaults to the layout's;
-    ``dtype`` (of q/k/v) lets ``auto`` rule out half-precision-only kernels for fp32.
+    ``dtype`` (of q/k/v) lets ``auto`` rule out half-precision-only kernels for fp32, and
+    ``head_dim`` the flash-attn-4 kernels for head dims they do not support (64, 96, 128);
+    without it, `attention` refuses an unsupported head dim on those kernels at call time.
 
     No host-device sync: everything is built from the layouts' tensors and host-side lengths.
     """
@@ -215,7 +232,7 @@ def prepare_attention(
             f"the query layout has {q_lay.num_docs} documents and the key layout "
             f"{kv_lay.num_docs}; build both layouts from the same pack"
         )
-    name, kernel, reason = _resolve(backend, dev, inner, dtype)
+    name, kernel, reason = _resolve(backend, dev, inner, dtype, head_dim)
     common: dict[str, Any] = dict(
         backend=name,
         kernel=kernel,
@@ -309,6 +326,12 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask) -> None:
         raise ValueError(
             f"the mask was built for {tq} query and {tkv} key tokens, but q has {q.shape[0]}, "
             f"k {k.shape[0]}, v {v.shape[0]}; build the mask from the layout of these tokens"
+        )
+    if mask.kernel in ("fa4", "flash") and q.shape[-1] not in FA4_HEAD_DIMS:
+        raise ValueError(
+            f"backend={mask.backend!r} runs flash-attn-4, which supports head dims "
+            f"{FA4_HEAD_DIMS}, got {q.shape[-1]}; pass head_dim={q.shape[-1]} to "
+            "prepare_attention so 'auto' picks FlexAttention (Triton), or use backend='flex'"
         )
     if mask.backend in ("varlen", "flex_flash") and q.dtype not in _HALF:
         raise ValueError(

@@ -402,11 +402,12 @@ class DiT(nn.Module):
         kv_lay = txt_lay if cfg.document_mask else _one_document(txt_lay)
         inner = frame_causal(cfg.tokens_per_frame) if cfg.frame_causal else None
         adt = _attention_dtype(p)
+        hd = cfg.dim // cfg.heads  # lets `auto` skip kernels that do not take this head dim
         prep["self_mask"] = prepare_attention(
-            q_lay, None, inner, cfg.attention, device=dev, dtype=adt
+            q_lay, None, inner, cfg.attention, device=dev, dtype=adt, head_dim=hd
         )
         prep["cross_mask"] = prepare_attention(
-            q_lay, kv_lay, None, cfg.attention, device=dev, dtype=adt
+            q_lay, kv_lay, None, cfg.attention, device=dev, dtype=adt, head_dim=hd
         )
         return prep
 

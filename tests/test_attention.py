@@ -309,3 +309,30 @@ def test_a_compiled_call_past_the_recompile_limit_fails_instead_of_running_eager
     with pytest.raises(RuntimeError, match=r"recompile_limit \(1\).*token_budget"):
         call_compiled(fn, torch.ones(4, 2))  # a new shape: a second graph is over the limit
     torch._dynamo.reset()
+
+
+def test_auto_skips_flash_attn_4_for_head_dims_it_does_not_support(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # FA4's CuTe kernels support head dims 64/96/128; on an H200 the tiny model's head dim 16
+    # went through them and came back with wrong gradients.
+    import packing.attention as pa
+
+    monkeypatch.setattr(pa, "fa4_available", lambda: True)
+    cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
+    assert pa._resolve("auto", cuda, None, bf16, 128)[:2] == ("varlen", "fa4")
+    assert pa._resolve("auto", cuda, frame_causal(4), bf16, 128)[:2] == ("flex_flash", "flash")
+    name, kernel, reason = pa._resolve("auto", cuda, None, bf16, 16)
+    assert (name, kernel) == ("flex", "triton") and "head_dim 16" in reason
+    assert pa._resolve("auto", cuda, frame_causal(4), bf16, 16)[:2] == ("flex", "triton")
+
+
+def test_flash_attn_4_kernels_refuse_an_unsupported_head_dim_at_call_time() -> None:
+    lay = layout_from_lengths([3, 5], [3, 5], padded=8)
+    mask = AttentionMask(
+        backend="varlen", kernel="fa4", reason="test", q_layout=lay, kv_layout=lay,
+        inner=None, cross=False,
+    )  # fmt: skip
+    q = torch.zeros(8, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"head dims \(64, 96, 128\), got 16.*head_dim=16"):
+        attention(q, q, q, mask)
