@@ -293,22 +293,22 @@ def test_varlen_cu_seqlens_make_the_padding_tail_one_more_sequence() -> None:
     assert longest == 768  # the 704-token tail, bucketed: few distinct values, few recompiles
 
 
-def test_a_compiled_call_past_the_recompile_limit_fails_instead_of_running_eager(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_compiled_call_past_the_recompile_limit_fails_instead_of_running_eager() -> None:
     # Past dynamo's recompile limit a compiled FlexAttention silently runs eagerly (dense
     # T x T scores, a backward torch flags as possibly wrong); the library must say so.
     import torch._dynamo
 
     from packing.attention import call_compiled
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    # config.patch, not monkeypatch: undoing a monkeypatch deletes a dynamo config entry.
+    with torch._dynamo.config.patch(recompile_limit=1):
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+        assert torch.equal(call_compiled(fn, torch.ones(3)), torch.full((3,), 3.0))
+        with pytest.raises(RuntimeError, match=r"recompile_limit \(1\).*token_budget"):
+            call_compiled(fn, torch.ones(4, 2))  # a new shape: a second graph is over the limit
     torch._dynamo.reset()
-    fn = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
-    assert torch.equal(call_compiled(fn, torch.ones(3)), torch.full((3,), 3.0))
-    with pytest.raises(RuntimeError, match=r"recompile_limit \(1\).*token_budget"):
-        call_compiled(fn, torch.ones(4, 2))  # a new shape: a second graph is over the limit
-    torch._dynamo.reset()
+    assert torch._dynamo.config.recompile_limit == 8
 
 
 def test_auto_skips_flash_attn_4_for_head_dims_it_does_not_support(
