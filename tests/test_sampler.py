@@ -99,7 +99,10 @@ def test_invariants_over_many_layouts():
 
     @FAST
     @given(
-        lengths=st.lists(st.integers(1, 50), min_size=1, max_size=70),
+        lengths=st.one_of(
+            st.lists(st.integers(1, 50), min_size=1, max_size=70),
+            st.lists(st.integers(1, 12), min_size=10, max_size=70),  # many episodes a pack
+        ),
         budget=st.integers(50, 150),
         world=st.integers(1, 5),
         seed=st.integers(0, 3),
@@ -137,7 +140,11 @@ def test_resume_mid_epoch_yields_exactly_the_rest():
 
     @FAST
     @given(
-        lengths=st.lists(st.integers(1, 40), min_size=1, max_size=60),
+        # from one episode (a single pack, nothing to resume in the middle) to a few dozen
+        lengths=st.one_of(
+            st.lists(st.integers(1, 40), min_size=1, max_size=4),
+            st.lists(st.integers(1, 40), min_size=8, max_size=60),
+        ),
         world=st.integers(1, 4),
         epoch=st.integers(0, 2),
         cut=st.floats(0, 1),
