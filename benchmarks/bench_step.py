@@ -38,9 +38,8 @@ import common
 
 import packing.model as pm
 from packing.collate import PackedCollator, Stream
-from packing.conditioning import broadcast_to_tokens
 from packing.layout import PackedBatch
-from packing.model import DiT, DiTConfig, text_tokens, timestep_embedding
+from packing.model import DiT, DiTConfig, text_tokens
 from packing.profile import StepProfiler
 
 ACTIONS_PER_FRAME = 1
@@ -105,35 +104,6 @@ def sdpa_one_episode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: An
     return o[0].transpose(0, 1)
 
 
-# -- the mistake: the timestep MLP on every token ---------------------------------------------
-class PerTokenConditioningDiT(DiT):
-    """DiT whose adaLN conditioning is computed per token (broadcast t, then MLP on J rows),
-    instead of once per episode and gathered. Same function, far more work."""
-
-    def _run(self, batch: PackedBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        cfg = self.config
-        prep = self.prepare(batch)
-        joint = prep["joint"]
-        x_v = self.patch_embed(self.patchify(prep["xt_lat"]))
-        x_a = self.action_embed(prep["xt_act"])
-        x = joint.join({"latents": x_v, "action": x_a})
-        angles = pm.rope_angles(prep["thw_J3"], cfg.head_dim, cfg.rope_theta)
-        ids_J = joint.layout.doc_ids_T
-        t_J = broadcast_to_tokens(prep["t_K"], ids_J)  # the mistake: per token from here on
-        e_J = self.time_mlp(timestep_embedding(t_J, cfg.freq_dim).to(x_v.dtype))
-        e0_J = self.time_proj(e_J).unflatten(1, (6, cfg.dim))
-        ctx = self.text_mlp(self.text_embed(prep["text"]))
-        for block in self.blocks:
-            x = block(x, e0_J, ctx, angles, prep["self_mask"], prep["cross_mask"])
-        shift, scale = (self.head_modulation + e_J[:, None]).unbind(1)
-        x = self.head_norm(x) * (1 + scale) + shift
-        parts = joint.split(x)
-        pred = {"latents": self.video_head(parts["latents"]),
-                "action": self.action_head(parts["action"])}  # fmt: skip
-        target = {"latents": self.patchify(prep["v_lat"]), "action": prep["v_act"]}
-        return pred, target
-
-
 # -- FLOPs ------------------------------------------------------------------------------------
 def block_params(cfg: DiTConfig) -> int:
     d, f = cfg.dim, cfg.ffn_dim
@@ -181,9 +151,10 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
         attn = "varlen"  # only cu_seqlens get built; sdpa_one_episode does the attention
     else:
         attn = "flex" if "flex" in name else "auto"
-    mcfg = DiTConfig(**{**cfg.__dict__, "attention": attn})
-    cls = PerTokenConditioningDiT if kind == "per_token" else DiT
-    model = cls(mcfg).to(dev)
+    # the mistake: DiTConfig(conditioning="per_token") runs the timestep MLP on every token
+    conditioning = "per_token" if kind == "per_token" else "per_episode"
+    mcfg = DiTConfig(**{**cfg.__dict__, "attention": attn, "conditioning": conditioning})
+    model = DiT(mcfg).to(dev)
     model.load_state_dict(state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
     compiled = kind != "eager" and not args.no_compile and dev.type == "cuda"

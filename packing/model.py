@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -72,6 +72,10 @@ class DiTConfig:
     video token of frame f sees the episode's frames <= f (and no action); the actions see
     all of the episode's video, and the actions of their own and earlier chunks of
     ``tokens_per_frame`` actions. Cross-attention to the text stays document-only.
+
+    ``conditioning="per_token"`` runs the timestep MLP on every token instead of once per
+    episode: the same function, far more work (the mistake the benchmarks price; `packing
+    verify` passes it, because it is slow, not wrong).
     """
 
     dim: int
@@ -87,6 +91,7 @@ class DiTConfig:
     freq_dim: int = 256
     frame_causal: bool = False
     document_mask: bool = True
+    conditioning: Literal["per_episode", "per_token"] = "per_episode"
     attention: Backend = "auto"
     rope_theta: float = 10000.0
     eps: float = 1e-6
@@ -115,6 +120,11 @@ class DiTConfig:
             )
         if self.text_len < 1 or self.vocab <= BOS:
             raise ValueError(f"text_len={self.text_len} must be >= 1 and vocab > {BOS}")
+        if self.conditioning not in ("per_episode", "per_token"):
+            raise ValueError(
+                f"DiTConfig.conditioning={self.conditioning!r}; use 'per_episode' (the MLP on K "
+                "rows, gathered to tokens) or 'per_token' (the slow equivalent)"
+            )
         if self.attention not in ("auto", "sdpa", "flex", "flex_flash", "varlen"):
             raise ValueError(f"DiTConfig.attention={self.attention!r} is not a backend")
 
@@ -436,13 +446,18 @@ class DiT(nn.Module):
         x = joint.join({"latents": x_v, "action": x_a})
         angles = rope_angles(prep["thw_J3"], cfg.head_dim, cfg.rope_theta)
 
-        # Conditioning: the timestep MLP runs on K rows, then is gathered to the J tokens.
-        t_emb = timestep_embedding(prep["t_K"], cfg.freq_dim).to(x_v.dtype)
-        e_K = self.time_mlp(t_emb)
-        e0_K = self.time_proj(e_K).unflatten(1, (6, cfg.dim))
+        # Conditioning: the timestep MLP runs on K rows, then is gathered to the J tokens
+        # (per_token: the timestep is gathered first and the MLP runs on J rows, slower).
         ids_J = joint.layout.doc_ids_T
-        e_J = broadcast_to_tokens(e_K, ids_J)
-        e0_J = broadcast_to_tokens(e0_K, ids_J)
+        t_rows = prep["t_K"]
+        if cfg.conditioning == "per_token":
+            t_rows = broadcast_to_tokens(t_rows, ids_J)
+        e = self.time_mlp(timestep_embedding(t_rows, cfg.freq_dim).to(x_v.dtype))
+        e0 = self.time_proj(e).unflatten(1, (6, cfg.dim))
+        if cfg.conditioning == "per_token":
+            e_J, e0_J = e, e0
+        else:
+            e_J, e0_J = broadcast_to_tokens(e, ids_J), broadcast_to_tokens(e0, ids_J)
         ctx = self.text_mlp(self.text_embed(prep["text"]))
 
         for block in self.blocks:

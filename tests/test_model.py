@@ -94,6 +94,23 @@ def test_packed_losses_and_gradients_equal_one_episode_at_a_time(frame_causal: b
         assert rel(g, g_alone[name]) < TOL, name
 
 
+def test_per_token_conditioning_is_the_same_function_only_slower() -> None:
+    # The mistake the benchmarks price (the timestep MLP on every token instead of once per
+    # episode) changes the cost, not the result: same weights, same losses and gradients.
+    right, slow = model(), model(conditioning="per_token")
+    slow.load_state_dict(right.state_dict())
+    batch = collate(right, EPISODES)
+    grads = []
+    for m in (right, slow):
+        out = m(batch)
+        sum(v.sum() for v in out.values()).backward()  # type: ignore[union-attr]
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+        for s in out:
+            assert rel(out[s], right(batch)[s]) < TOL, s
+    for name, g in grads[0].items():
+        assert rel(grads[1][name], g) < TOL, name
+
+
 def test_losses_are_per_token_fp32_and_exactly_zero_on_padding() -> None:
     m = model()
     batch = collate(m, EPISODES)
@@ -197,6 +214,7 @@ def test_text_tokens_are_bytes_after_bos() -> None:
         (dict(dim=8, heads=4), "head_dim=2 must be even and >= 6"),
         (dict(attention="flash"), "'flash' is not a backend"),
         (dict(depth=0), "depth=0 must be >= 1"),
+        (dict(conditioning="per_batch"), "conditioning='per_batch'; use 'per_episode'"),
     ],
 )
 def test_config_is_validated(overrides: dict[str, Any], match: str) -> None:
