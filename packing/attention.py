@@ -71,16 +71,22 @@ _HALF = (torch.float16, torch.bfloat16)
 FA4_HEAD_DIMS = (64, 96, 128)
 
 
-@cache
 def fa4_available() -> bool:
     """True when flash-attn-4's CuTe interface (``flash_attn.cute.interface``) imports."""
+    return _fa4_import_error() is None
+
+
+@cache
+def _fa4_import_error() -> str | None:
+    """None when FA4 imports; else why not, so `auto`'s reason can say it (a broken install
+    is reported as broken, not as absent)."""
     if importlib.util.find_spec("flash_attn") is None:
-        return False
+        return "flash-attn-4 not installed"
     try:
         importlib.import_module("flash_attn.cute.interface")
-    except Exception:  # a broken or CPU-only install is "not available", said by the caller
-        return False
-    return True
+    except Exception as err:  # any import failure: FA4 is unusable here; say which
+        return f"flash-attn-4 found but flash_attn.cute.interface failed to import ({err!r})"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,7 +157,7 @@ def _resolve(
         if fa4 and half and fa4_dim:
             return "flex_flash", "flash", "auto: CUDA, inner mask, flash-attn-4 installed"
         why = (
-            "flash-attn-4 not installed"
+            (_fa4_import_error() or "flash-attn-4 not available")
             if not fa4
             else f"dtype {dtype} is not bf16/fp16"
             if not half
