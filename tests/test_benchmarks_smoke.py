@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPTS = [
     ("bench_collate.py", []),
+    ("bench_collate_worker.py", []),
     ("bench_block_mask.py", []),
     ("bench_attention.py", []),
     (
