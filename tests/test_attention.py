@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference import per_episode
 
 from packing.attention import AttentionMask, attention, prepare_attention
 from packing.layout import StreamLayout, layout_from_lengths
@@ -34,32 +35,6 @@ def qkv(tq: int, tkv: int, seed: int = 0, grad: bool = False) -> tuple[torch.Ten
         torch.randn(tkv, H, D, generator=g),
     )
     return tuple(t.requires_grad_(grad) for t in ts)
-
-
-def per_episode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_lay: StreamLayout,
-    kv_lay: StreamLayout,
-    inner: InnerMask | None = None,
-) -> torch.Tensor:
-    """One SDPA call per episode on its own rows; real rows only (padding rows stay 0)."""
-    out = torch.zeros_like(q)
-    cq, ck = q_lay.cu_seqlens_K1.tolist(), kv_lay.cu_seqlens_K1.tolist()
-    for d in range(q_lay.num_docs):
-        qs, ks = slice(cq[d], cq[d + 1]), slice(ck[d], ck[d + 1])
-        m = None
-        if inner is not None:
-            z = torch.zeros((), dtype=torch.int64)
-            lq, lk = cq[d + 1] - cq[d], ck[d + 1] - ck[d]
-            m = inner(z, z, torch.arange(lq)[:, None], torch.arange(lk)[None, :])
-            m = m.expand(lq, lk)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1), m
-        )
-        out = out.index_copy(0, torch.arange(cq[d], cq[d + 1]), o.transpose(0, 1))
-    return out
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import per_episode
 
 from packing.attention import attention, fa4_available, prepare_attention
 from packing.layout import StreamLayout, layout_from_lengths
@@ -41,35 +42,6 @@ def qkv(tq: int, tkv: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Ten
         torch.randn(s, generator=g, device=DEV, dtype=torch.float32).to(dtype).requires_grad_()
         for s in shapes
     )
-
-
-def per_episode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_lay: StreamLayout,
-    kv_lay: StreamLayout,
-    inner: InnerMask | None = None,
-) -> torch.Tensor:
-    """fp32 SDPA per episode on its own rows; padding rows 0."""
-    q, k, v = q.float(), k.float(), v.float()
-    out = torch.zeros_like(q)
-    cq, ck = q_lay.cu_seqlens_K1.tolist(), kv_lay.cu_seqlens_K1.tolist()
-    for d in range(q_lay.num_docs):
-        m = None
-        lq, lk = cq[d + 1] - cq[d], ck[d + 1] - ck[d]
-        if inner is not None:
-            z = torch.zeros((), dtype=torch.int64, device=DEV)
-            ar_q, ar_k = torch.arange(lq, device=DEV), torch.arange(lk, device=DEV)
-            m = inner(z, z, ar_q[:, None], ar_k[None, :]).expand(lq, lk)
-        o = F.scaled_dot_product_attention(
-            q[cq[d] : cq[d + 1]].transpose(0, 1),
-            k[ck[d] : ck[d + 1]].transpose(0, 1),
-            v[ck[d] : ck[d + 1]].transpose(0, 1),
-            m,
-        )
-        out = out.index_copy(0, torch.arange(cq[d], cq[d + 1], device=DEV), o.transpose(0, 1))
-    return out
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -116,7 +88,7 @@ def check(
     real = (q_lay.doc_ids_T >= 0)[:, None, None]
     w = torch.randn(out.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
     got = torch.autograd.grad((out.float() * w * real).sum(), (q, k, v))
-    ref = per_episode(q, k, v, q_lay, kv_lay, inner)
+    ref = per_episode(q.float(), k.float(), v.float(), q_lay, kv_lay, inner)
     want = torch.autograd.grad((ref * w * real).sum(), (q, k, v))
     r = real[:, 0, 0]
     assert torch.isfinite(out).all(), "non-finite output (padding rows?)"
