@@ -76,6 +76,25 @@ def no_sync(fn: Any, device: torch.device) -> bool | None:
     return ok
 
 
+def time_into(r: dict[str, Any], key: str, fn: Any, device: torch.device, **kw: Any) -> bool:
+    """Median ms of ``fn`` into ``r[key]``; a failure is recorded as ``r[key + " error"]``
+    (never hidden: the table says what failed). Returns whether it ran."""
+    try:
+        r[key] = common.time_fn(fn, device=device, **kw).median_ms
+        return True
+    except Exception as e:
+        r[key] = None
+        r[f"{key} error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return False
+
+
+def same_tiles(ours: Any, theirs: Any) -> bool:
+    """Our BlockMask lists the very tiles create_block_mask lists (partial and full)."""
+    a_any, a_full = tiles_of(ours)
+    b_any, b_full = tiles_of(theirs)
+    return bool(torch.equal(a_any, b_any) and torch.equal(a_full, b_full))
+
+
 def build_rows(args: Any, device: torch.device, sizes: list[int], docs: list[int]) -> list[dict]:
     rng = torch.Generator().manual_seed(args.seed)
     rows: list[dict] = []
@@ -97,32 +116,14 @@ def build_rows(args: Any, device: torch.device, sizes: list[int], docs: list[int
             if device.type == "cuda":
                 # make_block_mask(compile=True): the tile classification as one compiled graph
                 oc_fn = partial(make_block_mask, doc, compile=True)
-                try:
-                    oc = common.time_fn(oc_fn, device=device, warmup=3, iters=args.iters)
-                    r["ours compiled ms"] = oc.median_ms
+                if time_into(r, "ours compiled ms", oc_fn, device, warmup=3, iters=args.iters):
                     r["ours compiled syncs"] = not no_sync(oc_fn, device)
-                except Exception as e:
-                    r["ours compiled error"] = f"{type(e).__name__}: {str(e)[:200]}"
             if eager_cap >= T:
-                eager = common.time_fn(
-                    eager_fn,
-                    device=device,
-                    warmup=1,
-                    iters=max(3, args.iters // 5),
+                time_into(
+                    r, "cbm eager ms", eager_fn, device, warmup=1, iters=max(3, args.iters // 5)
                 )
-                r["cbm eager ms"] = eager.median_ms
             if args.compiled_cap >= T:
-                try:
-                    comp = common.time_fn(
-                        comp_fn,
-                        device=device,
-                        warmup=2,
-                        iters=args.iters,
-                    )
-                    r["cbm compiled ms"] = comp.median_ms
-                except Exception as e:  # record, never hide: the table says what failed
-                    r["cbm compiled ms"] = None
-                    r["cbm compiled error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                time_into(r, "cbm compiled ms", comp_fn, device, warmup=2, iters=args.iters)
             best = min(x for x in (r.get("ours ms"), r.get("ours compiled ms")) if x)
             r["ours best ms"] = best
             if r.get("cbm compiled ms"):
@@ -130,9 +131,8 @@ def build_rows(args: Any, device: torch.device, sizes: list[int], docs: list[int
             if r.get("cbm eager ms"):
                 r["speedup vs eager"] = r["cbm eager ms"] / best
             if T <= 16384:  # same tiles as create_block_mask (the dense reference of tiles)
-                a_any, a_full = tiles_of(make_block_mask(doc))
-                b_any, b_full = tiles_of(create_block_mask(mod, None, None, T, T, device=device))
-                r["same tiles"] = bool(torch.equal(a_any, b_any) and torch.equal(a_full, b_full))
+                ref = create_block_mask(mod, None, None, T, T, device=device)
+                r["same tiles"] = same_tiles(make_block_mask(doc), ref)
             rows.append(r)
             print(r, flush=True)
     return rows
@@ -154,19 +154,13 @@ def inner_rows(args: Any, device: torch.device, T: int) -> list[dict]:
         r: dict[str, Any] = {"device": device.type, "tokens": T, "episodes": k,
                              "mask": "frame_causal_32", "ours ms": ours.median_ms}  # fmt: skip
         r["ours syncs"] = None if device.type != "cuda" else not no_sync(ours_fn, device)
-        if args.compiled_cap >= T:
-            comp = common.time_fn(
-                comp_fn,
-                device=device,
-                warmup=2,
-                iters=args.iters,
-            )
-            r["cbm compiled ms"] = comp.median_ms
-            r["speedup vs compiled"] = comp.median_ms / ours.median_ms
+        if args.compiled_cap >= T and time_into(
+            r, "cbm compiled ms", comp_fn, device, warmup=2, iters=args.iters
+        ):
+            r["speedup vs compiled"] = r["cbm compiled ms"] / ours.median_ms
         if T <= 16384:
-            a_any, a_full = tiles_of(make_block_mask(doc, inner=inner))
-            b_any, b_full = tiles_of(create_block_mask(mod, None, None, T, T, device=device))
-            r["same tiles"] = bool(torch.equal(a_any, b_any) and torch.equal(a_full, b_full))
+            ref = create_block_mask(mod, None, None, T, T, device=device)
+            r["same tiles"] = same_tiles(make_block_mask(doc, inner=inner), ref)
         rows.append(r)
         print(r, flush=True)
     return rows
