@@ -165,6 +165,17 @@ def _output_layout(
     return layout
 
 
+def _leak(source: int, target: int, stream: str, output: str, kind: str, diff: float) -> Leak:
+    return Leak(
+        source=source,
+        target=target,
+        input_stream=stream,
+        output=output,
+        kind=kind,
+        max_abs_diff=diff,
+    )
+
+
 def _doc_rows(layout: StreamLayout, target: int) -> slice:
     start = sum(layout.lengths_K[:target])
     return slice(start, start + layout.lengths_K[target])
@@ -311,31 +322,13 @@ def find_leaks(
                     comparisons += 1
                     diff = _maxdiff(base_out[k][sl], out[k][sl])
                     if diff > tol["output", k]:
-                        leaks.append(
-                            Leak(
-                                source=j,
-                                target=i,
-                                input_stream=name,
-                                output=k,
-                                kind="output",
-                                max_abs_diff=diff,
-                            )
-                        )
+                        leaks.append(_leak(j, i, name, k, "output", diff))
                 for g, gv in grad.items():
                     glo, ghi = input_rows[g][i]
                     comparisons += 1
                     diff = _maxdiff(base_grad[g][glo:ghi], gv[glo:ghi])
                     if diff > tol["gradient", g]:
-                        leaks.append(
-                            Leak(
-                                source=j,
-                                target=i,
-                                input_stream=name,
-                                output=g,
-                                kind="gradient",
-                                max_abs_diff=diff,
-                            )
-                        )
+                        leaks.append(_leak(j, i, name, g, "gradient", diff))
     if not padding:
         notes.append("padding was not perturbed")
     episode_index = batch.episode_ids
