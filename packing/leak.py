@@ -37,6 +37,9 @@ __all__ = ["Leak", "LeakReport", "assert_no_leaks", "find_leaks"]
 PADDING = -1  # the "source" of a leak from the padding tail
 
 
+LeakKind = Literal["output", "gradient"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Leak:
     """Perturbing ``source`` (doc position in the pack, -1 = padding) changed ``target``."""
@@ -45,7 +48,7 @@ class Leak:
     target: int
     input_stream: str
     output: str
-    kind: Literal["output", "gradient"]
+    kind: LeakKind
     max_abs_diff: float
 
     def describe(self, episode_index: Sequence[int]) -> str:
@@ -165,7 +168,7 @@ def _output_layout(
     return layout
 
 
-def _leak(source: int, target: int, stream: str, output: str, kind: str, diff: float) -> Leak:
+def _leak(source: int, target: int, stream: str, output: str, kind: LeakKind, diff: float) -> Leak:
     return Leak(
         source=source,
         target=target,
