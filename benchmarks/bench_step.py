@@ -277,6 +277,20 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
     }
 
 
+def variant_row(
+    name: str, regime: str, args: Any, cfg: DiTConfig, steps_eps: Any, dev: Any, state: Any
+) -> dict[str, Any]:
+    """One variant's row; a failure is recorded in the row (never hidden) and printed."""
+    try:
+        row = run_variant(name, args, cfg, steps_eps, dev, state)
+    except Exception as e:
+        row = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    row["regime"] = regime
+    row["episodes/step"] = sum(len(e) for e in steps_eps) / len(steps_eps)
+    print({k: v for k, v in row.items() if k not in ("timing", "profile")}, flush=True)
+    return row
+
+
 def main() -> None:
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--depth", type=int, default=4)
@@ -324,26 +338,12 @@ def main() -> None:
             name = variants[v]
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            try:
-                row = run_variant(name, args, cfg, steps_eps, dev, state)
-            except Exception as e:
-                row = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            row["regime"] = rname
-            row["episodes/step"] = sum(len(e) for e in steps_eps) / len(steps_eps)
-            rows.append(row)
-            print({k: v for k, v in row.items() if k not in ("timing", "profile")}, flush=True)
+            rows.append(variant_row(name, rname, args, cfg, steps_eps, dev, state))
         if args.long_steps and rname == "seed" and "packed" in args.variants.split(","):
             long_eps = random_packs(args, cfg, budget, fmin, fmax, max_docs,
                                     args.warmup + args.long_steps, seed=args.seed + 1)  # fmt: skip
             name = variants["packed"] + f", {args.long_steps} steps"
-            try:
-                row = run_variant(name, args, cfg, long_eps, dev, state)
-            except Exception as e:
-                row = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            row["regime"] = rname
-            row["episodes/step"] = sum(len(e) for e in long_eps) / len(long_eps)
-            rows.append(row)
-            print({k: v for k, v in row.items() if k not in ("timing", "profile")}, flush=True)
+            rows.append(variant_row(name, rname, args, cfg, long_eps, dev, state))
     base = {r["regime"]: r for r in rows if r["variant"].startswith("unpacked") and "step ms" in r}
     for r in rows:
         b = base.get(r["regime"])
