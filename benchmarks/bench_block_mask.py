@@ -166,6 +166,26 @@ def inner_rows(args: Any, device: torch.device, T: int) -> list[dict]:
     return rows
 
 
+def count_graphs(
+    device: torch.device, case: str, builder: str, layouts: list[torch.Tensor], step: Any
+) -> dict[str, Any]:
+    """Run ``step`` on each layout; count dynamo graphs compiled after the first step.
+    A failure stops the run and is recorded in the row."""
+    errors: list[str] = []
+    start = None
+    for i, doc in enumerate(layouts):
+        try:
+            step(doc.to(device))
+        except Exception as e:
+            errors.append(f"step {i}: {type(e).__name__}: {str(e)[:160]}")
+            break
+        if i == 0:
+            start = common.dynamo_counters()["unique_graphs"]
+    end = common.dynamo_counters()["unique_graphs"]
+    return {"device": device.type, "case": case, "builder": builder, "steps": len(layouts),
+            "graphs after step 0": end - (start or 0), "errors": "; ".join(errors) or None}  # fmt: skip
+
+
 def recompile_rows(args: Any, device: torch.device, T: int, steps: int) -> list[dict]:
     """Lengths change every step. (a) fixed T (static budget), new episodes each step;
     (b) T changes too (padding to a multiple of 128 only). Count graphs compiled after the
@@ -182,59 +202,26 @@ def recompile_rows(args: Any, device: torch.device, T: int, steps: int) -> list[
             [T] * steps if case.startswith("fixed") else [T - 128 * i for i in range(min(steps, 6))]
         )
         layouts = [doc_ids_for(t, int(torch.randint(2, 12, (1,), generator=rng)), rng) for t in Ts]
-        # create_block_mask(_compile=True)
+
+        def cbm(d: torch.Tensor) -> None:
+            create_block_mask(document_mask_mod(d), None, None, d.shape[0], d.shape[0],
+                              device=device, _compile=True)  # fmt: skip
+
         torch._dynamo.reset()
-        errors = []
-        start = None
-        for i, doc in enumerate(layouts):
-            d = doc.to(device)
-            try:
-                create_block_mask(document_mask_mod(d), None, None, d.shape[0], d.shape[0],
-                                  device=device, _compile=True)  # fmt: skip
-            except Exception as e:
-                errors.append(f"step {i}: {type(e).__name__}: {str(e)[:160]}")
-                break
-            if i == 0:
-                start = common.dynamo_counters()["unique_graphs"]
-        end = common.dynamo_counters()["unique_graphs"]
-        rows.append({"device": device.type, "case": case, "builder": "create_block_mask(_compile=True)",
-                     "steps": len(layouts), "graphs after step 0": end - (start or 0),
-                     "errors": "; ".join(errors) or None})  # fmt: skip
+        rows.append(count_graphs(device, case, "create_block_mask(_compile=True)", layouts, cbm))
         if device.type == "cuda":
-            errors, start = [], None
-            for i, doc in enumerate(layouts):
-                try:
-                    make_block_mask(doc.to(device), compile=True)
-                except Exception as e:
-                    errors.append(f"step {i}: {type(e).__name__}: {str(e)[:160]}")
-                    break
-                if i == 0:
-                    start = common.dynamo_counters()["unique_graphs"]
-            end = common.dynamo_counters()["unique_graphs"]
-            rows.append({"device": device.type, "case": case,
-                         "builder": "make_block_mask(compile=True)", "steps": len(layouts),
-                         "graphs after step 0": end - (start or 0),
-                         "errors": "; ".join(errors) or None})  # fmt: skip
-        # ours + compiled flex (fwd), as packing.attention calls it
-        if device.type == "cuda":
+            rows.append(count_graphs(device, case, "make_block_mask(compile=True)", layouts,
+                                     partial(make_block_mask, compile=True)))  # fmt: skip
+            # ours + compiled flex (fwd), as packing.attention calls it
             torch._dynamo.reset()
             flex = torch.compile(flex_attention, dynamic=False)
-            errors, start = [], None
-            for i, doc in enumerate(layouts):
-                d = doc.to(device)
+
+            def ours_flex(d: torch.Tensor, flex: Any = flex) -> None:
                 q = torch.randn(1, 4, d.shape[0], 64, device=device, dtype=torch.bfloat16)
-                try:
-                    flex(q, q, q, block_mask=make_block_mask(d))
-                except Exception as e:
-                    errors.append(f"step {i}: {type(e).__name__}: {str(e)[:160]}")
-                    break
-                if i == 0:
-                    start = common.dynamo_counters()["unique_graphs"]
-            end = common.dynamo_counters()["unique_graphs"]
-            rows.append({"device": device.type, "case": case,
-                         "builder": "make_block_mask + compiled flex_attention",
-                         "steps": len(layouts), "graphs after step 0": end - (start or 0),
-                         "errors": "; ".join(errors) or None})  # fmt: skip
+                flex(q, q, q, block_mask=make_block_mask(d))
+
+            rows.append(count_graphs(device, case, "make_block_mask + compiled flex_attention",
+                                     layouts, ours_flex))  # fmt: skip
         for r in rows[-3:]:
             print(r, flush=True)
     return rows
