@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # What one device call runs, in stages (one stage per call keeps each under 10 minutes).
 #
-#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 0    # correctness first: GPU tests + verify
-#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 1    # block mask, collate, machine probe
-#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 2    # FA4 install, attention, GPU tests
-#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 3    # training step
-#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 4    # token budget, verify --compile
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 0    # correctness: verify (tiny model) + GPU tests
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 1    # block mask, collate
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 2    # FA4 install, GPU tests with FA4, attention
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 3    # verify with FA4 (head dim 128), training step
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 4    # token budget
 #
-# FlashAttention-4 travels as wheels in two pieces (/work/shared/gpu-recipes.md): stage 1's
+# FlashAttention-4 travels as wheels in two pieces (/work/shared/gpu-recipes.md): stage 0's
 # call carries .whl/p1 (small wheels + first half of the 92 MB cu13 wheel), stage 2's call
 # carries .whl/p2 (second half) while the machine is still warm; both are copied to /tmp/whl
-# and installed into /tmp/site. Every benchmark also runs, and says so, without FA4.
-# Results: $OUT/<stage>/*.json and $OUT/<stage>.log (default OUT: .bench_out/).
+# and installed into /tmp/site, which stays for stage 3 while the machine stays warm
+# (REQUIRE_FA4=1 stops a stage at once if it is gone). Every benchmark also runs, and says
+# so, without FA4.
+# Results: $OUT/s<stage>/*.json and $OUT/s<stage>.log (default OUT: .bench_out/).
 set -uo pipefail
 STAGE=${1:?stage 0-4}
 OUT=${OUT:-.bench_out}
@@ -35,31 +37,39 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,te
 
 t() { local lim=$1; shift; echo "=== $* (limit ${lim}s)"; timeout "$lim" "$@"; echo "=== rc=$? $(date +%T)"; }
 
+if [ "${REQUIRE_FA4:-0}" = 1 ] && ! python3 -c "import packing.attention as a, sys; sys.exit(not a.fa4_available())"; then
+  echo "REQUIRE_FA4=1 but flash-attn-4 is not importable (machine not warm?): stopping"; exit 3
+fi
+M=benchmarks.verify_models:head_dim_128
+
 case $STAGE in
 0)
   # The record issue 3 asks for (docs/gpu_verify.md), without FA4: the tiny model's head dim
   # (16) is not one FA4 takes, so auto runs Flex (Triton) either way.
-  t 200 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider
-  t 150 python3 -m packing verify --device cuda --dtype float32 --json "$R/verify_fp32.json" 2>&1 | tee "$R/verify_fp32.txt"
-  t 150 python3 -m packing verify --device cuda --dtype bfloat16 --json "$R/verify_bf16.json" 2>&1 | tee "$R/verify_bf16.txt"
-  t 300 python3 -m packing verify --device cuda --dtype bfloat16 --compile --json "$R/verify_bf16_compile.json" 2>&1 | tee "$R/verify_bf16_compile.txt"
+  t 240 python3 -m packing verify --device cuda --dtype bfloat16 --compile --json "$R/verify_bf16_compile.json" 2>&1 | tee "$R/verify_bf16_compile.txt"
+  t 90 python3 -m packing verify --device cuda --dtype bfloat16 --json "$R/verify_bf16.json" 2>&1 | tee "$R/verify_bf16.txt"
+  t 110 python3 -m packing verify --device cuda --dtype float32 --json "$R/verify_fp32.json" 2>&1 | tee "$R/verify_fp32.txt"
+  t 140 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider
   ;;
 1)
   t 330 python3 benchmarks/bench_block_mask.py --cpu --out "$R/block_mask.json"
   t 120 python3 benchmarks/bench_collate.py --threads 1 --dataloader --out "$R/collate.json"
   ;;
 2)
-  t 360 python3 benchmarks/bench_attention.py --out "$R/attention.json"
-  t 180 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -x
+  t 150 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider
+  t 400 python3 benchmarks/bench_attention.py --out "$R/attention.json"
   ;;
 3)
-  t 560 python3 benchmarks/bench_step.py --steps "${STEPS:-20}" --long-steps "${LONG_STEPS:-0}" \
-    --profile --out "$R/step.json"
+  # FA4 kernels in the verify record: head dim 128 (varlen under --compile; flex_flash for
+  # frame-causal), then the training step.
+  t 120 python3 -m packing verify --device cuda --dtype bfloat16 --compile --model $M --json "$R/verify_fa4_compile.json" 2>&1 | tee "$R/verify_fa4_compile.txt"
+  t 70 python3 -m packing verify --device cuda --dtype bfloat16 --mask frame-causal --model $M --json "$R/verify_fa4_fc.json" 2>&1 | tee "$R/verify_fa4_fc.txt"
+  t "${STEP_LIMIT:-390}" python3 benchmarks/bench_step.py --steps "${STEPS:-20}" --long-steps "${LONG_STEPS:-0}" \
+    --variants "${VARIANTS:-unpacked,packed,packed_flex,padded,per_token,eager}" --profile --out "$R/step.json"
   ;;
 4)
   t 150 python3 benchmarks/find_token_budget.py --preset wan_2_2_5b --depth 30 --out "$R/token_budget_5b.json"
   t 120 python3 benchmarks/find_token_budget.py --preset wan_1_3b --depth 30 --out "$R/token_budget_1_3b.json"
-  t 240 python3 -m packing verify --device cuda --dtype bfloat16 --compile 2>&1 | tee "$R/verify.txt"
   ;;
 esac
 ls -la "$R"
