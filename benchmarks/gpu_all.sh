@@ -3,8 +3,8 @@
 #
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 0    # correctness: verify (tiny model) + GPU tests
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 1    # block mask, collate
-#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 2    # FA4 install, GPU tests with FA4, attention
-#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 3    # verify with FA4 (head dim 128), training step
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 2    # FA4 install, GPU tests + verify with FA4, attention
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 3    # training step
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 4    # token budget
 #
 # FlashAttention-4 travels as wheels in two pieces (/work/shared/gpu-recipes.md): stage 0's
@@ -56,16 +56,17 @@ case $STAGE in
   t 120 python3 benchmarks/bench_collate.py --threads 1 --dataloader --out "$R/collate.json"
   ;;
 2)
-  t 150 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider
-  t 400 python3 benchmarks/bench_attention.py --out "$R/attention.json"
+  # With FA4: the kernels that use it, FA4 in the verify record (head dim 128: varlen for the
+  # document mask, flex_flash for frame-causal), then attention.
+  t 120 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "flash or varlen or auto or model"
+  t 60 python3 -m packing verify --device cuda --dtype bfloat16 --model $M --json "$R/verify_fa4.json" 2>&1 | tee "$R/verify_fa4.txt"
+  t 60 python3 -m packing verify --device cuda --dtype bfloat16 --mask frame-causal --model $M --json "$R/verify_fa4_fc.json" 2>&1 | tee "$R/verify_fa4_fc.txt"
+  t "${ATT_LIMIT:-300}" python3 benchmarks/bench_attention.py --out "$R/attention.json"
   ;;
 3)
-  # FA4 kernels in the verify record: head dim 128 (varlen under --compile; flex_flash for
-  # frame-causal), then the training step.
-  t 120 python3 -m packing verify --device cuda --dtype bfloat16 --compile --model $M --json "$R/verify_fa4_compile.json" 2>&1 | tee "$R/verify_fa4_compile.txt"
-  t 70 python3 -m packing verify --device cuda --dtype bfloat16 --mask frame-causal --model $M --json "$R/verify_fa4_fc.json" 2>&1 | tee "$R/verify_fa4_fc.txt"
-  t "${STEP_LIMIT:-390}" python3 benchmarks/bench_step.py --steps "${STEPS:-20}" --long-steps "${LONG_STEPS:-0}" \
-    --variants "${VARIANTS:-unpacked,packed,packed_flex,padded,per_token,eager}" --profile --out "$R/step.json"
+  t "${STEP_LIMIT:-540}" python3 benchmarks/bench_step.py --steps "${STEPS:-20}" --long-steps "${LONG_STEPS:-0}" \
+    --regimes "${REGIMES:-seed,short}" --variants "${VARIANTS:-unpacked,packed,packed_flex,padded,per_token,eager}" \
+    --profile --out "$R/step.json"
   ;;
 4)
   t 150 python3 benchmarks/find_token_budget.py --preset wan_2_2_5b --depth 30 --out "$R/token_budget_5b.json"

@@ -107,7 +107,7 @@ class AttentionMask:
     inner: InnerMask | None
     cross: bool
     dense_QK: Tensor | None = None  # sdpa: bool (T_q, T_kv), rows with no key made all-True
-    keep_Q: Tensor | None = None  # sdpa: bool (T_q,), rows not forced to 0
+    keep_Q: Tensor | None = None  # sdpa, torch varlen: bool (T_q,), rows not forced to 0
     block_mask: Any = None  # flex: torch BlockMask
     kernel_options: dict[str, Any] | None = None  # flex
     cu_q: Tensor | None = None  # varlen: int32 (K+2,), the pad tail as one more sequence
@@ -260,18 +260,21 @@ def prepare_attention(
         block_mask = masks.make_block_mask(q_lay.doc_ids_T, kv_doc, inner)
         options = {"BACKEND": "FLASH"} if name == "flex_flash" else None
         return AttentionMask(**common, block_mask=block_mask, kernel_options=options)
-    # varlen: the padding tail becomes one more query sequence, paired with an *empty* key
-    # sequence, so the kernel writes every row and writes 0 on the padding rows (a row
-    # with no key reads 0: checked for both kernels by tests/test_gpu.py); no pass over the
-    # output is needed to clear them. Both sides need the same number of sequences:
-    # documents padded to a static max_docs on one side (and not the other) are matched with
-    # empty documents.
+    # varlen: the padding tail becomes one more query sequence so the kernel writes every
+    # row. FA4 pairs it with an *empty* key sequence and writes 0 on those rows itself (its
+    # backward clears dQ per query tile). torch's varlen_attn returns NaN gradients for a
+    # query sequence with no keys (seen on the H200), so there the tail attends to the key
+    # side's padding tail and its rows are zeroed afterwards. Both sides need the same number
+    # of sequences: documents padded to a static max_docs on one side (and not the other) are
+    # matched with empty documents.
     docs = max(len(q_lay.cu_seqlens_K1), len(kv_lay.cu_seqlens_K1)) - 1
+    fa4 = kernel == "fa4"
     cu_q, max_q = _with_tail(q_lay, docs, empty_tail=False)
     # Built separately even for self-attention: FA4's compiled entry point guards against
     # aliased arguments and recompiled every step when q and k shared one tensor.
-    cu_kv, max_kv = _with_tail(kv_lay, docs, empty_tail=True)
-    return AttentionMask(**common, cu_q=cu_q, cu_kv=cu_kv, max_q=max_q, max_kv=max_kv)
+    cu_kv, max_kv = _with_tail(kv_lay, docs, empty_tail=fa4)
+    keep = None if fa4 else q_lay.doc_ids_T >= 0
+    return AttentionMask(**common, keep_Q=keep, cu_q=cu_q, cu_kv=cu_kv, max_q=max_q, max_kv=max_kv)
 
 
 def _with_tail(lay: StreamLayout, docs: int, *, empty_tail: bool) -> tuple[Tensor, int]:
@@ -371,25 +374,38 @@ def _flex_fn(device: torch.device) -> Callable[..., Any]:
     return _COMPILED_FLEX
 
 
-def call_compiled(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+# Graphs the shared compiled FlexAttention may hold in one process. Each (mask_mod kind, grad
+# mode, autocast, dtype, static/dynamic shape) is one graph: a model with a self- and a
+# cross-attention mask, trained and evaluated with and without autocast, already needs 8,
+# dynamo's default limit for a function. Past this limit `call_compiled` raises.
+FLEX_GRAPH_LIMIT = 64
+
+
+def call_compiled(
+    fn: Callable[..., Any], *args: Any, graph_limit: int | None = None, **kwargs: Any
+) -> Any:
     """Call a ``torch.compile``-d function, failing loudly instead of falling back to eager.
 
     Past ``torch._dynamo.config.recompile_limit`` dynamo silently runs the function eagerly;
     for FlexAttention that means materialising the T x T scores (tens of GiB at 64K tokens)
     and a backward torch itself flags as possibly wrong. Seen on an H200 in `packing verify`.
+    ``graph_limit`` raises the limit for this call (never lowers it).
     """
+    limit = torch._dynamo.config.recompile_limit
+    if graph_limit is not None:
+        limit = max(limit, graph_limit)
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit):
             return fn(*args, **kwargs)
     except Exception as err:
         if type(err).__name__ != "FailOnRecompileLimitHit":
             raise
-        limit = torch._dynamo.config.recompile_limit
         raise RuntimeError(
-            f"compiled attention hit torch._dynamo's recompile_limit ({limit}): it would have "
-            "run eagerly (dense T x T scores). Give every pack one shape "
-            "(PackedCollator(token_budget=..., max_docs=...)), or raise "
-            "torch._dynamo.config.recompile_limit if the shapes really vary"
+            f"a compiled function ({_name(fn)}) hit its recompile limit ({limit} graphs): past "
+            "it torch would have run it eagerly (for attention: dense T x T scores). Give every "
+            "pack one shape (PackedCollator(token_budget=..., max_docs=...)) and keep the "
+            "number of mask kinds small, or raise torch._dynamo.config.recompile_limit if "
+            "the shapes really vary (TORCH_LOGS=recompiles says why it recompiled)"
         ) from err
 
 
@@ -407,7 +423,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
     if q.device.type == "cuda" and torch.compiler.is_compiling():
         out = fn(*args, **kw)  # inside the caller's compiled model: traced into its graph
     elif q.device.type == "cuda":
-        out = call_compiled(fn, *args, **kw)
+        out = call_compiled(fn, *args, graph_limit=FLEX_GRAPH_LIMIT, **kw)
     else:
         with warnings.catch_warnings():
             # Eager flex on CPU is deliberate (a forward cross-check); its "not compiled"
@@ -436,4 +452,6 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float |
         from torch.nn.attention.varlen import varlen_attn
 
         out = varlen_attn(q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale=scale)  # type: ignore[assignment]
+    if mask.keep_Q is not None:  # torch varlen: clear what the padding rows attended to
+        out = torch.where(mask.keep_Q[:, None, None], out, 0.0)
     return out

@@ -289,8 +289,16 @@ def test_a_compiled_call_past_the_recompile_limit_fails_instead_of_running_eager
         torch._dynamo.reset()
         fn = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
         assert torch.equal(call_compiled(fn, torch.ones(3)), torch.full((3,), 3.0))
-        with pytest.raises(RuntimeError, match=r"recompile_limit \(1\).*token_budget"):
+        with pytest.raises(RuntimeError, match=r"recompile limit \(1 graphs\).*token_budget"):
             call_compiled(fn, torch.ones(4, 2))  # a new shape: a second graph is over the limit
+        # The shared compiled flex holds one graph per mask kind, grad mode, autocast...:
+        # graph_limit raises the limit for its own calls only.
+        out = call_compiled(fn, torch.ones(4, 2), graph_limit=3)
+        assert torch.equal(out, torch.full((4, 2), 3.0))
+        with pytest.raises(RuntimeError, match=r"recompile limit \(3 graphs\)"):
+            for n in range(5, 9):
+                call_compiled(fn, torch.ones(n, 3), graph_limit=3)
+        assert torch._dynamo.config.recompile_limit == 1
     torch._dynamo.reset()
     assert torch._dynamo.config.recompile_limit == 8
 
