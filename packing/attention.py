@@ -355,23 +355,47 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
     return out
 
 
-_COMPILED_FLEX: Callable[..., Any] | None = None
+# FlexAttention on CUDA runs compiled (eager flex materialises the scores). Every shape gets
+# its own static-shape kernel, up to STATIC_FLEX_SHAPES shapes per process; later shapes share
+# one dynamic-shape kernel (with a warning). A shape seen before keeps its static kernel. On the
+# H200 the dynamic kernel was 1.41x slower (fwd+bwd, 37 short episodes in 48K tokens) than the
+# static one on the same mask, and dynamo's automatic dynamic (``dynamic=None``) would have
+# switched *every* later call, the training shape's too, to it after one new length (an eval
+# budget, say). A packed run with one token budget has one shape; the unpacked reference of
+# `packing verify` has one per episode length.
+STATIC_FLEX_SHAPES = 4
+_static_flex_shapes: set[tuple[int, ...]] = set()
+_compiled_flex: dict[bool, Callable[..., Any]] = {}
 
 
-def _flex_fn(device: torch.device) -> Callable[..., Any]:
-    """FlexAttention: compiled once per process on CUDA (eager flex materialises scores);
+def _flex_is_static(shape: tuple[int, ...]) -> bool:
+    """Give ``shape`` (q tokens, kv tokens) a static kernel if it has one or a slot is free."""
+    if shape in _static_flex_shapes or len(_static_flex_shapes) < STATIC_FLEX_SHAPES:
+        _static_flex_shapes.add(shape)
+        return True
+    if len(_static_flex_shapes) == STATIC_FLEX_SHAPES:
+        _static_flex_shapes.add((-1,))  # warn once
+        warnings.warn(
+            f"packing.attention: FlexAttention has static kernels for {STATIC_FLEX_SHAPES} "
+            f"sequence shapes; shape {shape} and later new ones use one dynamic-shape kernel, "
+            "which is slower (1.4x on an H200). Give every pack one shape "
+            "(PackedCollator(token_budget=...)) to keep the static kernels",
+            stacklevel=4,
+        )
+    return False
+
+
+def _flex_fn(device: torch.device, shape: tuple[int, ...]) -> Callable[..., Any]:
+    """FlexAttention for q/k of ``shape``: compiled on CUDA (static or dynamic, see above);
     eager on CPU, where it serves as a forward-only cross-check of the block mask."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
         return flex_attention
-    global _COMPILED_FLEX
-    if _COMPILED_FLEX is None:
-        # dynamic=None: the first shape compiles static, a second one marks the dimension that
-        # changed as dynamic, so a run over many lengths (the unpacked reference) stays at a
-        # couple of graphs instead of one per length (the static packed run has one anyway).
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=None)
-    return _COMPILED_FLEX
+    static = _flex_is_static(shape)
+    if static not in _compiled_flex:
+        _compiled_flex[static] = torch.compile(flex_attention, dynamic=not static)
+    return _compiled_flex[static]
 
 
 # Graphs the shared compiled FlexAttention may hold in one process. Each (mask_mod kind, grad
@@ -417,7 +441,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
                 "use backend='sdpa' (or 'auto') to train on CPU, or run under torch.no_grad()"
             )
         q, k, v = q.detach(), k.detach(), v.detach()
-    fn = _flex_fn(q.device)
+    fn = _flex_fn(q.device, (q.shape[0], k.shape[0]))
     args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
     kw = dict(block_mask=mask.block_mask, scale=scale, kernel_options=mask.kernel_options)
     if q.device.type == "cuda" and torch.compiler.is_compiling():
@@ -436,22 +460,37 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
 def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:
     assert mask.cu_q is not None and mask.cu_kv is not None
     if mask.kernel == "fa4":
-        fa4 = importlib.import_module("flash_attn.cute.interface")
-        res = fa4.flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q=mask.cu_q,
-            cu_seqlens_k=mask.cu_kv,
-            max_seqlen_q=mask.max_q,
-            max_seqlen_k=mask.max_kv,
-            softmax_scale=scale,
-        )
-        out = res[0] if isinstance(res, tuple) else res
-    else:
-        from torch.nn.attention.varlen import varlen_attn
+        return _fa4_varlen(q, k, v, mask, scale)
+    from torch.nn.attention.varlen import varlen_attn
 
-        out = varlen_attn(q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale=scale)  # type: ignore[assignment]
+    res = varlen_attn(q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale=scale)
+    out = res[0] if isinstance(res, tuple) else res  # (out, lse) only when asked for lse
     if mask.keep_Q is not None:  # torch varlen: clear what the padding rows attended to
         out = torch.where(mask.keep_Q[:, None, None], out, 0.0)
     return out
+
+
+@torch.compiler.disable
+def _fa4_varlen(
+    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None
+) -> Tensor:
+    """FA4's varlen kernel, kept out of the caller's ``torch.compile`` graph.
+
+    Traced by dynamo, FA4's Python entry point breaks the graph in several places anyway, and
+    its host-side arithmetic on ``max_seqlen`` specialises on the value: on the H200 a
+    compiled training step recompiled 24 times in 200 steps of random packs (one graph per
+    256-token bucket of the longest episode). Called as an opaque function it never
+    recompiles; ``max_q``/``max_kv`` are read here, out of dynamo's sight.
+    """
+    fa4 = importlib.import_module("flash_attn.cute.interface")
+    res = fa4.flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=mask.cu_q,
+        cu_seqlens_k=mask.cu_kv,
+        max_seqlen_q=mask.max_q,
+        max_seqlen_k=mask.max_kv,
+        softmax_scale=scale,
+    )
+    return res[0] if isinstance(res, tuple) else res  # type: ignore[no-any-return]
