@@ -107,7 +107,7 @@ class AttentionMask:
     inner: InnerMask | None
     cross: bool
     dense_QK: Tensor | None = None  # sdpa: bool (T_q, T_kv), rows with no key made all-True
-    keep_Q: Tensor | None = None  # sdpa, torch varlen: bool (T_q,), rows not forced to 0
+    keep_Q: Tensor | None = None  # sdpa, cross varlen: bool (T_q,), rows not forced to 0
     block_mask: Any = None  # flex: torch BlockMask
     kernel_options: dict[str, Any] | None = None  # flex
     cu_q: Tensor | None = None  # varlen: int32 (K+2,), the pad tail as one more sequence
@@ -260,40 +260,37 @@ def prepare_attention(
         block_mask = masks.make_block_mask(q_lay.doc_ids_T, kv_doc, inner)
         options = {"BACKEND": "FLASH"} if name == "flex_flash" else None
         return AttentionMask(**common, block_mask=block_mask, kernel_options=options)
-    # varlen: the padding tail becomes one more query sequence so the kernel writes every
-    # row. FA4 pairs it with an *empty* key sequence and writes 0 on those rows itself (its
-    # backward clears dQ per query tile). torch's varlen_attn returns NaN gradients for a
-    # query sequence with no keys (seen on the H200), so there the tail attends to the key
-    # side's padding tail and its rows are zeroed afterwards. Both sides need the same number
-    # of sequences: documents padded to a static max_docs on one side (and not the other) are
-    # matched with empty documents.
+    # varlen: the padding tail becomes one more sequence on each side, so the kernel writes
+    # every row. A query sequence with no keys would read 0 by itself, but both kernels
+    # returned NaN gradients for one on the H200 (FA4 and torch's). In self-attention the
+    # tail attends to itself (finite, unused: nothing real sees it, and the zero loss weight
+    # of padding gives it zero gradient); in cross-attention its rows must read 0 and are
+    # zeroed afterwards. Both sides need the same number of sequences: documents padded to a
+    # static max_docs on one side (and not the other) are matched with empty documents.
     docs = max(len(q_lay.cu_seqlens_K1), len(kv_lay.cu_seqlens_K1)) - 1
-    fa4 = kernel == "fa4"
-    cu_q, max_q = _with_tail(q_lay, docs, empty_tail=False)
-    # Built separately even for self-attention: FA4's compiled entry point guards against
-    # aliased arguments and recompiled every step when q and k shared one tensor.
-    cu_kv, max_kv = _with_tail(kv_lay, docs, empty_tail=fa4)
-    keep = None if fa4 else q_lay.doc_ids_T >= 0
+    cu_q, max_q = _with_tail(q_lay, docs)
+    # A separate tensor for the keys even when equal: FA4's compiled entry point guards
+    # against aliased arguments and recompiled every step when both were the same tensor.
+    cu_kv, max_kv = (cu_q.clone(), max_q) if not cross else _with_tail(kv_lay, docs)
+    keep = q_lay.doc_ids_T >= 0 if cross else None
     return AttentionMask(**common, keep_Q=keep, cu_q=cu_q, cu_kv=cu_kv, max_q=max_q, max_kv=max_kv)
 
 
-def _with_tail(lay: StreamLayout, docs: int, *, empty_tail: bool) -> tuple[Tensor, int]:
+def _with_tail(lay: StreamLayout, docs: int | None = None) -> tuple[Tensor, int]:
     """``cu_seqlens`` (docs+2,) with the padding tail as a last sequence, and a max length.
 
     Lengths ``[2, 4, 3]`` padded to 12 -> ``[0, 2, 6, 9, 12]``; with ``docs=5`` (a static
-    ``max_docs``) -> ``[0, 2, 6, 9, 9, 9, 12]``: the extra documents are empty sequences.
-    ``empty_tail`` (the key side) ends the last sequence where the real tokens end,
-    ``[0, 2, 6, 9, 9]``: the padding queries get no keys. The max length is rounded up to a
-    multiple of 256 (capped at the padded length): the kernels only size their grid with it,
-    and a value that changed every step would recompile a compiled model every step.
+    ``max_docs``) -> ``[0, 2, 6, 9, 9, 9, 12]``: the extra documents are empty sequences. The
+    max length is rounded up to a multiple of 256 (capped at the padded length): the kernels
+    only size their grid with it.
     """
     k = lay.num_docs
+    docs = len(lay.cu_seqlens_K1) - 1 if docs is None else docs
     cu = lay.cu_seqlens_K1[: k + 1].to(torch.int32)
     dev = cu.device
     empty = torch.full((docs - k,), lay.num_tokens, dtype=torch.int32, device=dev)
-    last = lay.num_tokens if empty_tail else lay.padded_len
-    end = torch.full((1,), last, dtype=torch.int32, device=dev)
-    tail = 0 if empty_tail else lay.padded_len - lay.num_tokens
+    end = torch.full((1,), lay.padded_len, dtype=torch.int32, device=dev)
+    tail = lay.padded_len - lay.num_tokens
     longest = max(lay.max_seqlen, tail, 1)
     bucket = min(-(-longest // _MAX_SEQLEN_BUCKET) * _MAX_SEQLEN_BUCKET, max(lay.padded_len, 1))
     return torch.cat([cu, empty, end]).contiguous(), bucket
@@ -460,12 +457,13 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
 def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:
     assert mask.cu_q is not None and mask.cu_kv is not None
     if mask.kernel == "fa4":
-        return _fa4_varlen(q, k, v, mask, scale)
-    from torch.nn.attention.varlen import varlen_attn
+        out = _fa4_varlen(q, k, v, mask, scale)
+    else:
+        from torch.nn.attention.varlen import varlen_attn
 
-    res = varlen_attn(q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale=scale)
-    out = res[0] if isinstance(res, tuple) else res  # (out, lse) only when asked for lse
-    if mask.keep_Q is not None:  # torch varlen: clear what the padding rows attended to
+        res = varlen_attn(q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale=scale)
+        out = res[0] if isinstance(res, tuple) else res  # (out, lse) only when asked for lse
+    if mask.keep_Q is not None:  # cross-attention: padding queries read 0
         out = torch.where(mask.keep_Q[:, None, None], out, 0.0)
     return out
 
