@@ -25,18 +25,26 @@ def load(name: str) -> dict[str, Any]:
 
 def attention() -> None:
     rows = [r for r in load("attention")["rows"] if "fwd+bwd TFLOP/s" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharex=False)
-    for ax, regime in zip(axes, ("seed", "short"), strict=True):
-        rs = [r for r in rows if r["regime"] == regime and r["mask"] == "document"]
-        rs.sort(key=lambda r: r["fwd+bwd TFLOP/s"])
-        ax.barh([r["method"] for r in rs], [r["fwd+bwd TFLOP/s"] for r in rs], color="tab:blue")
-        for i, r in enumerate(rs):
-            ax.text(r["fwd+bwd TFLOP/s"], i, f" {r['fwd+bwd ms']:.1f} ms", va="center", fontsize=8)
-        ax.set_title(f"{regime}: {rs[0]['episodes']} episodes, {rs[0]['tokens'] / 1e3:.1f}K tokens")
-        ax.set_xlabel("useful TFLOP/s, fwd+bwd (document mask, bf16, 12x128)")
-    fig.suptitle("Packed attention on one H200 (higher is better)")
+    masks = ("document", "frame_causal", "cross")
+    fig, axes = plt.subplots(2, 3, figsize=(19, 9))
+    for i, regime in enumerate(("seed", "short")):
+        for j, mask in enumerate(masks):
+            ax = axes[i][j]
+            rs = [r for r in rows if r["regime"] == regime and r["mask"] == mask]
+            rs.sort(key=lambda r: r["fwd+bwd TFLOP/s"])
+            colors = ["tab:orange" if "packing.attention[auto]" in r["method"] else "tab:blue"
+                      for r in rs]  # fmt: skip
+            ax.barh([r["method"] for r in rs], [r["fwd+bwd TFLOP/s"] for r in rs], color=colors)
+            for k, r in enumerate(rs):
+                ax.text(r["fwd+bwd TFLOP/s"], k, f" {r['fwd+bwd ms']:.2f} ms", va="center",
+                        fontsize=7)  # fmt: skip
+            ax.set_title(f"{regime} ({rs[0]['episodes']} eps, {rs[0]['tokens'] / 1e3:.1f}K), {mask}",
+                         fontsize=9)  # fmt: skip
+            ax.tick_params(axis="y", labelsize=7)
+            ax.set_xlabel("useful TFLOP/s, fwd+bwd (bf16, 12x128)", fontsize=8)
+    fig.suptitle("Packed attention on one H200 (higher is better; orange = backend='auto')")
     fig.tight_layout()
-    fig.savefig(IMG / "bench_attention.png", dpi=110)
+    fig.savefig(IMG / "bench_attention.png", dpi=100)
 
 
 def block_mask() -> None:
@@ -70,21 +78,20 @@ def _short(r: dict[str, Any]) -> str:
 
 def step() -> None:
     d1 = load("step_run1")["rows"]
-    d2 = load("step")["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5.2))
-    for ax, regime in zip(axes, ("seed", "short"), strict=True):
-        rs = [r for r in d1 if r["regime"] == regime and "tokens/s" in r]
-        labels = [_short(r) + " (run 1)" for r in rs]
-        vals = [r["tokens/s"] / 1e3 for r in rs]
-        if regime == "seed":
-            for r in d2:
-                labels.append(_short(r) + " (run 2)")
-                vals.append(r["tokens/s"] / 1e3)
-        colors = ["tab:orange" if "run 2" in lab else "tab:blue" for lab in labels]
-        ax.barh(labels, vals, color=colors)
+    d3 = load("step_run3")["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(16, 5.2))
+    panels = (
+        ("seed", [r for r in d3 if r["regime"] == "seed"], "run 3, compiled, FA4"),
+        ("short", [r for r in d1 if r["regime"] == "short" and "tokens/s" in r],
+         "run 1, packed ran eager"),
+    )  # fmt: skip
+    for ax, (regime, rs, what) in zip(axes, panels, strict=True):
+        ax.barh([_short(r) + (" 200 steps" if "200" in r["variant"] else "") for r in rs],
+                [r["tokens/s"] / 1e3 for r in rs],
+                color=["tab:blue" if "unpacked" in r["variant"] else "tab:orange" for r in rs])  # fmt: skip
         ax.set_xlabel("real tokens/s (K), 4 DiT blocks at Wan-2.2-5B width")
-        ax.set_title(f"{regime} regime")
-    fig.suptitle("Training step: packed vs one episode per micro-step (run 2 = fixed compile)")
+        ax.set_title(f"{regime} regime ({what})", fontsize=10)
+    fig.suptitle("Training step: packed (orange) vs one episode per micro-step (blue)")
     fig.tight_layout()
     fig.savefig(IMG / "bench_step.png", dpi=110)
 
