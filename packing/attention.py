@@ -438,12 +438,16 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
                 "use backend='sdpa' (or 'auto') to train on CPU, or run under torch.no_grad()"
             )
         q, k, v = q.detach(), k.detach(), v.detach()
-    fn = _flex_fn(q.device, (q.shape[0], k.shape[0]))
     args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
     kw = dict(block_mask=mask.block_mask, scale=scale, kernel_options=mask.kernel_options)
     if q.device.type == "cuda" and torch.compiler.is_compiling():
-        out = fn(*args, **kw)  # inside the caller's compiled model: traced into its graph
-    elif q.device.type == "cuda":
+        # Inside the caller's compiled model: traced into its graph, which decides the
+        # shapes (and no library state is read or changed while dynamo traces).
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(*args, **kw)[0].transpose(0, 1)  # type: ignore[index]
+    fn = _flex_fn(q.device, (q.shape[0], k.shape[0]))
+    if q.device.type == "cuda":
         out = call_compiled(fn, *args, graph_limit=FLEX_GRAPH_LIMIT, **kw)
     else:
         with warnings.catch_warnings():
