@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _progress(line: str) -> None:
+    print(f"  .. {line}", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -127,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             adam_eps=args.adam_eps,
             leak_check=args.leak_check,
         )
-        report = run_verify(config)
+        report = run_verify(config, progress=_progress)
     except (ValueError, TypeError, KeyError, AttributeError, ImportError, FileNotFoundError) as e:
         print(f"packing verify: error: {e}", file=sys.stderr)
         return 2

@@ -173,6 +173,7 @@ def compare_packed_unpacked(
     leak_check: bool = True,
     normalise: str = "global",
     config: Mapping[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """The core of `packing verify` on any packed model and any list of episodes.
 
@@ -191,7 +192,12 @@ def compare_packed_unpacked(
     on the test model). eps=1e-6 keeps rounding noise below eps; a real packing mistake still
     moves parameters by O(lr) and fails by orders of magnitude. ``lr=1e-4`` is a typical DiT
     fine-tuning rate.
+
+    ``progress`` receives one line per finished half-step and for the leak check (the CLI
+    prints them to stderr, so a run cut short, e.g. by a long ``--compile``, shows how far
+    it got).
     """
+    say = progress or (lambda _line: None)
     dev = torch.device(device)
     tol = tolerances or Tolerances.for_dtype(dtype)
     flat = sorted(i for p in packs for i in p)
@@ -235,11 +241,13 @@ def compare_packed_unpacked(
             loss_u, sec_u = _train_step(
                 run_u, bu, reduction=reduction, autocast=autocast, device=dev
             )
+        say(f"step {s}: unpacked, {len(bu)} micro-steps, loss {loss_u:.8g}, {sec_u:.1f} s")
         torch.manual_seed(seed * 1_000_003 + s)
         loss_p, sec_p = _train_step(
             run_p, bp, reduction=reduction, autocast=autocast, device=dev,
             normalise=normalise,
         )  # fmt: skip
+        say(f"step {s}: packed, {len(bp)} micro-steps, loss {loss_p:.8g}, {sec_p:.1f} s")
         b_loss = torch.tensor([loss_u], dtype=torch.float64)
         records.append(
             StepRecord(
@@ -306,6 +314,7 @@ def compare_packed_unpacked(
             failures.append("leak check impossible: no pack holds >= 2 episodes; lower the budget")
         else:
             model_p.eval()
+            say(f"leak check on a pack of {multi[0].num_docs} episodes")
             leak = _leak_check(model_p, _with_step(multi[0], seed, 0, dev), autocast, dev)
 
     loss_rel = relative_difference(
@@ -531,7 +540,7 @@ def load_episodes(config: VerifyConfig, keys: Sequence[str]) -> tuple[list[dict[
     return [ds[i] for i in range(n)], where
 
 
-def run_verify(config: VerifyConfig) -> VerifyReport:
+def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = None) -> VerifyReport:
     """``packing verify``: load data and model, plan packs, compare, check leaks."""
     from packing.collate import PackedCollator, Stream
     from packing.plan import plan_packs
@@ -575,4 +584,5 @@ def run_verify(config: VerifyConfig) -> VerifyReport:
         leak_check=config.leak_check,
         normalise=config.loss_normaliser,
         config=info,
+        progress=progress,
     )
