@@ -330,6 +330,12 @@ def main() -> None:
         "per_token": "per_token: packed auto, timestep MLP per token (mistake)",
         "eager": "eager: packed auto, no compile",
     }
+    model_info = cfg.__dict__ | {"attention": None}
+
+    def checkpoint() -> None:  # the first H200 step run was cut before its only write
+        common.write_json("step", args, {"rows": rows, "model": model_info}, device=dev,
+                          partial=True)  # fmt: skip
+
     for rname in args.regimes.split(","):
         budget, fmin, fmax, max_docs = regimes[rname]
         args.budget, args.max_docs = budget, max_docs
@@ -339,11 +345,13 @@ def main() -> None:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             rows.append(variant_row(name, rname, args, cfg, steps_eps, dev, state))
+            checkpoint()
         if args.long_steps and rname == "seed" and "packed" in args.variants.split(","):
             long_eps = random_packs(args, cfg, budget, fmin, fmax, max_docs,
                                     args.warmup + args.long_steps, seed=args.seed + 1)  # fmt: skip
             name = variants["packed"] + f", {args.long_steps} steps"
             rows.append(variant_row(name, rname, args, cfg, long_eps, dev, state))
+            checkpoint()
     base = {r["regime"]: r for r in rows if r["variant"].startswith("unpacked") and "step ms" in r}
     for r in rows:
         b = base.get(r["regime"])
@@ -353,8 +361,7 @@ def main() -> None:
             "p10-p90 ms", "tokens/s", "vs unpacked", "MFU", "peak GB",
             "recompiles after warm-up", "steps timed"]  # fmt: skip
     print(common.markdown_table(rows, cols))
-    common.write_json("step", args, {"rows": rows, "model": cfg.__dict__ | {"attention": None}},
-                      device=dev)  # fmt: skip
+    common.write_json("step", args, {"rows": rows, "model": model_info}, device=dev)
 
 
 if __name__ == "__main__":

@@ -225,8 +225,12 @@ def write_json(
     payload: dict[str, Any],
     *,
     device: torch.device | str | None = None,
+    partial: bool = False,
 ) -> Path:
-    """Write ``payload`` with machine, versions, command and date to the results folder."""
+    """Write ``payload`` with machine, versions, command and date to the results folder.
+
+    ``partial=True`` marks a checkpoint written while the run goes on (silently), so a run cut
+    at its time limit still leaves every finished row; the final write replaces it."""
     if args.out:
         path = Path(args.out)
     else:
@@ -239,8 +243,11 @@ def write_json(
         "machine": machine_info(device),
         **payload,
     }
+    if partial:
+        doc["partial"] = "written while running: the rows finished so far"
     path.write_text(json.dumps(doc, indent=1, default=str))
-    print(f"\nwrote {path}")
+    if not partial:
+        print(f"\nwrote {path}")
     return path
 
 
