@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # What one device call runs, in stages (one stage per call keeps each under 10 minutes).
 #
-#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 0    # correctness: verify (tiny model) + GPU tests
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 0    # correctness: GPU tests (no FA4) + verify bf16, --compile
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 1    # block mask, collate
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 2    # FA4 install, GPU tests + verify with FA4, attention
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 3    # training step
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 4    # token budget
+#
+# One session (30 device minutes) fits stages 0, 2 and 3, called back to back so the machine
+# stays warm: 0 carrying .whl/p1 (~9 min), 2 carrying .whl/p2 (~9 min), then
+# `REQUIRE_FA4=1 LONG_STEPS=200 STEPS=10 VARIANTS=unpacked,packed,packed_flex,per_token` 3
+# (~8 min). Session 2 used this order and ran out in stage 3's short regime.
 #
 # FlashAttention-4 travels as wheels in two pieces (/work/shared/gpu-recipes.md): stage 0's
 # call carries .whl/p1 (small wheels + first half of the 92 MB cu13 wheel), stage 2's call
@@ -45,11 +50,11 @@ M=benchmarks.verify_models:head_dim_128
 case $STAGE in
 0)
   # The record issue 3 asks for (docs/gpu_verify.md), without FA4: the tiny model's head dim
-  # (16) is not one FA4 takes, so auto runs Flex (Triton) either way.
-  t 240 python3 -m packing verify --device cuda --dtype bfloat16 --compile --json "$R/verify_bf16_compile.json" 2>&1 | tee "$R/verify_bf16_compile.txt"
-  t 90 python3 -m packing verify --device cuda --dtype bfloat16 --json "$R/verify_bf16.json" 2>&1 | tee "$R/verify_bf16.txt"
-  t 110 python3 -m packing verify --device cuda --dtype float32 --json "$R/verify_fp32.json" 2>&1 | tee "$R/verify_fp32.txt"
-  t 140 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider
+  # (16) is not one FA4 takes, so auto runs Flex (Triton) either way. GPU tests first (without
+  # FA4 installed, so torch's varlen kernel is the one tested).
+  t 200 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider
+  t 70 python3 -m packing verify --device cuda --dtype bfloat16 --json "$R/verify_bf16.json" 2>&1 | tee "$R/verify_bf16.txt"
+  t 300 python3 -m packing verify --device cuda --dtype bfloat16 --compile --json "$R/verify_bf16_compile.json" 2>&1 | tee "$R/verify_bf16_compile.txt"
   ;;
 1)
   t 330 python3 benchmarks/bench_block_mask.py --cpu --out "$R/block_mask.json"
