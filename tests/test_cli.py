@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,31 @@ def test_mean_of_means_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert len(set(json.loads(out.read_text())["pack_sizes"])) > 1
     assert code == 1
     assert "loss differs" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="torch.compile on CPU needs a C++ compiler (Inductor's CPU code generator)",
+)
+def test_verify_compile_passes_and_really_compiles(tmp_path: Path) -> None:
+    """``--compile``: both models under torch.compile (unpacked dynamic, packed static), the
+    same tolerances, and dynamo really built graphs (no silent eager run). ~4 min cold."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    out = tmp_path / "r.json"
+    code = main(["verify", "--compile", "--episodes", "4", "--steps", "1", "--no-leak-check",
+                 "--json", str(out)])  # fmt: skip
+    graphs = counters["stats"]["unique_graphs"] - before
+    torch._dynamo.reset()
+    report = json.loads(out.read_text())
+    assert code == 0, report["failures"]
+    assert report["config"]["compile"] is True
+    assert report["loss_rel"] <= 1e-6 and report["grad_rel_max"] <= 1e-5
+    assert graphs >= 2, f"only {graphs} compiled graphs: the models ran eagerly"
 
 
 def _docs_example() -> str:
