@@ -170,6 +170,22 @@ class PackedBatch(Mapping[str, Any]):
             raise KeyError(f"no stream {name!r} in this batch; streams are {list(self.layouts)}")
         return self.layouts[name]
 
+    def token_layout(self, stream: str, rows: int, what: str, fix: str) -> StreamLayout:
+        """The layout of ``stream`` for a per-token tensor of ``rows`` rows (a model's output
+        or loss), checked: a ValueError names ``what`` and, for an unknown stream, ``fix``."""
+        if stream not in self.layouts:
+            raise ValueError(
+                f"{what} is keyed {stream!r}, which is not a stream of the batch (streams: "
+                f"{list(self.layouts)}); {fix}"
+            )
+        layout = self.layouts[stream]
+        if rows != layout.padded_len:
+            raise ValueError(
+                f"{what} has {rows} rows but stream {stream!r} has {layout.padded_len} tokens; "
+                "per-token tensors have one row per token, sequence axis first"
+            )
+        return layout
+
     # -- Mapping ----------------------------------------------------------------------------
     def _flat(self) -> dict[str, Any]:
         lay = self.layouts[self.primary]

@@ -153,19 +153,12 @@ def _with_streams(batch: PackedBatch, new: Mapping[str, torch.Tensor]) -> Packed
 def _output_layout(
     batch: PackedBatch, key: str, value: torch.Tensor, output_layouts: Mapping[str, str]
 ) -> StreamLayout:
-    stream = output_layouts.get(key, key)
-    if stream not in batch.layouts:
-        raise ValueError(
-            f"output {key!r} is not a stream of the batch (streams: {list(batch.layouts)}); "
-            f"pass output_layouts={{{key!r}: '<stream whose token layout it has>'}}"
-        )
-    layout = batch.layout(stream)
-    if value.shape[0] != layout.padded_len:
-        raise ValueError(
-            f"output {key!r} has {value.shape[0]} rows but stream {stream!r} has "
-            f"{layout.padded_len} tokens; outputs must be per token, sequence axis first"
-        )
-    return layout
+    return batch.token_layout(
+        output_layouts.get(key, key),
+        value.shape[0],
+        f"output {key!r}",
+        fix=f"pass output_layouts={{{key!r}: '<stream whose token layout it has>'}}",
+    )
 
 
 def _leak(source: int, target: int, stream: str, output: str, kind: LeakKind, diff: float) -> Leak:

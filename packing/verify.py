@@ -132,17 +132,9 @@ def _train_step(
             )
         loss = torch.zeros((), dtype=torch.float32, device=device)
         for k, v in out.items():
-            if k not in norms:
-                raise KeyError(
-                    f"model returned a loss for {k!r}, which is not a stream of the batch "
-                    f"(streams: {streams}); key per-token losses by stream name"
-                )
-            lay = b.layout(k)
-            if v.shape[0] != lay.padded_len:
-                raise ValueError(
-                    f"model's loss for {k!r} has {v.shape[0]} rows, the stream has "
-                    f"{lay.padded_len} tokens; return the per-token loss at token level"
-                )
+            lay = b.token_layout(
+                k, v.shape[0], f"the model's loss {k!r}", fix="key per-token losses by stream name"
+            )
             mask = _loss_mask(model, b, k)
             if normalise == "global":
                 loss = loss + norms[k](v, lay, mask)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_masks import INNERS, REFERENCE_INNER, packed_doc_ids, reference_mask
+from test_masks import INNERS, RANDOM_MASKS, REFERENCE_INNER, reference_mask
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention.flex_attention import (
     BlockMask,
@@ -99,12 +99,7 @@ def test_block_mask_is_exact_and_tight_on_random_layouts():
     seen: Counter[str] = Counter()
 
     @SETTINGS
-    @given(
-        doc=packed_doc_ids(),
-        kv=st.one_of(st.none(), packed_doc_ids(allow_absent=True)),
-        inner=st.sampled_from(list(INNERS)),
-        block=BLOCKS,
-    )
+    @given(**RANDOM_MASKS, block=BLOCKS)
     def check(doc, kv, inner, block) -> None:
         bm = make_block_mask(t32(doc), t32(kv), INNERS[inner], block_size=block)
         want = reference_mask(doc, kv, inner)
@@ -130,12 +125,7 @@ def test_block_mask_is_exact_and_tight_on_random_layouts():
 def test_matches_create_block_mask_tile_for_tile():
     # torch's own builder evaluates every pair; ours must list the very same tiles.
     @settings(max_examples=60, deadline=None)
-    @given(
-        doc=packed_doc_ids(),
-        kv=st.one_of(st.none(), packed_doc_ids(allow_absent=True)),
-        inner=st.sampled_from(list(INNERS)),
-        block=st.sampled_from([16, 32]),
-    )
+    @given(**RANDOM_MASKS, block=st.sampled_from([16, 32]))
     def check(doc, kv, inner, block) -> None:
         ours = make_block_mask(t32(doc), t32(kv), INNERS[inner], block_size=block)
         T_kv = len(doc) if kv is None else len(kv)

@@ -164,6 +164,8 @@ def test_errors_name_the_fix() -> None:
         find_leaks(DocAttention(), _batch([4]))
     with pytest.raises(ValueError, match="output_layouts="):
         find_leaks(lambda b: {"y": torch.zeros(b.layout().padded_len)}, _batch())
+    with pytest.raises(ValueError, match=r"output 'x' has 3 rows but stream 'x' has \d+ tokens"):
+        find_leaks(lambda b: {"x": torch.zeros(3)}, _batch())
     with pytest.raises(KeyError, match="'nope' is not a stream"):
         find_leaks(DocAttention(), _batch(), inputs=["nope"])
 

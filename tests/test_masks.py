@@ -88,6 +88,15 @@ def packed_doc_ids(draw: st.DrawFn, *, allow_absent: bool = False) -> list[int]:
     return out
 
 
+# A random pack, an optional key side (self-attention when None) and an inner mask: the
+# draws every mask property test starts from (tests/test_block_mask.py uses them too).
+RANDOM_MASKS = dict(
+    doc=packed_doc_ids(),
+    kv=st.one_of(st.none(), packed_doc_ids(allow_absent=True)),
+    inner=st.sampled_from(list(INNERS)),
+)
+
+
 # ------------------------------------------------------------------ hand-computed pictures
 
 
@@ -158,11 +167,7 @@ def test_dense_mask_equals_reference_on_random_layouts():
     seen: Counter[str] = Counter()
 
     @SETTINGS
-    @given(
-        doc=packed_doc_ids(),
-        kv=st.one_of(st.none(), packed_doc_ids(allow_absent=True)),
-        inner=st.sampled_from(list(INNERS)),
-    )
+    @given(**RANDOM_MASKS)
     def check(doc: list[int], kv: list[int] | None, inner: str | None) -> None:
         kv_t = None if kv is None else torch.tensor(kv, dtype=torch.int32)
         got = dense_mask(torch.tensor(doc, dtype=torch.int32), kv_t, INNERS[inner])

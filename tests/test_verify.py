@@ -220,6 +220,25 @@ def test_mean_of_means_normaliser_fails() -> None:
     assert report.loss_rel > 1e-3
 
 
+class _MisKeyed(ToyActionModel):
+    def __init__(self, key: str, rows_delta: int = 0) -> None:
+        super().__init__()
+        self.key, self.rows_delta = key, rows_delta
+
+    def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        loss = super().forward(batch)["action"]
+        return {self.key: torch.cat([loss, loss.new_zeros(self.rows_delta)])}
+
+
+def test_a_model_loss_not_per_token_of_a_stream_is_refused_with_the_fix() -> None:
+    # A loss keyed by a name that is no stream, or one row per something other than a token,
+    # would otherwise be reduced against the wrong layout.
+    with pytest.raises(ValueError, match=r"loss 'loss' is keyed.*key per-token losses by stream"):
+        _compare(_MisKeyed("loss"), steps=1, leak_check=False)
+    with pytest.raises(ValueError, match=r"loss 'action' has \d+ rows but stream 'action' has"):
+        _compare(_MisKeyed("action", rows_delta=3), steps=1, leak_check=False)
+
+
 def test_packs_must_cover_every_episode_once() -> None:
     with pytest.raises(ValueError, match="exactly once"):
         compare_packed_unpacked(
