@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from packing import masks
+from packing.fa4 import fa4_varlen
 from packing.layout import StreamLayout
 from packing.masks import InnerMask
 
@@ -382,14 +383,19 @@ def _flex_is_static(shape: tuple[int, ...]) -> bool:
     return False
 
 
-def _flex_fn(device: torch.device, shape: tuple[int, ...]) -> Callable[..., Any]:
+def _flex_fn(device: torch.device, shape: tuple[int, ...], flash: bool) -> Callable[..., Any]:
     """FlexAttention for q/k of ``shape``: compiled on CUDA (static or dynamic, see above);
-    eager on CPU, where it serves as a forward-only cross-check of the block mask."""
+    eager on CPU, where it serves as a forward-only cross-check of the block mask.
+
+    The FLASH backend is always static: torch 2.11 cannot compile it with dynamic shapes (the
+    mask_mod's captured sizes become SymInts, which its CuTe template cannot inline; seen on
+    the H200 as an InductorError once a process had seen 4 shapes). Each new shape compiles
+    a kernel, up to FLEX_GRAPH_LIMIT graphs, past which `call_compiled` raises."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
         return flex_attention
-    static = _flex_is_static(shape)
+    static = flash or _flex_is_static(shape)
     if static not in _compiled_flex:
         _compiled_flex[static] = torch.compile(flex_attention, dynamic=not static)
     return _compiled_flex[static]
@@ -446,7 +452,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
         from torch.nn.attention.flex_attention import flex_attention
 
         return flex_attention(*args, **kw)[0].transpose(0, 1)  # type: ignore[index]
-    fn = _flex_fn(q.device, (q.shape[0], k.shape[0]))
+    fn = _flex_fn(q.device, (q.shape[0], k.shape[0]), mask.kernel == "flash")
     if q.device.type == "cuda":
         out = call_compiled(fn, *args, graph_limit=FLEX_GRAPH_LIMIT, **kw)
     else:
@@ -461,7 +467,9 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
 def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:
     assert mask.cu_q is not None and mask.cu_kv is not None
     if mask.kernel == "fa4":
-        out = _fa4_varlen(q, k, v, mask, scale)
+        # A custom op (packing/fa4.py): one opaque node in a compiled caller's graph.
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out = fa4_varlen(q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale)[0]
     else:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -470,29 +478,3 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float |
     if mask.keep_Q is not None:  # cross-attention: padding queries read 0
         out = torch.where(mask.keep_Q[:, None, None], out, 0.0)
     return out
-
-
-@torch.compiler.disable
-def _fa4_varlen(
-    q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None
-) -> Tensor:
-    """FA4's varlen kernel, kept out of the caller's ``torch.compile`` graph.
-
-    Traced by dynamo, FA4's Python entry point breaks the graph in several places anyway, and
-    its host-side arithmetic on ``max_seqlen`` specialises on the value: on the H200 a
-    compiled training step recompiled 24 times in 200 steps of random packs (one graph per
-    256-token bucket of the longest episode). Called as an opaque function it never
-    recompiles; ``max_q``/``max_kv`` are read here, out of dynamo's sight.
-    """
-    fa4 = importlib.import_module("flash_attn.cute.interface")
-    res = fa4.flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu_seqlens_q=mask.cu_q,
-        cu_seqlens_k=mask.cu_kv,
-        max_seqlen_q=mask.max_q,
-        max_seqlen_k=mask.max_kv,
-        softmax_scale=scale,
-    )
-    return res[0] if isinstance(res, tuple) else res  # type: ignore[no-any-return]

@@ -24,7 +24,9 @@ Use it in your own tests::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -189,6 +191,7 @@ def find_leaks(
     atol: float = 0.0,
     rtol: float = 0.0,
     noise_floor: float | None = None,
+    deterministic: bool = True,
     seed: int = 0,
 ) -> LeakReport:
     """Perturb each document's inputs and report every other document whose outputs moved.
@@ -204,8 +207,15 @@ def find_leaks(
     are not bitwise deterministic (atomic accumulation in a GPU backward), pass
     ``noise_floor=10``: the two clean runs measure the run-to-run noise of each output and
     gradient, and a change counts as a leak only above 10x that (still 0 when the kernels
-    turn out deterministic), or above ``atol + rtol * max|clean value|`` if larger. Returns a ``LeakReport``; ``report.raise_if_leaking()``
-    turns it into a test failure naming the episode pairs.
+    turn out deterministic), or above ``atol + rtol * max|clean value|`` if larger.
+
+    ``deterministic`` runs ``fn`` and its backward under
+    ``torch.use_deterministic_algorithms(True, warn_only=True)``, so kernels that have a
+    deterministic mode use it (FA4's backward through `packing.attention`, ``index_add``).
+    Without it, on an H200, FA4's atomic dQ accumulation gave two identical clean runs and
+    then a 1-ulp bf16 change in episode 0's gradient after perturbing episode 1: a leak by the
+    letter, noise in fact. Returns a ``LeakReport``; ``report.raise_if_leaking()`` turns it
+    into a test failure naming the episode pairs.
     """
     output_layouts = dict(output_layouts or {})
     num_docs = batch.num_docs
@@ -234,7 +244,7 @@ def find_leaks(
 
     def run(streams: Mapping[str, torch.Tensor]):
         leaf = {k: v.detach().clone().requires_grad_(gradients) for k, v in streams.items()}
-        with torch.set_grad_enabled(gradients):
+        with torch.set_grad_enabled(gradients), _deterministic_algorithms(deterministic):
             out = dict(fn(_with_streams(batch, leaf)))
             grads: dict[str, torch.Tensor] = {}
             if gradients:
@@ -327,6 +337,8 @@ def find_leaks(
                         leaks.append(_leak(j, i, name, g, "gradient", diff))
     if not padding:
         notes.append("padding was not perturbed")
+    if deterministic:
+        notes.append("ran under torch.use_deterministic_algorithms(True, warn_only=True)")
     episode_index = batch.episode_ids
     return LeakReport(
         leaks=tuple(leaks),
@@ -339,6 +351,25 @@ def find_leaks(
         gradients=gradients,
         notes=tuple(notes),
     )
+
+
+@contextmanager
+def _deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """Turn on torch's deterministic algorithms (warn-only) for the block, then restore."""
+    if not enabled or torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings():
+            # warn_only's per-op notices ("... does not have a deterministic implementation",
+            # cuBLAS's workspace hint): any nondeterminism left is measured by the two clean
+            # runs (noise_floor), so the notices would only repeat on every call.
+            warnings.filterwarnings("ignore", message=".*does not have a deterministic")
+            warnings.filterwarnings("ignore", message="Deterministic behavior was enabled")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def _maxabs(t: torch.Tensor) -> float:

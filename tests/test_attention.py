@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any
 
 import pytest
 import torch
@@ -343,54 +342,3 @@ def test_flex_gives_each_of_the_first_shapes_a_static_kernel_then_warns_once(
         warnings.simplefilter("error")  # once only
         assert not pa._flex_is_static((512, 512))
         assert pa._flex_is_static((128, 16))
-
-
-def test_fa4_varlen_is_opaque_to_torch_compile_so_max_seqlen_never_recompiles(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # FA4's entry point branches on max_seqlen on the host: traced by dynamo, a compiled step
-    # recompiled once per 256-token bucket (24 times in 200 steps on the H200). A stand-in
-    # kernel with the same host-side branch shows the library keeps it out of the graph.
-    import sys
-    import types
-
-    import torch._dynamo
-
-    calls: list[int] = []
-
-    def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k, softmax_scale):  # fmt: skip
-        calls.append(max_seqlen_q)
-        tiles = -(-max_seqlen_q // 128)  # host arithmetic on the int, as FA4 does
-        return q * (1.0 + 0.0 * tiles), None
-
-    interface = types.ModuleType("flash_attn.cute.interface")
-    interface.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
-    for name, mod in (
-        ("flash_attn", types.ModuleType("flash_attn")),
-        ("flash_attn.cute", types.ModuleType("flash_attn.cute")),
-        ("flash_attn.cute.interface", interface),
-    ):
-        monkeypatch.setitem(sys.modules, name, mod)
-
-    graphs = 0
-
-    def counting_backend(gm: torch.fx.GraphModule, _: Any) -> Any:
-        nonlocal graphs
-        graphs += 1
-        return gm.forward
-
-    torch._dynamo.reset()
-    step = torch.compile(lambda q, mask: attention(q, q, q, mask) * 2, backend=counting_backend)
-    q = torch.randn(512, 2, 64, dtype=torch.bfloat16)
-    for longest in (300, 40, 500, 129, 257, 480):  # a new max_seqlen bucket almost every step
-        lay = layout_from_lengths([longest, 512 - longest], [longest, 512 - longest], 512)
-        mask = AttentionMask(
-            backend="varlen", kernel="fa4", reason="test", q_layout=lay, kv_layout=lay,
-            inner=None, cross=False, cu_q=lay.cu_seqlens_K1.int(), cu_kv=lay.cu_seqlens_K1.int(),
-            max_q=longest, max_kv=longest,
-        )  # fmt: skip
-        torch.testing.assert_close(step(q, mask), q * 2)
-    assert calls == [300, 40, 500, 129, 257, 480]  # the kernel ran every step, eagerly
-    assert graphs <= 2, f"{graphs} graphs: the FA4 call recompiles the caller"
-    torch._dynamo.reset()

@@ -1,0 +1,130 @@
+"""FlashAttention-4's varlen kernel as a torch custom op, so a compiled model keeps one graph.
+
+``torch.ops.packing.fa4_varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, scale) -> (out, lse)``
+runs FA4's forward (``flash_attn.cute.interface._flash_attn_fwd``); its registered backward
+runs ``_flash_attn_bwd``. ``q``/``k``/``v`` are ``(T, H, D)``, ``lse`` is ``(H, T_q)`` fp32.
+
+Why an op and not FA4's own ``flash_attn_varlen_func``: dynamo traces that entry point, whose
+host-side arithmetic on ``max_seqlen`` specialises the caller's graph on the value. On the H200
+a compiled training step recompiled 24 times in 200 steps of random packs (one graph per
+256-token bucket of the longest episode). Wrapping the call in ``torch.compiler.disable``
+instead split every transformer block into pieces at the attention call (a graph break per
+layer): still 24 recompiles, and the step went from 560 to 663 ms. An op is one opaque node
+with fake (shape-only) implementations, so the caller's graph neither breaks nor specialises:
+``max_q``/``max_kv`` become dynamic ints after their first change.
+
+Determinism: FA4's backward accumulates dQ with atomics, so two runs can differ in the last
+bit. Under ``torch.use_deterministic_algorithms(True)`` the backward asks FA4 for its
+deterministic (semaphore-ordered) mode; `packing.leak.find_leaks` does that, because a 1-ulp
+flip in one episode's gradient after perturbing another would read as a leak.
+
+Pinned to flash-attn-4 4.0.0b36's private functions (the public one is an autograd.Function
+that dynamo traces); `packing.attention` only calls this when FA4 imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["fa4_varlen"]
+
+
+def _interface() -> Any:
+    return importlib.import_module("flash_attn.cute.interface")
+
+
+@torch.library.custom_op("packing::fa4_varlen", mutates_args=())
+def fa4_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_kv: Tensor,
+    max_q: int,
+    max_kv: int,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """FA4 varlen forward: ``(T_q, H, D) x2 (T_kv, H, D) -> (out (T_q, H, Dv), lse (H, T_q))``."""
+    res = _interface()._flash_attn_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_kv,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_kv,
+        softmax_scale=scale,
+        return_lse=True,
+    )
+    return res[0], res[1]
+
+
+@fa4_varlen.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
+      scale: float) -> tuple[Tensor, Tensor]:  # fmt: skip
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("packing::fa4_varlen_backward", mutates_args=())
+def fa4_varlen_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_q: Tensor,
+    cu_kv: Tensor,
+    max_q: int,
+    max_kv: int,
+    scale: float,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """FA4 varlen backward: ``dq, dk, dv``."""
+    res = _interface()._flash_attn_bwd(
+        q,
+        k,
+        v,
+        out,
+        dout.contiguous(),
+        lse,
+        scale,
+        False,  # causal
+        0.0,  # softcap
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_kv,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_kv,
+        deterministic=deterministic,
+    )
+    return res[0], res[1], res[2]
+
+
+@fa4_varlen_backward.register_fake
+def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
+      cu_kv: Tensor, max_q: int, max_kv: int, scale: float,
+      deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, cu_q, cu_kv, max_q, max_kv, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_kv)
+    ctx.sizes = (max_q, max_kv, scale)
+
+
+def _backward(ctx: Any, dout: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse, cu_q, cu_kv = ctx.saved_tensors
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    dq, dk, dv = fa4_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_kv, *ctx.sizes,
+                                     deterministic)  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None
+
+
+fa4_varlen.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,191 @@
+"""The FA4 varlen custom op, on CPU with a stand-in for flash-attn-4's private functions.
+
+The stand-in computes exact per-sequence attention (and its log-sum-exp) with the same call
+signature as ``flash_attn.cute.interface._flash_attn_fwd/_bwd``, so these tests check the
+wiring that the H200 tests cannot isolate: which tensor goes where, the backward's order of
+gradients, fake shapes under ``torch.compile``, and that a compiled caller neither breaks its
+graph nor recompiles for every new ``max_seqlen`` or number of documents.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from reference import per_episode
+
+import packing.attention as pa
+from packing.attention import AttentionMask, attention, prepare_attention
+from packing.fa4 import fa4_varlen
+from packing.layout import StreamLayout, layout_from_lengths
+
+H, D = 2, 64
+
+
+def _exact(q, k, v, cu_q, cu_kv, scale):  # type: ignore[no-untyped-def]
+    """Per-sequence softmax attention in fp32: out (T_q, H, D) in q's dtype, lse (H, T_q)."""
+    outs, lses = [], []
+    cq, ck = cu_q.tolist(), cu_kv.tolist()
+    for a, b, c, d in zip(cq[:-1], cq[1:], ck[:-1], ck[1:], strict=True):
+        if b == a:
+            continue
+        if d == c:
+            outs.append(q.new_zeros(b - a, q.shape[1], v.shape[2]))
+            lses.append(torch.full((q.shape[1], b - a), float("-inf")))
+            continue
+        s = torch.einsum("qhd,khd->hqk", q[a:b].float(), k[c:d].float()) * scale
+        lses.append(s.logsumexp(-1))
+        o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[c:d].float())
+        outs.append(o.to(q.dtype))
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+class StandIn:
+    """Records what the library passed to the two kernels."""
+
+    def __init__(self) -> None:
+        self.max_seqlens: list[int] = []
+        self.deterministic: list[bool] = []
+
+    def _flash_attn_fwd(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,  # type: ignore[no-untyped-def]
+                        max_seqlen_k, softmax_scale, return_lse):  # fmt: skip
+        assert return_lse, "the backward needs lse"
+        self.max_seqlens.append(max_seqlen_q)
+        tiles = -(-max_seqlen_q // 128)  # host arithmetic on the int, as FA4 does
+        out, lse = _exact(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+        return out * (1 + 0 * tiles), lse, None, None, None
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale, causal, softcap, *,  # type: ignore[no-untyped-def]
+                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic):  # fmt: skip
+        assert not causal and softcap == 0.0
+        self.deterministic.append(deterministic)
+        # Analytic attention backward per sequence (a custom op runs below autograd).
+        dq, dk, dv = (torch.zeros(t.shape) for t in (q, k, v))
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for a, b, c, d in zip(cq[:-1], cq[1:], ck[:-1], ck[1:], strict=True):
+            if b == a or d == c:
+                continue
+            qf, kf, vf, do = (t.float() for t in (q[a:b], k[c:d], v[c:d], dout[a:b]))
+            p = (torch.einsum("qhd,khd->hqk", qf, kf) * softmax_scale).softmax(-1)
+            o = torch.einsum("hqk,khd->qhd", p, vf)
+            dv[c:d] = torch.einsum("hqk,qhd->khd", p, do)
+            dp = torch.einsum("qhd,khd->hqk", do, vf)
+            ds = p * (dp - (do * o).sum(-1).T[:, :, None])
+            dq[a:b] = torch.einsum("hqk,khd->qhd", ds, kf) * softmax_scale
+            dk[c:d] = torch.einsum("hqk,qhd->khd", ds, qf) * softmax_scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@pytest.fixture
+def fa4(monkeypatch: pytest.MonkeyPatch) -> StandIn:
+    stand_in = StandIn()
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd = stand_in._flash_attn_fwd  # type: ignore[attr-defined]
+    interface._flash_attn_bwd = stand_in._flash_attn_bwd  # type: ignore[attr-defined]
+    for name, mod in (
+        ("flash_attn", types.ModuleType("flash_attn")),
+        ("flash_attn.cute", types.ModuleType("flash_attn.cute")),
+        ("flash_attn.cute.interface", interface),
+    ):
+        monkeypatch.setitem(sys.modules, name, mod)
+    # prepare_attention builds FA4's varlen fields on CPU tensors
+    monkeypatch.setattr(pa, "_resolve", lambda *_: ("varlen", "fa4", "test"))
+    return stand_in
+
+
+def _mask(q_lay: StreamLayout, kv_lay: StreamLayout | None = None) -> AttentionMask:
+    return prepare_attention(q_lay, kv_lay, backend="varlen", device="cpu")
+
+
+def _qkv(tq: int, tkv: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = ((tq, H, D), (tkv, H, D), (tkv, H, D))  # bf16, as FA4 takes
+    return [torch.randn(s, generator=g).bfloat16().requires_grad_() for s in shapes]
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+def test_fa4_varlen_equals_one_sdpa_call_per_episode_forward_and_backward(
+    fa4: StandIn, cross: bool
+) -> None:
+    q_lay = layout_from_lengths([5, 9, 3], [5, 9, 3], 20)
+    kv_lay = layout_from_lengths([4, 2, 7], [4, 2, 7], 16) if cross else q_lay
+    q, k, v = _qkv(q_lay.padded_len, kv_lay.padded_len)
+    out = attention(q, k, v, _mask(q_lay, kv_lay if cross else None))
+    ref = per_episode(q.float(), k.float(), v.float(), q_lay, kv_lay)
+    real = q_lay.num_tokens
+    # bf16 in and out (a misrouted tensor or gradient is off by O(1), not by rounding)
+    torch.testing.assert_close(out[:real].float(), ref[:real], atol=1e-2, rtol=1e-2)
+    if cross:  # padding queries read exactly 0
+        assert out[real:].abs().max() == 0
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    w[real:] = 0  # padding rows carry no loss, as in training
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for name, g, r in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=2e-2, msg=f"d{name}")
+
+
+def test_fa4_op_passes_its_own_schema_fake_and_autograd_checks(fa4: StandIn) -> None:
+    lay = layout_from_lengths([5, 9, 3], [5, 9, 3], 20)
+    m = _mask(lay)
+    q, k, v = _qkv(20, 20)
+    torch.library.opcheck(fa4_varlen, (q, k, v, m.cu_q, m.cu_kv, m.max_q, m.max_kv, D**-0.5))
+
+
+def test_fa4_backward_is_deterministic_when_torch_asks_for_it(fa4: StandIn) -> None:
+    # FA4 accumulates dQ with atomics unless asked; find_leaks asks (through torch's switch).
+    lay = layout_from_lengths([5, 9], [5, 9], 16)
+    q, k, v = _qkv(16, 16)
+    attention(q, k, v, _mask(lay)).sum().backward()
+    torch.use_deterministic_algorithms(True)
+    try:
+        attention(q, k, v, _mask(lay)).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert fa4.deterministic == [False, True]
+
+
+def test_a_compiled_caller_keeps_one_graph_as_max_seqlen_and_document_count_change(
+    fa4: StandIn,
+) -> None:
+    # On the H200, FA4's traced entry point recompiled a compiled step once per 256-token
+    # bucket of the longest episode (24 times in 200 steps), and wrapping it in
+    # torch.compiler.disable broke the graph at every layer. As an op: fullgraph=True
+    # compiles, and each size recompiles once, on its first change, into a dynamic graph
+    # (cu_seqlens' length with the number of documents, then max_seqlen).
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def step(q: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        return (attention(q * 2, q, q, mask) ** 2).sum()
+
+    q = torch.randn(512, H, D, dtype=torch.bfloat16, requires_grad=True)
+    warmup = ([300, 212], [40, 400, 72], [129, 129, 129, 125])  # new doc count, new max
+    later = ([500, 12], [257, 255], [480, 32], [1, 2, 3, 4, 5, 497], [100] * 5 + [12])
+    for ls in warmup:
+        step(q, _mask(layout_from_lengths(ls, ls, 512))).backward()
+    assert counter.frame_count == 3
+    for ls in later:
+        step(q, _mask(layout_from_lengths(ls, ls, 512))).backward()
+    assert counter.frame_count == 3, "a new max_seqlen or document count recompiled"
+    assert len(fa4.max_seqlens) == len(fa4.deterministic) == len(warmup) + len(later)
+    torch._dynamo.reset()
+
+
+def test_flex_flash_keeps_a_static_kernel_for_every_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.11 cannot compile FlexAttention's FLASH backend with dynamic shapes (a captured
+    # SymInt); on the H200 the 5th shape of a process raised an InductorError.
+    monkeypatch.setattr(pa, "_static_flex_shapes", set())
+    monkeypatch.setattr(pa, "_compiled_flex", {})
+    monkeypatch.setattr(pa, "STATIC_FLEX_SHAPES", 1)
+    cuda = torch.device("cuda", 0)
+    static = pa._flex_fn(cuda, (64, 64), flash=False)
+    with pytest.warns(UserWarning, match="dynamic-shape kernel"):
+        assert pa._flex_fn(cuda, (128, 128), flash=False) is not static  # Triton: dynamic
+    assert pa._flex_fn(cuda, (256, 256), flash=True) is static
