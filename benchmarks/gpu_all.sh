@@ -6,6 +6,7 @@
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 2    # FA4 install, GPU tests + verify with FA4, attention
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 3    # training step
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 4    # token budget
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 5    # FA4 re-check: verify, FA4 tests, seed step
 #
 # One session (30 device minutes) fits these calls, back to back so the machine stays warm
 # (session 2 ran out in stage 3's short regime; timings from it):
@@ -72,6 +73,14 @@ case $STAGE in
   t 60 python3 -m packing verify --device cuda --dtype bfloat16 --model $M --json "$R/verify_fa4.json" 2>&1 | tee "$R/verify_fa4.txt"
   t 60 python3 -m packing verify --device cuda --dtype bfloat16 --mask frame-causal --model $M --json "$R/verify_fa4_fc.json" 2>&1 | tee "$R/verify_fa4_fc.txt"
   t "${ATT_LIMIT:-300}" python3 benchmarks/bench_attention.py --out "$R/attention.json"
+  ;;
+5)
+  # Short re-check with FA4 (session 3, after FA4 became a custom op): the FA4 verify record,
+  # the FA4 GPU tests, and the seed-regime step with a recompile count over LONG_STEPS packs.
+  t 50 python3 -m packing verify --device cuda --dtype bfloat16 --model $M --json "$R/verify_fa4.json" 2>&1 | tee "$R/verify_fa4.txt"
+  t 110 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "flash or varlen or auto or model"
+  t "${STEP_LIMIT:-200}" python3 benchmarks/bench_step.py --steps "${STEPS:-5}" --long-steps "${LONG_STEPS:-60}" \
+    --regimes seed --variants unpacked,packed --profile --out "$R/step.json"
   ;;
 3)
   t "${STEP_LIMIT:-540}" python3 benchmarks/bench_step.py --steps "${STEPS:-20}" --long-steps "${LONG_STEPS:-0}" \
