@@ -19,12 +19,18 @@ unpacked baseline, peak memory, MFU (useful FLOPs: 6 * block params * tokens + i
 attention pairs, over the measured 790 TFLOP/s bf16 peak), and graphs compiled after warm-up
 (recompiles). Packs are drawn at random each step.
 
+Every step's loss is recorded (on the device, read after the timed loop) and compared with the
+unpacked variant's on the same episodes ("loss rel diff"). A non-finite loss marks the row as
+an error: in session 2 a packed row was timed on NaN weights (a varlen padding bug since
+fixed), and its GEMMs ran 20% faster than on real data.
+
     python benchmarks/bench_step.py                 # H200 (~6 min)
     python benchmarks/bench_step.py --quick         # tiny model on CPU, for CI
 """
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 from pathlib import Path
@@ -196,6 +202,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
     plans = [micro_batches(eps) for eps in steps_eps]
     g0 = None
     times: list[float] = []
+    step_losses: list[torch.Tensor] = []  # on the device: read once, after the timed loop
     peak = 0
     for s, (eps, mbs) in enumerate(zip(steps_eps, plans, strict=True)):
         if s == args.warmup:
@@ -212,12 +219,16 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
             import time
 
             t0 = time.perf_counter()
+        step_loss = torch.zeros((), device=dev)
         for mb in mbs:
             batch = to_device(mb, dev)
             batch.extras["seed"], batch.extras["step"] = 0, s
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 out = model(batch)
-            loss_of(out, denom).backward()
+            loss = loss_of(out, denom)
+            loss.backward()
+            step_loss += loss.detach().float()
+        step_losses.append(step_loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if dev.type == "cuda":
@@ -247,6 +258,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
         if prof.kernel_table is not None:
             print(f"\n{name}\n{prof.kernel_table.markdown()}\n", flush=True)
     pm.attention = _LIB_ATTENTION
+    losses = torch.stack(step_losses).tolist()
     timed = steps_eps[args.warmup :]
     tok = [sum(e["latents"].shape[0] * tpf + e["action"].shape[0] for e in eps) for eps in timed]
     t = common.summarize(times)
@@ -272,6 +284,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
         "peak GB": peak / 1e9,
         "MFU": flops / (ms_total * 1e-3) / (common.H200_BF16_PEAK_TFLOPS * 1e12),
         "recompiles after warm-up": common.dynamo_counters()["unique_graphs"] - (g0 or 0),
+        "losses": losses,
         "timing": t.as_dict(),
         "profile": profile,
     }
@@ -285,9 +298,13 @@ def variant_row(
         row = run_variant(name, args, cfg, steps_eps, dev, state)
     except Exception as e:
         row = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    bad = [i for i, x in enumerate(row.get("losses", [])) if not math.isfinite(x)]
+    if bad:
+        # NaN weights run at another speed (data-dependent GEMM power): not a valid timing.
+        row["error"] = f"non-finite loss from step {bad[0]} on: timings not valid"
     row["regime"] = regime
     row["episodes/step"] = sum(len(e) for e in steps_eps) / len(steps_eps)
-    print({k: v for k, v in row.items() if k not in ("timing", "profile")}, flush=True)
+    print({k: v for k, v in row.items() if k not in ("timing", "profile", "losses")}, flush=True)
     return row
 
 
@@ -352,14 +369,22 @@ def main() -> None:
             name = variants["packed"] + f", {args.long_steps} steps"
             rows.append(variant_row(name, rname, args, cfg, long_eps, dev, state))
             checkpoint()
-    base = {r["regime"]: r for r in rows if r["variant"].startswith("unpacked") and "step ms" in r}
-    for r in rows:
+    valid = [r for r in rows if "step ms" in r and not r.get("error")]
+    base = {r["regime"]: r for r in valid if r["variant"].startswith("unpacked")}
+    for r in valid:
         b = base.get(r["regime"])
-        if b and "tokens/s" in r:
+        if b:
             r["vs unpacked"] = r["tokens/s"] / b["tokens/s"]
+        # the same episodes and weights; padded rows also train on their zero frames (a cost
+        # model of a padded batch), so their loss differs by design
+        comparable = not r["variant"].startswith("padded")
+        if b and comparable and len(r["losses"]) == len(b["losses"]):
+            r["loss rel diff"] = max(
+                abs(x - y) / abs(y) for x, y in zip(r["losses"], b["losses"], strict=True)
+            )
     cols = ["regime", "variant", "attention", "episodes/step", "micro-steps/step", "step ms",
-            "p10-p90 ms", "tokens/s", "vs unpacked", "MFU", "peak GB",
-            "recompiles after warm-up", "steps timed"]  # fmt: skip
+            "p10-p90 ms", "tokens/s", "vs unpacked", "loss rel diff", "MFU", "peak GB",
+            "recompiles after warm-up", "steps timed", "error"]  # fmt: skip
     print(common.markdown_table(rows, cols))
     common.write_json("step", args, {"rows": rows, "model": model_info}, device=dev)
 

@@ -48,3 +48,10 @@ def test_script_runs_quick_on_cpu(script: str, extra: list[str], tmp_path: Path)
     assert rows, f"{script} wrote no rows"
     errors = [r for r in rows if r.get("error")]
     assert not errors, errors
+    if script == "bench_step.py":
+        # every variant trains on the same episodes and weights: the losses must agree
+        # (fp32 on CPU), and a NaN run would have been flagged as an error above
+        for r in rows:
+            assert len(r["losses"]) == 3 and all(abs(x) < 1e3 for x in r["losses"]), r
+            if not r["variant"].startswith("unpacked"):
+                assert r["loss rel diff"] < 1e-4, r
