@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import hashlib
 import json
 import os
 import platform
@@ -137,6 +138,15 @@ def _pkg_version(name: str) -> str | None:
         return None
 
 
+def _source_hash() -> str:
+    """sha1 of packing/*.py: names the library code that ran even where the machine's copy of
+    the tree has a stale .git (the H200's reported the previous commit in session 3)."""
+    h = hashlib.sha1()
+    for f in sorted((Path(__file__).resolve().parents[1] / "packing").glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -166,6 +176,7 @@ def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:
         "cutlass_dsl": _pkg_version("nvidia-cutlass-dsl"),
         "torch_threads": torch.get_num_threads(),
         "git_commit": _git_commit(),
+        "packing_src_sha1": _source_hash(),
     }
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         p = torch.cuda.get_device_properties(0)

@@ -77,20 +77,25 @@ def _short(r: dict[str, Any]) -> str:
 
 
 def step() -> None:
-    d1 = load("step_run1")["rows"]
-    d3 = load("step_run3")["rows"]
+    r4, r5, r6 = (load(f)["rows"] for f in ("step_run4_seed", "step_run5_short", "step_run6_seed"))
+    seed = [
+        (r6[0], "run 6"),
+        (r6[1], "run 6, FA4 as a custom op"),
+        (r4[1], "run 4, FA4 behind graph breaks"),
+        (r4[2], "run 4"),
+    ]
+    short = [(r5[0], "run 5"), (r5[1], "run 5, graph breaks, 32 recompiles"), (r5[2], "run 5")]
     fig, axes = plt.subplots(1, 2, figsize=(16, 5.2))
-    panels = (
-        ("seed", [r for r in d3 if r["regime"] == "seed"], "run 3, compiled, FA4"),
-        ("short", [r for r in d1 if r["regime"] == "short" and "tokens/s" in r],
-         "run 1, packed ran eager"),
-    )  # fmt: skip
-    for ax, (regime, rs, what) in zip(axes, panels, strict=True):
-        ax.barh([_short(r) + (" 200 steps" if "200" in r["variant"] else "") for r in rs],
-                [r["tokens/s"] / 1e3 for r in rs],
-                color=["tab:blue" if "unpacked" in r["variant"] else "tab:orange" for r in rs])  # fmt: skip
-        ax.set_xlabel("real tokens/s (K), 4 DiT blocks at Wan-2.2-5B width")
-        ax.set_title(f"{regime} regime ({what})", fontsize=10)
+    for ax, (regime, rs) in zip(axes, (("seed", seed), ("short", short)), strict=True):
+        ax.barh([f"{_short(r)}\n({what})" for r, what in rs],
+                [r["tokens/s"] / 1e3 for r, _ in rs],
+                color=["tab:blue" if "unpacked" in r["variant"] else "tab:orange"
+                       for r, _ in rs])  # fmt: skip
+        for k, (r, _) in enumerate(rs):
+            ax.text(r["tokens/s"] / 1e3, k, f" {r['step ms']:.0f} ms", va="center", fontsize=8)
+        ax.tick_params(axis="y", labelsize=8)
+        ax.set_xlabel("real tokens/s (K), 4 DiT blocks at Wan-2.2-5B width, compiled")
+        ax.set_title(f"{regime} regime (session 3, H200, FA4 installed)", fontsize=10)
     fig.suptitle("Training step: packed (orange) vs one episode per micro-step (blue)")
     fig.tight_layout()
     fig.savefig(IMG / "bench_step.png", dpi=110)

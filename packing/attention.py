@@ -26,8 +26,8 @@ Backends (``docs/attention.md`` has the measured speeds and CPU agreement):
               The reference: exact, with backward, O(T^2) memory.
 ``flex``      FlexAttention with our block mask, compiled (Triton on CUDA; a static    CUDA (CPU:
               kernel for each of a process's first 4 shapes).                          fwd only)
-``flex_flash`` the same, ``kernel_options={"BACKEND": "FLASH"}`` (flash-attn-4 CuTe).   CUDA + FA4
-``varlen``    ``cu_seqlens`` kernel: FA4's ``flash_attn_varlen_func`` if installed,     CUDA,
+``flex_flash`` the same, ``kernel_options={"BACKEND": "FLASH"}`` (flash-attn-4 CuTe).  CUDA + FA4
+``varlen``    ``cu_seqlens`` kernel: FA4 (op ``packing::fa4_varlen``) if installed,    CUDA,
               else ``torch.nn.attention.varlen.varlen_attn``. Document-only masks.     bf16/fp16
 ============  =====================================================================  ==========
 
