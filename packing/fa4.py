@@ -61,7 +61,7 @@ def fa4_varlen(
         softmax_scale=scale,
         return_lse=True,
     )
-    return res[0], res[1]
+    return res[0].contiguous(), res[1].contiguous()
 
 
 @fa4_varlen.register_fake
@@ -104,14 +104,16 @@ def fa4_varlen_backward(
         max_seqlen_k=max_kv,
         deterministic=deterministic,
     )
-    return res[0], res[1], res[2]
+    # Contiguous whatever FA4 did with an unaligned input (it copies those), so the fake
+    # below states the real strides.
+    return res[0].contiguous(), res[1].contiguous(), res[2].contiguous()
 
 
 @fa4_varlen_backward.register_fake
 def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
       cu_kv: Tensor, max_q: int, max_kv: int, scale: float,
       deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
