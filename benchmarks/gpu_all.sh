@@ -7,13 +7,16 @@
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 3    # training step
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 4    # token budget
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 5    # FA4 re-check: verify, FA4 tests, seed step
+#   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 6    # the model's GPU tests (with FA4 if installed)
 #
-# One session (30 device minutes) fits these calls, back to back so the machine stays warm
-# (session 2 ran out in stage 3's short regime; timings from it):
-#   0 carrying .whl/p1                                                            (~5 min)
-#   2 carrying .whl/p2                                                            (~9 min)
-#   REQUIRE_FA4=1 REGIMES=seed LONG_STEPS=200 STEPS=10 VARIANTS=unpacked,packed,packed_flex 3  (~7 min)
-#   REQUIRE_FA4=1 REGIMES=short STEPS=10 VARIANTS=unpacked,packed,packed_flex 3                (~5 min)
+# One session (30 device minutes) fits these calls, back to back so the machine stays warm.
+# Session 3's timings: stage 0 4 min, stage 2 7 min, seed step (10 + 200 steps) 6.5 min,
+# short step 4.5 min, stage 5 6 min. What the next session needs (docs/benchmarks.md, "Not
+# run yet"):
+#   carrying .whl/p1: mkdir -p /tmp/whl && cp .whl/p1/* /tmp/whl/                    (seconds)
+#   carrying .whl/p2: REQUIRE_FA4=1 REGIMES=short STEPS=10 VARIANTS=unpacked,packed,packed_flex,per_token 3  (~6 min)
+#   REQUIRE_FA4=1 REGIMES=seed STEPS=10 LONG_STEPS=200 VARIANTS=unpacked,packed 3       (~6 min)
+#   REQUIRE_FA4=1 6                                (the model's GPU tests with FA4; ~3 min)
 # COMPILE_VERIFY=1 adds `packing verify --compile` to stage 0 (several minutes on the GPU).
 #
 # FlashAttention-4 travels as wheels in two pieces (/work/shared/gpu-recipes.md): stage 0's
@@ -24,7 +27,7 @@
 # so, without FA4.
 # Results: $OUT/s<stage>/*.json and $OUT/s<stage>.log (default OUT: .bench_out/).
 set -uo pipefail
-STAGE=${1:?stage 0-4}
+STAGE=${1:?stage 0-6}
 OUT=${OUT:-.bench_out}
 R=$OUT/s$STAGE
 mkdir -p "$R" /tmp/whl
@@ -81,6 +84,9 @@ case $STAGE in
   t 110 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "flash or varlen or auto or model"
   t "${STEP_LIMIT:-200}" python3 benchmarks/bench_step.py --steps "${STEPS:-5}" --long-steps "${LONG_STEPS:-60}" \
     --regimes seed --variants unpacked,packed --profile --out "$R/step.json"
+  ;;
+6)
+  t 400 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k model
   ;;
 3)
   t "${STEP_LIMIT:-540}" python3 benchmarks/bench_step.py --steps "${STEPS:-20}" --long-steps "${LONG_STEPS:-0}" \
