@@ -418,12 +418,13 @@ def call_compiled(
     and a backward torch itself flags as possibly wrong. Seen on an H200 in `packing verify`.
     ``graph_limit`` raises the limit for this call (never lowers it).
     """
-    limit = torch._dynamo.config.recompile_limit
-    if graph_limit is not None:
-        limit = max(limit, graph_limit)
+    cfg = torch._dynamo.config
+    saved = (cfg.recompile_limit, cfg.fail_on_recompile_limit_hit)
+    limit = saved[0] if graph_limit is None else max(saved[0], graph_limit)
+    # Set and restore by hand: `cfg.patch(...)` cost 40 us a call on a 2-core VM, this 13.
+    cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = limit, True
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit):
-            return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     except Exception as err:
         if type(err).__name__ != "FailOnRecompileLimitHit":
             raise
@@ -434,6 +435,8 @@ def call_compiled(
             "number of mask kinds small, or raise torch._dynamo.config.recompile_limit if "
             "the shapes really vary (TORCH_LOGS=recompiles says why it recompiled)"
         ) from err
+    finally:
+        cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = saved
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:

@@ -293,7 +293,8 @@ def test_a_compiled_call_past_the_recompile_limit_fails_instead_of_running_eager
         with pytest.raises(RuntimeError, match=r"recompile limit \(3 graphs\)"):
             for n in range(5, 9):
                 call_compiled(fn, torch.ones(n, 3), graph_limit=3)
-        assert torch._dynamo.config.recompile_limit == 1
+        assert torch._dynamo.config.recompile_limit == 1  # restored after each call,
+        assert not torch._dynamo.config.fail_on_recompile_limit_hit  # even after a raise
     torch._dynamo.reset()
     assert torch._dynamo.config.recompile_limit == 8
 
