@@ -15,7 +15,7 @@
 # run yet"):
 #   carrying .whl/p1: mkdir -p /tmp/whl && cp .whl/p1/* /tmp/whl/                    (seconds)
 #   carrying .whl/p2: REQUIRE_FA4=1 REGIMES=short STEPS=10 VARIANTS=unpacked,packed,packed_flex,per_token 3  (~6 min)
-#   REQUIRE_FA4=1 REGIMES=seed STEPS=10 LONG_STEPS=200 VARIANTS=unpacked,packed 3       (~6 min)
+#   REQUIRE_FA4=1 REGIMES=seed STEPS=10 LONG_STEPS=200 VARIANTS=unpacked,packed,cudagraphs 3  (~7 min)
 #   REQUIRE_FA4=1 6                                (the model's GPU tests with FA4; ~3 min)
 # COMPILE_VERIFY=1 adds `packing verify --compile` to stage 0 (several minutes on the GPU).
 #

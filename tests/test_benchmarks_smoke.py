@@ -23,7 +23,7 @@ SCRIPTS = [
     ("bench_attention.py", []),
     (
         "bench_step.py",
-        ["--regimes", "seed", "--variants", "unpacked,packed,per_token", "--profile"],
+        ["--regimes", "seed", "--variants", "unpacked,packed,per_token,cudagraphs", "--profile"],
     ),
     ("find_token_budget.py", []),
 ]
