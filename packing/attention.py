@@ -268,22 +268,32 @@ def prepare_attention(
     # of padding gives it zero gradient); in cross-attention its rows must read 0 and are
     # zeroed afterwards. Both sides need the same number of sequences: documents padded to a
     # static max_docs on one side (and not the other) are matched with empty documents.
+    # FA4 gets the padded length as its max_seqlen, a constant for a static budget, so a
+    # compiled step never recompiles on it (see `_with_tail`).
     docs = max(len(q_lay.cu_seqlens_K1), len(kv_lay.cu_seqlens_K1)) - 1
-    cu_q, max_q = _with_tail(q_lay, docs)
+    static = kernel == "fa4"
+    cu_q, max_q = _with_tail(q_lay, docs, static)
     # A separate tensor for the keys even when equal: FA4's compiled entry point guards
     # against aliased arguments and recompiled every step when both were the same tensor.
-    cu_kv, max_kv = (cu_q.clone(), max_q) if not cross else _with_tail(kv_lay, docs)
+    cu_kv, max_kv = (cu_q.clone(), max_q) if not cross else _with_tail(kv_lay, docs, static)
     keep = q_lay.doc_ids_T >= 0 if cross else None
     return AttentionMask(**common, keep_Q=keep, cu_q=cu_q, cu_kv=cu_kv, max_q=max_q, max_kv=max_kv)
 
 
-def _with_tail(lay: StreamLayout, docs: int | None = None) -> tuple[Tensor, int]:
+def _with_tail(
+    lay: StreamLayout, docs: int | None = None, static: bool = False
+) -> tuple[Tensor, int]:
     """``cu_seqlens`` (docs+2,) with the padding tail as a last sequence, and a max length.
 
     Lengths ``[2, 4, 3]`` padded to 12 -> ``[0, 2, 6, 9, 12]``; with ``docs=5`` (a static
-    ``max_docs``) -> ``[0, 2, 6, 9, 9, 9, 12]``: the extra documents are empty sequences. The
-    max length is rounded up to a multiple of 256 (capped at the padded length): the kernels
-    only size their grid with it.
+    ``max_docs``) -> ``[0, 2, 6, 9, 9, 9, 12]``: the extra documents are empty sequences.
+
+    The max length: with ``static`` (FA4), the padded length. FA4's varlen scheduler on the
+    H200 (SM90) sizes its grid from the total token count, not from max_seqlen, and a
+    constant keeps a compiled step from recompiling when the longest episode changes (with
+    the exact length: 2 recompiles after warm-up in 10 short-regime steps on the H200).
+    Otherwise (torch's varlen kernel, whose grid is ``ceil(max_seqlen / block) x docs``), the
+    longest sequence rounded up to a multiple of 256, capped at the padded length.
     """
     k = lay.num_docs
     docs = len(lay.cu_seqlens_K1) - 1 if docs is None else docs
@@ -291,10 +301,13 @@ def _with_tail(lay: StreamLayout, docs: int | None = None) -> tuple[Tensor, int]
     dev = cu.device
     empty = torch.full((docs - k,), lay.num_tokens, dtype=torch.int32, device=dev)
     end = torch.full((1,), lay.padded_len, dtype=torch.int32, device=dev)
+    cu_seqlens = torch.cat([cu, empty, end]).contiguous()
+    if static:
+        return cu_seqlens, max(lay.padded_len, 1)
     tail = lay.padded_len - lay.num_tokens
     longest = max(lay.max_seqlen, tail, 1)
     bucket = min(-(-longest // _MAX_SEQLEN_BUCKET) * _MAX_SEQLEN_BUCKET, max(lay.padded_len, 1))
-    return torch.cat([cu, empty, end]).contiguous(), bucket
+    return cu_seqlens, bucket
 
 
 _MAX_SEQLEN_BUCKET = 256

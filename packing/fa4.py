@@ -11,8 +11,10 @@ a compiled training step recompiled 24 times in 200 steps of random packs (one g
 instead split every transformer block into pieces at the attention call (a graph break per
 layer) and still recompiled 24 times in 200 steps, on a guard on the number of documents at
 the break; 663 ms a step against 645 ms as an op (seed regime). An op is one opaque node
-with fake (shape-only) implementations, so the caller's graph neither breaks nor specialises:
-``max_q``/``max_kv`` become dynamic ints after their first change.
+with fake (shape-only) implementations, so the caller's graph neither breaks nor specialises
+on tensor contents. Its ints still guard: `packing.attention` passes the padded length as
+``max_q``/``max_kv`` (FA4's varlen grid on SM90 comes from the token count), a constant under
+a static budget; with the exact length the short regime recompiled twice after warm-up.
 
 Determinism: FA4's backward accumulates dQ with atomics, so two runs can differ in the last
 bit. Under ``torch.use_deterministic_algorithms(True)`` the backward asks FA4 for its

@@ -148,14 +148,14 @@ def test_fa4_backward_is_deterministic_when_torch_asks_for_it(fa4: StandIn) -> N
     assert fa4.deterministic == [False, True]
 
 
-def test_a_compiled_caller_keeps_one_graph_as_max_seqlen_and_document_count_change(
+def test_a_compiled_caller_never_recompiles_as_the_longest_episode_changes(
     fa4: StandIn,
 ) -> None:
     # On the H200, FA4's traced entry point recompiled a compiled step once per 256-token
-    # bucket of the longest episode (24 times in 200 steps), and wrapping it in
-    # torch.compiler.disable broke the graph at every layer. As an op: fullgraph=True
-    # compiles, and each size recompiles once, on its first change, into a dynamic graph
-    # (cu_seqlens' length with the number of documents, then max_seqlen).
+    # bucket of the longest episode (24 times in 200 steps), wrapping it in
+    # torch.compiler.disable broke the graph at every layer, and the op with the exact
+    # max_seqlen still recompiled on its first change, which in the short regime came after
+    # warm-up. As an op given the padded length, with a static max_docs: one graph, ever.
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -167,16 +167,29 @@ def test_a_compiled_caller_keeps_one_graph_as_max_seqlen_and_document_count_chan
         return (attention(q * 2, q, q, mask) ** 2).sum()
 
     q = torch.randn(512, H, D, dtype=torch.bfloat16, requires_grad=True)
-    warmup = ([300, 212], [40, 400, 72], [129, 129, 129, 125])  # new doc count, new max
-    later = ([500, 12], [257, 255], [480, 32], [1, 2, 3, 4, 5, 497], [100] * 5 + [12])
-    for ls in warmup:
-        step(q, _mask(layout_from_lengths(ls, ls, 512))).backward()
-    assert counter.frame_count == 3
-    for ls in later:
-        step(q, _mask(layout_from_lengths(ls, ls, 512))).backward()
-    assert counter.frame_count == 3, "a new max_seqlen or document count recompiled"
-    assert len(fa4.max_seqlens) == len(fa4.deterministic) == len(warmup) + len(later)
+    packs = ([300, 212], [40, 400, 72], [129, 129, 129, 125], [500, 12], [257, 255], [480, 32],
+             [1, 2, 3, 4, 5, 497], [100] * 5 + [12])  # fmt: skip
+    for ls in packs:
+        step(q, _mask(layout_from_lengths(ls, ls, 512, max_docs=6))).backward()
+    assert counter.frame_count == 1, "a new longest episode or document count recompiled"
+    assert fa4.max_seqlens == [512] * len(packs), "FA4 should get the padded length"
+    assert len(fa4.deterministic) == len(packs)
     torch._dynamo.reset()
+
+
+def test_torch_varlen_gets_the_longest_sequence_rounded_up_not_the_padded_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch's varlen kernel sizes its grid by max_seqlen x documents: the padded length there
+    # would launch tiles for 1024 rows per document where 768 do.
+    monkeypatch.setattr(pa, "_resolve", lambda *_: ("varlen", "torch", "test"))
+    lay = layout_from_lengths([300, 600], [300, 600], 1024)
+    m = prepare_attention(lay, backend="varlen", device="cpu")
+    assert (m.max_q, m.max_kv) == (768, 768)  # 600 rounded up to 256s, not 1024
+    assert m.cu_q.tolist() == [0, 300, 900, 1024]
+    lay = layout_from_lengths([100, 30], [100, 30], 160)
+    m = prepare_attention(lay, backend="varlen", device="cpu")
+    assert (m.max_q, m.max_kv) == (160, 160)  # capped at the padded length
 
 
 def test_flex_flash_keeps_a_static_kernel_for_every_shape(monkeypatch: pytest.MonkeyPatch) -> None:
