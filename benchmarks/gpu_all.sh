@@ -10,13 +10,13 @@
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_all.sh 6    # the model's GPU tests (with FA4 if installed)
 #
 # One session (30 device minutes) fits these calls, back to back so the machine stays warm.
-# Session 3's timings: stage 0 4 min, stage 2 7 min, seed step (10 + 200 steps) 6.5 min,
-# short step 4.5 min, stage 5 6 min. What the next session needs (docs/benchmarks.md, "Not
-# run yet"):
-#   carrying .whl/p1: mkdir -p /tmp/whl && cp .whl/p1/* /tmp/whl/                    (seconds)
-#   carrying .whl/p2: REQUIRE_FA4=1 REGIMES=short STEPS=10 VARIANTS=unpacked,packed,packed_flex,per_token 3  (~6 min)
-#   REQUIRE_FA4=1 REGIMES=seed STEPS=10 LONG_STEPS=200 VARIANTS=unpacked,packed,cudagraphs 3  (~7 min)
-#   REQUIRE_FA4=1 6                                (the model's GPU tests with FA4; ~3 min)
+# Timings (H200): stage 0 4 min, stage 2 7 min, stage 5 6 min, stage 6 2 min; stage 3: seed
+# (unpacked,packed,cudagraphs, 10 + 200 steps) 6 min, short (five variants, 10 steps) 4.5 min.
+# Session 4 ran, after the FA4 wheel in two calls (p1 then p2, below):
+#   REQUIRE_FA4=1 REGIMES=short STEPS=10 VARIANTS=unpacked,packed,packed_flex,per_token,cudagraphs 3
+#   REQUIRE_FA4=1 REGIMES=seed STEPS=10 LONG_STEPS=200 VARIANTS=unpacked,packed,cudagraphs 3
+#   python3 benchmarks/bench_attention.py --masks document,cross;  REQUIRE_FA4=1 6
+# Not run yet: docs/benchmarks.md, "Not run yet".
 # COMPILE_VERIFY=1 adds `packing verify --compile` to stage 0 (several minutes on the GPU).
 #
 # FlashAttention-4 travels as wheels in two pieces (/work/shared/gpu-recipes.md): stage 0's

@@ -77,14 +77,15 @@ def _short(r: dict[str, Any]) -> str:
 
 
 def step() -> None:
-    r4, r5, r6 = (load(f)["rows"] for f in ("step_run4_seed", "step_run5_short", "step_run6_seed"))
+    r4, r7, r8 = (load(f)["rows"] for f in ("step_run4_seed", "step_run7_short", "step_run8_seed"))
     seed = [
-        (r6[0], "run 6"),
-        (r6[1], "run 6, FA4 as a custom op"),
-        (r4[1], "run 4, FA4 behind graph breaks"),
-        (r4[2], "run 4"),
+        (r8[0], "run 8"),
+        (r8[1], "run 8"),
+        (r8[2], "run 8"),
+        (r8[3], "run 8, 200 steps, 0 recompiles"),
+        (r4[2], "run 4, its unpacked: 75.1K tokens/s"),
     ]
-    short = [(r5[0], "run 5"), (r5[1], "run 5, graph breaks, 32 recompiles"), (r5[2], "run 5")]
+    short = [(r, "run 7") for r in r7]
     fig, axes = plt.subplots(1, 2, figsize=(16, 5.2))
     for ax, (regime, rs) in zip(axes, (("seed", seed), ("short", short)), strict=True):
         ax.barh([f"{_short(r)}\n({what})" for r, what in rs],
@@ -95,7 +96,7 @@ def step() -> None:
             ax.text(r["tokens/s"] / 1e3, k, f" {r['step ms']:.0f} ms", va="center", fontsize=8)
         ax.tick_params(axis="y", labelsize=8)
         ax.set_xlabel("real tokens/s (K), 4 DiT blocks at Wan-2.2-5B width, compiled")
-        ax.set_title(f"{regime} regime (session 3, H200, FA4 installed)", fontsize=10)
+        ax.set_title(f"{regime} regime (H200, FA4 installed)", fontsize=10)
     fig.suptitle("Training step: packed (orange) vs one episode per micro-step (blue)")
     fig.tight_layout()
     fig.savefig(IMG / "bench_step.png", dpi=110)
