@@ -9,10 +9,11 @@ padded to 6, self-attention with the document mask (``#`` attends, ``.`` does no
                                  0   # # # . . .
                                  1   . . . # # .
                                  1   . . . # # .
-                                 p   . . . . . #     a pad row attends to itself: no empty row
+                                 p   . . . . . .     a pad row attends to nothing: it reads 0
 
-In cross-attention (``kv_layout`` differs, e.g. video tokens -> the episode's text tokens) a
-pad query attends to nothing and every backend returns exactly ``0`` for it.
+Padding is free: a pad query attends to nothing and every backend returns exactly ``0`` for
+it, in self- and cross-attention (``kv_layout`` differs, e.g. video tokens -> the episode's
+text tokens), so a pack's attention time does not depend on how much of its budget is empty.
 
 Usage, once per training step, then in every layer::
 
@@ -108,13 +109,14 @@ class AttentionMask:
     inner: InnerMask | None
     cross: bool
     dense_QK: Tensor | None = None  # sdpa: bool (T_q, T_kv), rows with no key made all-True
-    keep_Q: Tensor | None = None  # sdpa, cross varlen: bool (T_q,), rows not forced to 0
+    keep_Q: Tensor | None = None  # sdpa, torch varlen: bool (T_q,), rows not forced to 0
     block_mask: Any = None  # flex: torch BlockMask
     kernel_options: dict[str, Any] | None = None  # flex
     cu_q: Tensor | None = None  # varlen: int32 (K+2,), the pad tail as one more sequence
     cu_kv: Tensor | None = None
     max_q: int = 0
     max_kv: int = 0
+    q_real: Tensor | None = None  # varlen (FA4): int32 (1,), real query tokens; rows after read 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -254,60 +256,82 @@ def prepare_attention(
         dense = masks.dense_mask(q_lay.doc_ids_T, kv_doc, inner)
         has_key = dense.any(dim=1)
         # SDPA turns a row with no allowed key into NaN; open it to every key, then zero its
-        # output in `attention` (cross-attention pad queries must read 0, never NaN).
+        # output in `attention` (pad queries must read 0, never NaN).
         dense = dense | ~has_key[:, None]
         return AttentionMask(**common, dense_QK=dense, keep_Q=has_key)
     if name in ("flex", "flex_flash"):
         block_mask = masks.make_block_mask(q_lay.doc_ids_T, kv_doc, inner)
         options = {"BACKEND": "FLASH"} if name == "flex_flash" else None
         return AttentionMask(**common, block_mask=block_mask, kernel_options=options)
-    # varlen: the padding tail becomes one more sequence on each side, so the kernel writes
-    # every row. A query sequence with no keys would read 0 by itself, but both kernels
-    # returned NaN gradients for one on the H200 (FA4 and torch's). In self-attention the
-    # tail attends to itself (finite, unused: nothing real sees it, and the zero loss weight
-    # of padding gives it zero gradient); in cross-attention its rows must read 0 and are
-    # zeroed afterwards. Both sides need the same number of sequences: documents padded to a
-    # static max_docs on one side (and not the other) are matched with empty documents.
-    # FA4 gets the padded length as its max_seqlen, a constant for a static budget, so a
-    # compiled step never recompiles on it (see `_with_tail`).
     docs = max(len(q_lay.cu_seqlens_K1), len(kv_lay.cu_seqlens_K1)) - 1
-    static = kernel == "fa4"
-    cu_q, max_q = _with_tail(q_lay, docs, static)
-    # A separate tensor for the keys even when equal: FA4's compiled entry point guards
-    # against aliased arguments and recompiled every step when both were the same tensor.
-    cu_kv, max_kv = (cu_q.clone(), max_q) if not cross else _with_tail(kv_lay, docs, static)
-    keep = q_lay.doc_ids_T >= 0 if cross else None
-    return AttentionMask(**common, keep_Q=keep, cu_q=cu_q, cu_kv=cu_kv, max_q=max_q, max_kv=max_kv)
+    seq = varlen_sequences(q_lay, kv_lay, docs, static=kernel == "fa4")
+    keep = None if kernel == "fa4" else q_lay.doc_ids_T >= 0
+    return AttentionMask(**common, keep_Q=keep, **seq)
 
 
-def _with_tail(
-    lay: StreamLayout, docs: int | None = None, static: bool = False
-) -> tuple[Tensor, int]:
-    """``cu_seqlens`` (docs+2,) with the padding tail as a last sequence, and a max length.
+def varlen_sequences(
+    q_lay: StreamLayout, kv_lay: StreamLayout, docs: int, static: bool
+) -> dict[str, Any]:
+    """``cu_seqlens`` for a varlen kernel in which padding costs no attention work.
 
-    Lengths ``[2, 4, 3]`` padded to 12 -> ``[0, 2, 6, 9, 12]``; with ``docs=5`` (a static
-    ``max_docs``) -> ``[0, 2, 6, 9, 9, 9, 12]``: the extra documents are empty sequences.
+    Both sides get the same number of sequences, ``docs + 1``: the K documents, ``docs - K``
+    empty ones (a static ``max_docs`` on one side), and one for the padding tail. The tail's
+    queries attend to ONE padding key, not to the whole tail: a tail of P tokens costs P
+    query-key pairs, not P^2 (a 23.5K-token tail took 2.5x the work of the 41K real tokens
+    before). Every query row must lie in a sequence with a key (both kernels gave NaN
+    gradients for a query sequence with no keys, and FA4 leaves rows outside every sequence
+    unwritten in dq). Their outputs are zeroed afterwards and their gradient dropped, so what
+    they attended to does not matter. Lengths ``[2, 4, 3]`` padded to 12, self-attention::
 
-    The max length: with ``static`` (FA4), the padded length. FA4's varlen scheduler on the
-    H200 (SM90) sizes its grid from the total token count, not from max_seqlen, and a
-    constant keeps a compiled step from recompiling when the longest episode changes (with
-    the exact length: 2 recompiles after warm-up in 10 short-regime steps on the H200).
-    Otherwise (torch's varlen kernel, whose grid is ``ceil(max_seqlen / block) x docs``), the
-    longest sequence rounded up to a multiple of 256, capped at the padded length.
+        q   [0, 2, 6, 9, 12]     the tail 9..12 is one sequence of 3 queries
+        kv  [0, 2, 6, 9, 10]     ... attending to the first padding key (9) alone
+
+    Cross-attention whose key stream is full (no padding key to point at): the tail's queries
+    join the last document's sequence instead (``q [0, 2, 6, 12, 12]``), which costs P x that
+    document's key count; their outputs are zeroed as above, so the real rows are unchanged.
+
+    ``static`` (FA4): ``max_q``/``max_kv`` are the padded lengths. FA4's varlen scheduler on
+    the H200 (SM90) sizes its grid from the token count, not from max_seqlen, and a constant
+    keeps a compiled step from recompiling when the longest episode changes (with the exact
+    length: 2 recompiles after warm-up in 10 short-regime steps on the H200). Otherwise
+    (torch's kernel, whose grid is ``ceil(max_seqlen / block) x docs``), the longest sequence
+    rounded up to a multiple of 256, capped at the padded length.
     """
-    k = lay.num_docs
-    docs = len(lay.cu_seqlens_K1) - 1 if docs is None else docs
-    cu = lay.cu_seqlens_K1[: k + 1].to(torch.int32)
-    dev = cu.device
-    empty = torch.full((docs - k,), lay.num_tokens, dtype=torch.int32, device=dev)
-    end = torch.full((1,), lay.padded_len, dtype=torch.int32, device=dev)
-    cu_seqlens = torch.cat([cu, empty, end]).contiguous()
+    k = q_lay.num_docs
+    nq, Tq, nk, Tk = q_lay.num_tokens, q_lay.padded_len, kv_lay.num_tokens, kv_lay.padded_len
+    q_lens, kv_lens = list(q_lay.lengths_K), list(kv_lay.lengths_K)
+    join = nq < Tq and nk == Tk and k > 0  # no padding key: the tail joins the last document
+    if join:
+        q_lens[-1] += Tq - nq
+    q_end = Tq if join else nq
+    kv_tail = 1 if Tk > nk else 0
+    dev = q_lay.doc_ids_T.device
+
+    def cu(lay: StreamLayout, last: int, end: int) -> Tensor:
+        real = lay.cu_seqlens_K1[: k + 1].to(torch.int32)
+        if last != lay.num_tokens:
+            real = torch.cat([real[:k], torch.full((1,), last, dtype=torch.int32, device=dev)])
+        rest = torch.full((docs - k,), last, dtype=torch.int32, device=dev)
+        return torch.cat([real, rest, torch.full((1,), end, dtype=torch.int32, device=dev)])
+
     if static:
-        return cu_seqlens, max(lay.padded_len, 1)
-    tail = lay.padded_len - lay.num_tokens
-    longest = max(lay.max_seqlen, tail, 1)
-    bucket = min(-(-longest // _MAX_SEQLEN_BUCKET) * _MAX_SEQLEN_BUCKET, max(lay.padded_len, 1))
-    return cu_seqlens, bucket
+        max_q, max_kv = max(Tq, 1), max(Tk, 1)
+    else:
+        max_q = _bucket(max([*q_lens, Tq - q_end, 1]), Tq)
+        max_kv = _bucket(max([*kv_lens, kv_tail, 1]), Tk)
+    return dict(
+        cu_q=cu(q_lay, q_end, Tq).contiguous(),
+        # A separate tensor for the keys even when equal: FA4's compiled entry point guards
+        # against aliased arguments and recompiled every step when both were the same tensor.
+        cu_kv=cu(kv_lay, nk, nk + kv_tail).contiguous(),
+        max_q=max_q,
+        max_kv=max_kv,
+        q_real=torch.full((1,), nq, dtype=torch.int32, device=dev) if static else None,
+    )
+
+
+def _bucket(longest: int, padded: int) -> int:
+    return min(-(-longest // _MAX_SEQLEN_BUCKET) * _MAX_SEQLEN_BUCKET, max(padded, 1))
 
 
 _MAX_SEQLEN_BUCKET = 256
@@ -361,9 +385,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask.dense_QK, scale=scale
     ).transpose(0, 1)
-    if mask.cross:
-        out = torch.where(mask.keep_Q[:, None, None], out, 0.0)
-    return out
+    return torch.where(mask.keep_Q[:, None, None], out, 0.0)
 
 
 # FlexAttention on CUDA runs compiled (eager flex materialises the scores). Every shape gets
@@ -485,12 +507,15 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float |
     if mask.kernel == "fa4":
         # A custom op (packing/fa4.py): one opaque node in a compiled caller's graph.
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        out = fa4_varlen(q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale)[0]
+        assert mask.q_real is not None  # padding rows are zeroed inside the op
+        out = fa4_varlen(
+            q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale, mask.q_real
+        )[0]
     else:
         from torch.nn.attention.varlen import varlen_attn
 
         res = varlen_attn(q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale=scale)
         out = res[0] if isinstance(res, tuple) else res  # (out, lse) only when asked for lse
-    if mask.keep_Q is not None:  # cross-attention: padding queries read 0
+    if mask.keep_Q is not None:  # torch's kernel: padding queries read 0
         out = torch.where(mask.keep_Q[:, None, None], out, 0.0)
     return out

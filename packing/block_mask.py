@@ -40,6 +40,7 @@ __all__ = [
     "block_tables",
     "classify_blocks",
     "doc_side",
+    "document_rule",
     "evaluate_tiles",
     "local_positions",
     "tables_from_flags",
@@ -56,15 +57,9 @@ _NO_DOC = torch.iinfo(torch.int64).max
 
 @dataclass(frozen=True)
 class DocSide:
-    """One side (queries or keys) of the attention, described per token and per tile.
-
-    ``ffill_T``/``bfill_T`` are the document ids with padding filled from the left/right; both
-    are sorted, so ``searchsorted`` finds where any document starts and ends without a sync.
-    """
+    """One side (queries or keys) of the attention, described per token and per tile."""
 
     doc_T: Tensor  # int64 (T,), -1 on padding
-    ffill_T: Tensor  # int64 (T,), padding takes the id before it (-1 at the head)
-    bfill_T: Tensor  # int64 (T,), padding takes the id after it (_NO_DOC at the tail)
     block: int
     first_Q: Tensor  # int64 (Q,), smallest document id in the tile, _NO_DOC if none
     last_Q: Tensor  # int64 (Q,), largest document id in the tile, -1 if none
@@ -72,22 +67,11 @@ class DocSide:
     start_Q: Tensor  # int64 (Q,), first token of the tile
     stop_Q: Tensor  # int64 (Q,), one past the last token of the tile (clipped to T)
 
-    def span(self, doc: Tensor) -> tuple[Tensor, Tensor]:
-        """``[start, stop)`` of each document in ``doc``; ``stop <= start`` when it is absent."""
-        start = torch.searchsorted(self.ffill_T, doc, side="left")
-        stop = torch.searchsorted(self.bfill_T, doc, side="right")
-        return start, stop
-
 
 def doc_side(doc_ids_T: Tensor, block: int) -> DocSide:
     """Describe one side of the attention; ``doc_ids_T`` is int (T,) with -1 on padding."""
     doc_T = doc_ids_T.to(torch.int64)
     T = doc_T.shape[0]
-    real_T = doc_T >= 0
-    ffill_T = torch.where(real_T, doc_T, -1).cummax(0).values
-    no_doc = torch.full_like(doc_T, _NO_DOC)
-    bfill_T = torch.where(real_T, doc_T, no_doc).flip(0).cummin(0).values.flip(0)
-
     n = -(-T // block)
     # Pad to whole tiles with -1: slots past T are never real, so the last ragged tile is never
     # full (the same convention as create_block_mask, which pads its dense mask with False).
@@ -96,8 +80,6 @@ def doc_side(doc_ids_T: Tensor, block: int) -> DocSide:
     start_Q = torch.arange(n, device=doc_T.device, dtype=torch.int64) * block
     return DocSide(
         doc_T=doc_T,
-        ffill_T=ffill_T,
-        bfill_T=bfill_T,
         block=block,
         first_Q=torch.where(real, tiles, _NO_DOC).amin(1),
         last_Q=tiles.amax(1),
@@ -105,6 +87,26 @@ def doc_side(doc_ids_T: Tensor, block: int) -> DocSide:
         start_Q=start_Q,
         stop_Q=(start_Q + block).clamp_max(T),
     )
+
+
+class _Spans:
+    """Where any document starts and stops on one side, found with ``searchsorted``.
+
+    The document ids with padding filled from the left (``ffill``) and from the right
+    (``bfill``) are both sorted, so no sync is needed. Only inner masks need spans.
+    """
+
+    def __init__(self, doc_T: Tensor) -> None:
+        real_T = doc_T >= 0
+        self.ffill_T = torch.where(real_T, doc_T, -1).cummax(0).values
+        no_doc = torch.full_like(doc_T, _NO_DOC)
+        self.bfill_T = torch.where(real_T, doc_T, no_doc).flip(0).cummin(0).values.flip(0)
+
+    def __call__(self, doc: Tensor) -> tuple[Tensor, Tensor]:
+        """``[start, stop)`` of each document in ``doc``; ``stop <= start`` when absent."""
+        start = torch.searchsorted(self.ffill_T, doc, side="left")
+        stop = torch.searchsorted(self.bfill_T, doc, side="right")
+        return start, stop
 
 
 def local_positions(doc_ids_T: Tensor) -> Tensor:
@@ -120,27 +122,40 @@ def local_positions(doc_ids_T: Tensor) -> Tensor:
     return torch.where(doc_T >= 0, t - run_start, 0).to(torch.int32)
 
 
-def classify_blocks(
-    q: DocSide, kv: DocSide, rule: BlockRule, *, self_attention: bool
-) -> tuple[Tensor, Tensor]:
+def document_rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """The document mask alone: inside one document every pair attends."""
+    true = torch.ones_like(a, dtype=torch.bool)
+    return true, true
+
+
+def classify_blocks(q: DocSide, kv: DocSide, rule: BlockRule) -> tuple[Tensor, Tensor]:
     """``(any_QK, all_QK)`` bool: does the tile hold a true pair / are all its pairs true.
 
     With an exact ``rule`` the tiles are exact (the same as ``create_block_mask``'s); a looser
     ``any`` only lists tiles that turn out empty and a stricter ``all`` only leaves full tiles
-    partial, so the attention stays exact either way. With
-    ``self_attention`` a padding token attends to itself (the tile on the diagonal is partial).
+    partial, so the attention stays exact either way. Padding attends to nothing, so a tile
+    of padding alone is never listed.
     """
     q_first, q_last = q.first_Q[:, None], q.last_Q[:, None]
     k_first, k_last = kv.first_Q[None, :], kv.last_Q[None, :]
     lo = torch.maximum(q_first, k_first)  # the shared documents are ids lo..hi (if lo <= hi)
     hi = torch.minimum(q_last, k_last)
     shared = lo <= hi
+    one_doc_q = q.all_real_Q & (q.first_Q == q.last_Q)
+    one_doc_k = kv.all_real_Q & (kv.first_Q == kv.last_Q)
+    same_one_doc = one_doc_q[:, None] & one_doc_k[None, :] & (q_first == k_first)
+    if rule is document_rule:
+        # Each tile holds every document between its first and last id, so lo (when <= hi)
+        # lies in both tiles: sharing a document is the whole test. No spans needed.
+        return shared, same_one_doc
 
     # Both boundary documents at once (leading dim 2: lo, hi), clipped to the tile and shifted
     # to episode-local coordinates.
+    q_span = _Spans(q.doc_T)
+    kv_span = q_span if kv.doc_T is q.doc_T else _Spans(kv.doc_T)
     d = torch.stack([lo, hi])
-    qs, qe = q.span(d)
-    ks, ke = kv.span(d)
+    qs, qe = q_span(d)
+    ks, ke = kv_span(d)
     a = torch.maximum(qs, q.start_Q[:, None]) - qs
     b = torch.minimum(qe, q.stop_Q[:, None]) - 1 - qs
     c = torch.maximum(ks, kv.start_Q[None, :]) - ks
@@ -152,32 +167,20 @@ def classify_blocks(
     # Documents strictly between lo and hi lie whole in both tiles: count those with a true
     # pair through a prefix sum over their first q tokens.
     qe_lo, qs_hi = qe[0], qs[1]
-    count_T1 = _prefix(_first_token_nonempty(q, kv, rule))
+    count_T1 = _prefix(_first_token_nonempty(q.doc_T, q_span, kv_span, rule))
     inner_any = (lo < hi) & (count_T1[qs_hi] > count_T1[torch.minimum(qe_lo, qs_hi)])
     any_QK = any_QK | inner_any
-
-    one_doc_q = q.all_real_Q & (q.first_Q == q.last_Q)
-    one_doc_k = kv.all_real_Q & (kv.first_Q == kv.last_Q)
-    all_QK = one_doc_q[:, None] & one_doc_k[None, :] & (q_first == k_first) & r_all[0]
-
-    if self_attention:
-        # A padding token attends to itself: a tile holds such a pair when the q and kv
-        # ranges overlap on a padding position.
-        pad_T1 = _prefix((q.doc_T < 0).to(torch.int64))
-        o_lo = torch.maximum(q.start_Q[:, None], kv.start_Q[None, :])
-        o_hi = torch.maximum(torch.minimum(q.stop_Q[:, None], kv.stop_Q[None, :]), o_lo)
-        any_QK = any_QK | (pad_T1[o_hi] > pad_T1[o_lo])
-        if q.block == 1 and kv.block == 1:  # a 1x1 tile with a true pair is full
-            all_QK = any_QK
-    return any_QK, all_QK & any_QK
+    return any_QK, same_one_doc & r_all[0] & any_QK
 
 
-def _first_token_nonempty(q: DocSide, kv: DocSide, rule: BlockRule) -> Tensor:
+def _first_token_nonempty(
+    doc_T: Tensor, q_span: _Spans, kv_span: _Spans, rule: BlockRule
+) -> Tensor:
     """int64 (T_q,): 1 on the first q token of each document that has a true pair at all."""
-    T = q.doc_T.shape[0]
-    qs, qe = q.span(q.doc_T)
-    ks, ke = kv.span(q.doc_T)
-    first = (q.doc_T >= 0) & (qs == torch.arange(T, device=qs.device))
+    T = doc_T.shape[0]
+    qs, qe = q_span(doc_T)
+    ks, ke = kv_span(doc_T)
+    first = (doc_T >= 0) & (qs == torch.arange(T, device=qs.device))
     zero = torch.zeros_like(qs)
     r_any, _ = rule(zero, qe - qs - 1, zero, ke - ks - 1)
     return (first & (ke > ks) & r_any).to(torch.int64)
@@ -217,7 +220,7 @@ def block_tables(
     """Doc ids -> BlockMask tensors. Pure tensor code with static shapes: safe to compile."""
     q = doc_side(q_doc_T, q_block)
     kv = q if self_attention and q_block == kv_block else doc_side(kv_doc_T, kv_block)
-    any_QK, all_QK = classify_blocks(q, kv, rule, self_attention=self_attention)
+    any_QK, all_QK = classify_blocks(q, kv, rule)
     return tables_from_flags(any_QK, all_QK)
 
 

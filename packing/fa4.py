@@ -1,8 +1,12 @@
 """FlashAttention-4's varlen kernel as a torch custom op, so a compiled model keeps one graph.
 
-``torch.ops.packing.fa4_varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, scale) -> (out, lse)``
-runs FA4's forward (``flash_attn.cute.interface._flash_attn_fwd``); its registered backward
-runs ``_flash_attn_bwd``. ``q``/``k``/``v`` are ``(T, H, D)``, ``lse`` is ``(H, T_q)`` fp32.
+``torch.ops.packing.fa4_varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, q_real) -> (out,
+lse)`` runs FA4's forward (``flash_attn.cute.interface._flash_attn_fwd``); its registered
+backward runs ``_flash_attn_bwd``. ``q``/``k``/``v`` are ``(T, H, D)``, ``lse`` is ``(H, T_q)``
+fp32. ``q_real`` (int32 ``(1,)``, on the device) is the number of real query tokens: rows from
+there on are padding and read exactly 0, and their incoming gradient is dropped, as if the
+output had gone through ``torch.where(doc_ids >= 0, out, 0)``. The zeroing is one small kernel
+that writes the padding rows only (`zero_rows_from`), not a pass over the whole output.
 
 Why an op and not FA4's own ``flash_attn_varlen_func``: dynamo traces that entry point, whose
 host-side arithmetic on ``max_seqlen`` specialises the caller's graph on the value. On the H200
@@ -33,11 +37,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["fa4_varlen"]
+__all__ = ["fa4_varlen", "zero_rows_from"]
 
 
 def _interface() -> Any:
     return importlib.import_module("flash_attn.cute.interface")
+
+
+def zero_rows_from(x: Tensor, start_1: Tensor) -> Tensor:
+    """Zero ``x[start:]`` in place, ``start = start_1[0]`` read on the device (no sync).
+
+    On CUDA a Triton kernel whose programs below ``start`` store nothing, so the cost is the
+    padding rows' bytes, not the tensor's; elsewhere a masked fill (the tests' path).
+    """
+    if x.is_cuda:
+        from packing._triton_zero import zero_rows_from_cuda
+
+        zero_rows_from_cuda(x, start_1)
+        return x
+    rows = torch.arange(x.shape[0], device=x.device).view(-1, *([1] * (x.dim() - 1)))
+    return x.masked_fill_(rows >= start_1.to(x.device), 0)
 
 
 @torch.library.custom_op("packing::fa4_varlen", mutates_args=())
@@ -50,8 +69,10 @@ def fa4_varlen(
     max_q: int,
     max_kv: int,
     scale: float,
+    q_real: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """FA4 varlen forward: ``(T_q, H, D) x2 (T_kv, H, D) -> (out (T_q, H, Dv), lse (H, T_q))``."""
+    """FA4 varlen forward: ``(T_q, H, D) x2 (T_kv, H, D) -> (out (T_q, H, Dv), lse (H, T_q))``,
+    padding rows (from ``q_real[0]`` on) exactly 0."""
     res = _interface()._flash_attn_fwd(
         q,
         k,
@@ -63,12 +84,12 @@ def fa4_varlen(
         softmax_scale=scale,
         return_lse=True,
     )
-    return res[0].contiguous(), res[1].contiguous()
+    return zero_rows_from(res[0].contiguous(), q_real), res[1].contiguous()
 
 
 @fa4_varlen.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
-      scale: float) -> tuple[Tensor, Tensor]:  # fmt: skip
+      scale: float, q_real: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     return out, lse
@@ -88,14 +109,15 @@ def fa4_varlen_backward(
     max_kv: int,
     scale: float,
     deterministic: bool,
+    q_real: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """FA4 varlen backward: ``dq, dk, dv``."""
+    """FA4 varlen backward: ``dq, dk, dv``; the padding rows' ``dout`` counts as 0."""
     res = _interface()._flash_attn_bwd(
         q,
         k,
         v,
         out,
-        dout.contiguous(),
+        zero_rows_from(dout.clone(memory_format=torch.contiguous_format), q_real),
         lse,
         scale,
         False,  # causal
@@ -113,23 +135,23 @@ def fa4_varlen_backward(
 
 @fa4_varlen_backward.register_fake
 def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
-      cu_kv: Tensor, max_q: int, max_kv: int, scale: float,
-      deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+      cu_kv: Tensor, max_q: int, max_kv: int, scale: float, deterministic: bool,
+      q_real: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, cu_q, cu_kv, max_q, max_kv, scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_kv)
+    q, k, v, cu_q, cu_kv, max_q, max_kv, scale, q_real = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_kv, q_real)
     ctx.sizes = (max_q, max_kv, scale)
 
 
 def _backward(ctx: Any, dout: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:
-    q, k, v, out, lse, cu_q, cu_kv = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_kv, q_real = ctx.saved_tensors
     deterministic = torch.are_deterministic_algorithms_enabled()
     dq, dk, dv = fa4_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_kv, *ctx.sizes,
-                                     deterministic)  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None
+                                     deterministic, q_real)  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 fa4_varlen.register_autograd(_backward, setup_context=_setup_context)

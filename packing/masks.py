@@ -4,7 +4,7 @@ A pack holds K episodes back to back; ``doc_ids_T`` names the episode of each to
 padding). A token attends only inside its own episode, and an optional *inner* mask (causal,
 frame-causal, sliding window) is applied in episode-local positions, as if the episode were
 alone. Three episodes of lengths ``[3, 2, 3]`` padded to 9, ``document_mask_mod`` with no inner
-mask (``#`` attends, ``.`` does not; the pad token attends only to itself)::
+mask (``#`` attends, ``.`` does not; the pad token attends to nothing)::
 
     kv ->      0 0 0 1 1 2 2 2 -
     q  0       # # # . . . . . .
@@ -15,12 +15,11 @@ mask (``#`` attends, ``.`` does not; the pad token attends only to itself)::
        2       . . . . . # # # .
        2       . . . . . # # # .
        2       . . . . . # # # .
-       -1      . . . . . . . . #
+       -1      . . . . . . . . .
 
-Padding rule: in self-attention a padding token attends only to itself, so no row is empty and
-a dense SDPA reference gives no NaN (one diagonal tile per padding tile). In cross-attention
-(``kv_doc_ids`` given) a padding query attends to nothing (backends return 0 for it) and a
-padding key is never attended.
+Padding rule, self- and cross-attention alike: a padding query attends to nothing (every
+backend of `packing.attention` returns exactly 0 for it) and a padding key is never attended.
+So no tile holds padding work: a pack's attention costs the same whatever its empty tail.
 
 Layout requirement: each document is one contiguous run and ids increase along the sequence
 (padding -1 may sit between documents and at the tail), which is what ``PackedCollator``
@@ -44,6 +43,7 @@ from packing.block_mask import (
     block_tables,
     classify_blocks,
     doc_side,
+    document_rule,
     evaluate_tiles,
     local_positions,
     tables_from_flags,
@@ -207,15 +207,7 @@ def document_mask_mod(
             same = (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0)
             return same & inner_fn(b, h, q_pos_T[q], kv_pos_T[kv])
 
-    if self_attention:
-
-        def document_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-            # Padding attends to itself only: no empty row, so dense SDPA gives no NaN.
-            return same_doc(b, h, q, kv) | ((q == kv) & (q_doc_T[q] < 0))
-
-        mask_mod: MaskMod = document_mask
-    else:
-        mask_mod = same_doc
+    mask_mod: MaskMod = same_doc
     prefix = "document" if self_attention else "cross_document"
     mask_mod.__name__ = prefix if inner is None else f"{prefix}_{_name(inner)}"
     return mask_mod
@@ -293,7 +285,7 @@ def make_block_mask(
         raise ValueError(f"inner_fallback={inner_fallback!r}; use 'evaluate', 'partial' or 'error'")
     mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
 
-    rule: BlockRule | None = _document_only if inner is None else getattr(inner, "block_rule", None)
+    rule: BlockRule | None = document_rule if inner is None else getattr(inner, "block_rule", None)
     if rule is not None:
         build = _compiled_block_tables() if compile else block_tables
         tables = build(q_doc, kv_doc, rule, bq, bkv, self_attention)
@@ -306,9 +298,7 @@ def make_block_mask(
     else:
         q_side = doc_side(q_doc, bq)
         kv_side = doc_side(kv_doc, bkv)
-        any_QK, all_QK = classify_blocks(
-            q_side, kv_side, unknown_rule, self_attention=self_attention
-        )
+        any_QK, all_QK = classify_blocks(q_side, kv_side, unknown_rule)
         if inner_fallback == "evaluate":
             T_q, T_kv = q_doc.shape[0], kv_doc.shape[0]
             any_QK, all_QK = evaluate_tiles(mask_mod, any_QK, T_q, T_kv, bq, bkv)
@@ -329,11 +319,6 @@ def _compiled_block_tables() -> Callable[..., BlockTables]:
     # Static shapes (dynamic=False): one graph per (T_q, T_kv, block, inner), reused for every
     # document layout. fullgraph=True: a graph break would mean a sync crept in.
     return torch.compile(block_tables, dynamic=False, fullgraph=True)
-
-
-def _document_only(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
-    true = torch.ones_like(a, dtype=torch.bool)
-    return true, true
 
 
 # --------------------------------------------------------------------------- validation

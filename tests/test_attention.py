@@ -58,9 +58,9 @@ def test_hand_computed_two_episodes_and_a_pad_row() -> None:
     w0 = torch.softmax(torch.tensor([0.0, 1.0]), 0)  # token 0: q=1, k=(0,1)
     w1 = torch.softmax(torch.tensor([0.0, 2.0]), 0)  # token 1: q=2
     expect = torch.tensor(
-        [w0 @ torch.tensor([10.0, 20.0]), w1 @ torch.tensor([10.0, 20.0]), 30, 40]
+        [w0 @ torch.tensor([10.0, 20.0]), w1 @ torch.tensor([10.0, 20.0]), 30, 0]
     )
-    torch.testing.assert_close(out, expect)  # the pad row reads only itself: 40
+    torch.testing.assert_close(out, expect)  # the pad row attends to nothing: exactly 0
 
 
 # -- agreement on ragged layouts ---------------------------------------------------------------
@@ -83,8 +83,8 @@ def test_self_attention_sdpa_and_flex_match_per_episode(
         assert out.shape == q.shape
         assert torch.isfinite(out).all(), backend
         assert rel(out[r], ref[r]) < TOL, backend
-        # a self-attention pad row attends only to itself: it reads its own value
-        torch.testing.assert_close(out[~r], v[~r])
+        # a pad row attends to nothing: it reads exactly 0
+        assert (out[~r] == 0).all(), backend
 
 
 @pytest.mark.parametrize("inner", [None, frame_causal(4, 1)], ids=["document", "frame_causal"])
@@ -254,22 +254,58 @@ def test_scale_is_passed_through() -> None:
     torch.testing.assert_close(a, b)
 
 
-def test_varlen_cu_seqlens_make_the_padding_tail_one_more_sequence() -> None:
-    # A padding tail paired with an empty key sequence would read 0 by itself, but both FA4
-    # and torch's varlen_attn returned NaN gradients for it on the H200: the tail is a real
-    # sequence on both sides.
-    from packing.attention import _with_tail
+def test_varlen_padding_tail_is_one_sequence_that_attends_to_one_padding_key() -> None:
+    # The tail is a real sequence on both sides (a query sequence with no keys gave NaN
+    # gradients in FA4 and torch's varlen_attn on the H200), but its queries attend to ONE
+    # padding key: a tail of P tokens costs P pairs, not P^2 (padding is free).
+    from packing.attention import varlen_sequences
 
-    cu, longest = _with_tail(layout_from_lengths([2, 4, 3], [2, 4, 3], 12))
-    assert cu.tolist() == [0, 2, 6, 9, 12] and cu.dtype == torch.int32
-    assert longest == 12  # max(4, tail 3) rounded up to 256, capped at the padded length
-    cu, _ = _with_tail(layout_from_lengths([2, 4, 3], [2, 4, 3], 9, max_docs=5))
-    assert cu.tolist() == [0, 2, 6, 9, 9, 9, 9]  # empty documents and an empty tail
-    # cross-attention: text packed without max_docs pairs with video packed with max_docs=5
-    cu, _ = _with_tail(layout_from_lengths([1, 2, 3], [1, 2, 3], 8), docs=5)
-    assert cu.tolist() == [0, 1, 3, 6, 6, 6, 8]
-    _, longest = _with_tail(layout_from_lengths([300, 20], [300, 20], 1024))
+    lay12 = layout_from_lengths([2, 4, 3], [2, 4, 3], 12)
+    s = varlen_sequences(lay12, lay12, 3, static=False)
+    assert s["cu_q"].tolist() == [0, 2, 6, 9, 12] and s["cu_q"].dtype == torch.int32
+    assert s["cu_kv"].tolist() == [0, 2, 6, 9, 10]
+    assert s["cu_kv"] is not s["cu_q"]  # FA4's entry point recompiled on aliased arguments
+    assert s["max_q"] == 12  # max(4, tail 3) rounded up to 256, capped at the padded length
+    assert s["q_real"] is None  # torch's kernel: zeroed by a where, not inside the op
+    static = varlen_sequences(lay12, lay12, 3, static=True)
+    assert (static["max_q"], static["max_kv"]) == (12, 12)  # constant: no recompile
+    assert static["q_real"].tolist() == [9]
+    # a full pack: the tail is empty on both sides
+    full = layout_from_lengths([2, 4, 3], [2, 4, 3], 9, max_docs=5)
+    s = varlen_sequences(full, full, 5, static=False)
+    assert s["cu_q"].tolist() == s["cu_kv"].tolist() == [0, 2, 6, 9, 9, 9, 9]
+    # cross-attention: text without max_docs pairs with video packed with max_docs=5
+    text = layout_from_lengths([1, 2, 3], [1, 2, 3], 8)
+    video = layout_from_lengths([10, 20, 30], [10, 20, 30], 70, max_docs=5)
+    s = varlen_sequences(video, text, 5, static=False)
+    assert s["cu_q"].tolist() == [0, 10, 30, 60, 60, 60, 70]
+    assert s["cu_kv"].tolist() == [0, 1, 3, 6, 6, 6, 7]
+    # cross-attention with a full key stream: the query tail joins the last document
+    full_text = layout_from_lengths([1, 2, 3], [1, 2, 3], 6)
+    s = varlen_sequences(video, full_text, 5, static=False)
+    assert s["cu_q"].tolist() == [0, 10, 30, 70, 70, 70, 70]
+    assert s["cu_kv"].tolist() == [0, 1, 3, 6, 6, 6, 6]
+    _, longest = (None, varlen_sequences(*[layout_from_lengths([300, 20], [300, 20], 1024)] * 2,
+                                         2, static=False)["max_q"])  # fmt: skip
     assert longest == 768  # the 704-token tail, bucketed
+
+
+def test_varlen_work_does_not_grow_with_the_padding_tail() -> None:
+    # Query-key pairs the varlen kernel computes, from its cu_seqlens: the same for every fill
+    # of the budget beyond the tail's one key per query (it was quadratic in the tail).
+    from packing.attention import varlen_sequences
+
+    lengths = [300, 200, 100]
+
+    def pairs(budget: int) -> int:
+        lay_ = layout_from_lengths(lengths, lengths, budget)
+        s = varlen_sequences(lay_, lay_, 3, static=True)
+        q, kv = s["cu_q"].diff().tolist(), s["cu_kv"].diff().tolist()
+        return sum(a * b for a, b in zip(q, kv, strict=True))
+
+    tight = sum(n * n for n in lengths)
+    for budget in (600, 700, 1200, 4096):
+        assert pairs(budget) == tight + (budget - 600), budget
 
 
 def test_a_compiled_call_past_the_recompile_limit_fails_instead_of_running_eager() -> None:

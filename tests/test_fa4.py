@@ -106,22 +106,25 @@ def _qkv(tq: int, tkv: int) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g).bfloat16().requires_grad_() for s in shapes]
 
 
-@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+@pytest.mark.parametrize("kv_budget", [0, 16, 13], ids=["self", "cross", "cross_full_keys"])
 def test_fa4_varlen_equals_one_sdpa_call_per_episode_forward_and_backward(
-    fa4: StandIn, cross: bool
+    fa4: StandIn, kv_budget: int
 ) -> None:
+    # cross_full_keys: no padding key to point the padding queries at, so they join the last
+    # episode's sequence; the real rows must not notice.
+    cross = kv_budget > 0
     q_lay = layout_from_lengths([5, 9, 3], [5, 9, 3], 20)
-    kv_lay = layout_from_lengths([4, 2, 7], [4, 2, 7], 16) if cross else q_lay
+    kv_lay = layout_from_lengths([4, 2, 7], [4, 2, 7], kv_budget) if cross else q_lay
     q, k, v = _qkv(q_lay.padded_len, kv_lay.padded_len)
     out = attention(q, k, v, _mask(q_lay, kv_lay if cross else None))
     ref = per_episode(q.float(), k.float(), v.float(), q_lay, kv_lay)
     real = q_lay.num_tokens
     # bf16 in and out (a misrouted tensor or gradient is off by O(1), not by rounding)
     torch.testing.assert_close(out[:real].float(), ref[:real], atol=1e-2, rtol=1e-2)
-    if cross:  # padding queries read exactly 0
-        assert out[real:].abs().max() == 0
+    assert out[real:].abs().max() == 0  # padding queries read exactly 0
+    # A weight on the padding rows too: their output is a constant 0, so whatever gradient
+    # reaches them must be dropped inside the op (not leak into k/v through FA4's backward).
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
-    w[real:] = 0  # padding rows carry no loss, as in training
     got = torch.autograd.grad((out * w).sum(), (q, k, v))
     want = torch.autograd.grad((ref * w).sum(), (q, k, v))
     for name, g, r in zip("qkv", got, want, strict=True):
@@ -132,7 +135,8 @@ def test_fa4_op_passes_its_own_schema_fake_and_autograd_checks(fa4: StandIn) -> 
     lay = layout_from_lengths([5, 9, 3], [5, 9, 3], 20)
     m = _mask(lay)
     q, k, v = _qkv(20, 20)
-    torch.library.opcheck(fa4_varlen, (q, k, v, m.cu_q, m.cu_kv, m.max_q, m.max_kv, D**-0.5))
+    args = (q, k, v, m.cu_q, m.cu_kv, m.max_q, m.max_kv, D**-0.5, m.q_real)
+    torch.library.opcheck(fa4_varlen, args)
 
 
 def test_fa4_backward_is_deterministic_when_torch_asks_for_it(fa4: StandIn) -> None:

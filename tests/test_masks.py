@@ -59,17 +59,12 @@ def local_positions_by_loop(doc: list[int]) -> list[int]:
 
 
 def reference_mask(doc: list[int], kv_doc: list[int] | None, inner: str | None) -> torch.Tensor:
-    """Same episode, inner rule in local positions; padding: self only (self-attn) / nothing."""
-    cross = kv_doc is not None
+    """Same episode, inner rule in local positions; padding attends to nothing."""
     kv = doc if kv_doc is None else kv_doc
     qd, kd = torch.tensor(doc)[:, None], torch.tensor(kv)[None, :]
     qi = torch.tensor(local_positions_by_loop(doc))[:, None]
     kj = torch.tensor(local_positions_by_loop(kv))[None, :]
-    m = (qd == kd) & (qd >= 0) & REFERENCE_INNER[inner](qi, kj)
-    if not cross:
-        n = len(doc)
-        m = m | (torch.eye(n, dtype=torch.bool) & (qd < 0))
-    return m
+    return (qd == kd) & (qd >= 0) & REFERENCE_INNER[inner](qi, kj)
 
 
 @st.composite
@@ -141,9 +136,9 @@ def test_cross_attention_padding_query_sees_nothing_and_pad_keys_are_never_seen(
     assert rows(got) == ["#...", "#...", "#...", ".##.", ".##.", "....", "...."]
 
 
-def test_self_attention_padding_attends_to_itself_only_even_between_episodes():
+def test_padding_attends_to_nothing_even_between_episodes():
     got = dense_mask(torch.tensor([0, -1, 1, 1, -1]), inner=causal())
-    assert rows(got) == ["#....", ".#...", "..#..", "..##.", "....#"]
+    assert rows(got) == ["#....", ".....", "..#..", "..##.", "....."]
 
 
 def test_names_are_readable_and_factories_cached():
