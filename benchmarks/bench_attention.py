@@ -10,15 +10,24 @@ Methods (rows):
 * ``packing.attention[auto|flex|flex_flash|varlen]``: the library call, (T, H, D) in.
 * ``flex triton + create_block_mask``: the same FlexAttention kernel with torch's mask builder.
 * ``FA4 varlen`` / ``torch varlen_attn``: ``cu_seqlens`` kernels called directly.
-* ``SDPA per episode``: one ``scaled_dot_product_attention`` call per episode (unpacked).
+* ``SDPA per episode, own tensors`` (eager and ``torch.compile(dynamic=True)``): what a user
+  without packing runs: each episode's q/k/v are tensors of their own, one SDPA call and one
+  backward per episode. THE baseline of every "vs per-episode" ratio.
+* ``SDPA per episode, slices of the pack``: the same calls on slices of the packed tensors
+  (the reference the outputs are checked against; its backward writes a full-size gradient
+  per slice, so it is slower than what a user runs and is not a baseline).
 * ``SDPA padded batch``: (K, H, L_max, D) with a key-padding mask.
+
+``--fills 0.5,0.75,1.0`` adds the fill axis: the same episodes in the regime's budget and
+packed tight (budget = their tokens rounded up to 128), for every library backend; a pack's
+time must not depend on how much of its budget is empty.
 
 Masks: ``document`` (doc-only), ``frame_causal`` (32 tokens/frame), ``cross`` (video tokens
 -> the episode's 64-512 text tokens). ``aligned`` rows start every episode at a multiple of
 128 (pad tokens between episodes) to show what tile alignment buys.
 
-    python benchmarks/bench_attention.py              # H200, ~3 min (more the first time)
-    python benchmarks/bench_attention.py --quick      # tiny, CPU, for CI
+    python benchmarks/bench_attention.py --fills 0.5,0.75,1.0   # H200, ~4 min
+    python benchmarks/bench_attention.py --quick               # tiny, CPU, for CI
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
+import packing.attention as pa
 from packing.attention import attention, fa4_available, prepare_attention
 from packing.layout import StreamLayout, layout_from_lengths
 from packing.masks import document_mask_mod, frame_causal, make_block_mask
@@ -177,6 +187,69 @@ def sdpa_per_episode(case: Case, mask: str) -> Callable[..., torch.Tensor]:
         return torch.cat([out, out.new_zeros(pad, *out.shape[1:])]) if pad else out
 
     return fn
+
+
+class PerEpisodeOwn:
+    """One SDPA call per episode on tensors of its own, as an unpacked user has them.
+
+    ``run(backward)`` is the timed closure: per episode, forward (and backward with that
+    episode's slice of the output gradient), as in one micro-step per episode. ``outputs``
+    returns the packed output and gradients for the correctness check.
+    """
+
+    def __init__(self, case: Case, mask: str, compiled: bool) -> None:
+        cu = [0, *torch.tensor(case.lengths).cumsum(0).tolist()]
+        cu_t = [0, *torch.tensor(case.text_lengths).cumsum(0).tolist()]
+        self.real = cu[-1]
+        self.pieces: list[tuple[torch.Tensor, ...]] = []
+        for i in range(len(case.lengths)):
+            kv = (case.kt, case.vt, cu_t) if mask == "cross" else (case.k, case.v, cu)
+            q = case.q[cu[i] : cu[i + 1]]
+            k, v = (t[kv[2][i] : kv[2][i + 1]] for t in kv[:2])
+            # (1, H, L, D) contiguous copies: the layout an unpacked model's projections give
+            self.pieces.append(tuple(t.transpose(0, 1)[None].contiguous() for t in (q, k, v)))
+        self.causal_frames = mask == "frame_causal"
+
+        def one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            m = None
+            if self.causal_frames:
+                f = torch.arange(q.shape[2], device=q.device) // TPF
+                m = f[:, None] >= f[None, :]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+        self.one = torch.compile(one, dynamic=True) if compiled else one
+
+    def run(self, backward: bool, g_out: torch.Tensor) -> Callable[[], None]:
+        leaves = [tuple(t.detach().clone().requires_grad_(backward) for t in p)
+                  for p in self.pieces]  # fmt: skip
+        cu = [0, *torch.tensor([p[0].shape[2] for p in self.pieces]).cumsum(0).tolist()]
+        grads = [g_out[cu[i] : cu[i + 1]].transpose(0, 1)[None].contiguous()
+                 for i in range(len(self.pieces))]  # fmt: skip
+
+        def step() -> None:
+            for (q, k, v), g in zip(leaves, grads, strict=True):
+                if backward:
+                    self.one(q, k, v).backward(g)
+                else:
+                    with torch.no_grad():
+                        self.one(q, k, v)
+
+        return step
+
+    def outputs(self, g_out: torch.Tensor, mask: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        outs, gq, gk, gv = [], [], [], []
+        cu = 0
+        for p in self.pieces:
+            q, k, v = (t.detach().clone().requires_grad_(True) for t in p)
+            o = self.one(q, k, v)
+            n = o.shape[2]
+            o.backward(g_out[cu : cu + n].transpose(0, 1)[None])
+            cu += n
+            outs.append(o[0].transpose(0, 1).detach())
+            for acc, t in ((gq, q), (gk, k), (gv, v)):
+                assert t.grad is not None
+                acc.append(t.grad[0].transpose(0, 1).float())
+        return torch.cat(outs).float(), [torch.cat(g) for g in (gq, gk, gv)]
 
 
 def sdpa_padded(case: Case, mask: str) -> Callable[..., torch.Tensor]:
@@ -330,7 +403,8 @@ def methods_for(case: Case, mask: str, quick: bool) -> list[tuple[str, Callable[
                 )
             out.append(("torch varlen_attn (direct)",
                         lambda: (varlen_direct(case, mask, "torch"), "torch")))  # fmt: skip
-    out.append(("SDPA per episode", lambda: (sdpa_per_episode(case, mask), "sdpa loop")))
+    out.append(("SDPA per episode, slices of the pack",
+                lambda: (sdpa_per_episode(case, mask), "sdpa loop")))  # fmt: skip
     out.append(("SDPA padded batch", lambda: (sdpa_padded(case, mask), "sdpa padded")))
     return out
 
@@ -342,7 +416,11 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--masks", default="document,frame_causal,cross")
     p.add_argument("--regimes", default="seed,short")
+    p.add_argument("--fills", default="", help="fill axis, e.g. 0.5,0.75,1.0 (empty: none)")
     args = p.parse_args()
+    # Every budget and tight length of the fill axis gets the static Flex kernel a training
+    # run with one budget gets (the library's default keeps 4 per process).
+    pa.STATIC_FLEX_SHAPES = 64
     dev = torch.device(args.device)
     # One process compiles FlexAttention for 3 masks x 2 shapes x (grad on/off) x 2 backends:
     # past dynamo's default limit of 8 graphs it silently falls back to eager flex, which
@@ -425,13 +503,25 @@ def main() -> None:
                            heads=args.heads, dim=args.dim)  # fmt: skip
                 rows.append(row)
                 print({k: v for k, v in row.items() if "timing" not in k}, flush=True)
+            rows += own_tensor_rows(case, mask, ref, ref_grads, g_out, rname, args.iters)
+            common.write_json("attention", args, {"rows": rows, "fa4": fa4_available()},
+                              device=dev, partial=True)  # fmt: skip
+    if args.fills:
+        fills = [float(f) for f in args.fills.split(",")]
+        for rname in args.regimes.split(","):
+            rows += fill_rows(regimes[rname], rname, fills, args, dev, dtype, rng)
             common.write_json("attention", args, {"rows": rows, "fa4": fa4_available()},
                               device=dev, partial=True)  # fmt: skip
     summarize(rows)
     cols = ["regime", "mask", "method", "kernel", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms",
             "fwd+bwd TFLOP/s", "vs per-episode", "max err", "grad cosine"]  # fmt: skip
     print()
-    print(common.markdown_table(rows, cols))
+    print(common.markdown_table([r for r in rows if "fill" not in r], cols))
+    fill_cols = ["regime", "mask", "backend", "kernel", "fill", "episodes", "budget",
+                 "budget ms", "tight budget", "tight ms", "vs tight", "error"]  # fmt: skip
+    if any("fill" in r for r in rows):
+        print()
+        print(common.markdown_table([r for r in rows if "fill" in r], fill_cols))
     common.write_json("attention", args, {"rows": rows, "fa4": fa4_available(),
                                           "flops_convention": "fwd 4*pairs*D*H; bwd 2.5x fwd"},
                       device=dev)  # fmt: skip
@@ -440,12 +530,86 @@ def main() -> None:
 
 
 def summarize(rows: list[dict[str, Any]]) -> None:
-    """Ratios inside each (regime, mask): vs the per-episode SDPA loop (fwd+bwd)."""
+    """Ratios inside each (regime, mask), fwd+bwd: vs the faster of the per-episode SDPA loops
+    on the episodes' own tensors (eager or compiled), what an unpacked user runs."""
     for r in rows:
-        base = next((b for b in rows if b["regime"] == r["regime"] and b["mask"] == r["mask"]
-                     and b["method"] == "SDPA per episode" and "fwd+bwd ms" in b), None)  # fmt: skip
+        if "fill" in r:
+            continue
+        base = [b["fwd+bwd ms"] for b in rows if b["regime"] == r["regime"]
+                and b["mask"] == r["mask"] and "fill" not in b and "fwd+bwd ms" in b
+                and str(b["method"]).startswith("SDPA per episode, own tensors")]  # fmt: skip
         if base and "fwd+bwd ms" in r and not math.isnan(r["fwd+bwd ms"]):
-            r["vs per-episode"] = base["fwd+bwd ms"] / r["fwd+bwd ms"]
+            r["vs per-episode"] = min(base) / r["fwd+bwd ms"]
+
+
+def own_tensor_rows(case: Case, mask: str, ref: torch.Tensor, ref_grads: list[torch.Tensor],
+                    g_out: torch.Tensor, rname: str, iters: int) -> list[dict[str, Any]]:  # fmt: skip
+    """The unpacked user's loop, eager and compiled, checked against the reference first."""
+    out = []
+    real = sum(case.lengths)
+    for compiled in (False, True):
+        label = "SDPA per episode, own tensors" + (", compiled" if compiled else "")
+        row: dict[str, Any] = {"regime": rname, "mask": mask, "method": label,
+                               "kernel": "sdpa" + (" compiled" if compiled else "")}  # fmt: skip
+        try:
+            pe = PerEpisodeOwn(case, mask, compiled)
+            got, got_g = pe.outputs(g_out, mask)
+            row["max err"] = float((got - ref[:real]).abs().max())
+            row["grad cosine"] = min(cosine(a, b, real, case, mask, i)
+                                     for i, (a, b) in enumerate(zip(got_g, ref_grads, strict=True)))  # fmt: skip
+            for bwd in (False, True):
+                t = common.time_fn(pe.run(bwd, g_out), device=case.device, warmup=2, iters=iters)
+                key = "fwd+bwd" if bwd else "fwd"
+                row[f"{key} ms"] = t.median_ms
+                row[f"{key} TFLOP/s"] = common.tflops(case.flops(mask, bwd), t.median_ms)
+                row[f"{key} timing"] = t.as_dict()
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row.update(tokens=real, episodes=len(case.lengths), budget=case.budget)
+        print({k: v for k, v in row.items() if "timing" not in k}, flush=True)
+        out.append(row)
+    return out
+
+
+def fill_rows(regime: tuple[int, int, int], rname: str, fills: list[float], args: Any,
+              dev: torch.device, dtype: torch.dtype, rng: torch.Generator
+              ) -> list[dict[str, Any]]:  # fmt: skip
+    """The same episodes in the regime's budget and packed tight, fwd+bwd, every backend.
+
+    ``fill`` is the share of the budget the episodes take; "vs tight" is the tight pack's
+    time over the budgeted one's (1.0 = padding is free; goal >= 0.95 from 50% to 100%)."""
+    budget, lo, hi = regime
+    out: list[dict[str, Any]] = []
+    backends = ["auto", "flex"] + (["flex_flash"] if fa4_available() else [])
+    if dev.type != "cuda":
+        backends = ["auto"]
+    for fill in fills:
+        lengths = common.fill_pack(rng, int(budget * fill) - (128 if fill >= 1 else 0), lo, hi,
+                                   multiple=TPF)  # fmt: skip
+        tight = -(-sum(lengths) // 128) * 128
+        for mask in ("document", "frame_causal"):
+            inner = frame_causal(TPF) if mask == "frame_causal" else None
+            for backend in backends:
+                row: dict[str, Any] = {"regime": rname, "mask": mask, "fill": round(
+                    sum(lengths) / budget, 3), "backend": backend, "budget": budget,
+                    "tight budget": tight, "episodes": len(lengths)}  # fmt: skip
+                try:
+                    for key, b in (("budget", budget), ("tight", tight)):
+                        lay = layout_from_lengths(lengths, [n // TPF for n in lengths], b, TPF)
+                        m = prepare_attention(lay, None, inner, backend, device=dev, dtype=dtype)  # type: ignore[arg-type]
+                        q, k, v = (torch.randn(b, args.heads, args.dim, generator=rng)
+                                   .to(dev, dtype) for _ in range(3))  # fmt: skip
+                        fn = lambda q, k, v, m=m: attention(q, k, v, m)  # noqa: E731
+                        t = common.time_fn(run_fn(fn, [q, k, v], True), device=dev, warmup=2,
+                                           iters=args.iters)  # fmt: skip
+                        row[f"{key} ms"] = t.median_ms
+                        row["kernel"] = f"{m.backend}/{m.kernel}"
+                    row["vs tight"] = row["tight ms"] / row["budget ms"]
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(row, flush=True)
+                out.append(row)
+    return out
 
 
 if __name__ == "__main__":
