@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from packing import masks
-from packing.fa4 import fa4_varlen
+from packing.fa4 import fa4_varlen, zero_rows_from
 from packing.layout import StreamLayout
 from packing.masks import InnerMask
 
@@ -117,6 +117,7 @@ class AttentionMask:
     max_q: int = 0
     max_kv: int = 0
     q_real: Tensor | None = None  # varlen (FA4): int32 (1,), real query tokens; rows after read 0
+    kv_used: Tensor | None = None  # varlen: int32 (1,), keys in a sequence; later rows' grad 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -327,6 +328,9 @@ def varlen_sequences(
         max_q=max_q,
         max_kv=max_kv,
         q_real=torch.full((1,), nq, dtype=torch.int32, device=dev) if static else None,
+        # Keys after the tail's one are in no sequence: both kernels leave their gradient
+        # unwritten (NaN seen on the H200), so it is zeroed explicitly.
+        kv_used=torch.full((1,), nk + kv_tail, dtype=torch.int32, device=dev),
     )
 
 
@@ -507,15 +511,33 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float |
     if mask.kernel == "fa4":
         # A custom op (packing/fa4.py): one opaque node in a compiled caller's graph.
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        assert mask.q_real is not None  # padding rows are zeroed inside the op
+        assert mask.q_real is not None and mask.kv_used is not None  # zeroed inside the op
         out = fa4_varlen(
-            q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale, mask.q_real
-        )[0]
+            q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale, mask.q_real,
+            mask.kv_used,
+        )[0]  # fmt: skip
     else:
         from torch.nn.attention.varlen import varlen_attn
 
+        assert mask.kv_used is not None
+        k, v = _ZeroGradFrom.apply(k, mask.kv_used), _ZeroGradFrom.apply(v, mask.kv_used)
         res = varlen_attn(q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale=scale)
         out = res[0] if isinstance(res, tuple) else res  # (out, lse) only when asked for lse
     if mask.keep_Q is not None:  # torch's kernel: padding queries read 0
         out = torch.where(mask.keep_Q[:, None, None], out, 0.0)
     return out
+
+
+class _ZeroGradFrom(torch.autograd.Function):
+    """Identity whose backward zeroes the gradient's rows from ``start_1[0]`` on (no sync):
+    keys in no varlen sequence, whose gradient torch's kernel leaves unwritten."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, start_1: Tensor) -> Tensor:
+        ctx.save_for_backward(start_1)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (start_1,) = ctx.saved_tensors
+        return zero_rows_from(grad.contiguous().clone(), start_1), None

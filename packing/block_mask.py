@@ -238,15 +238,12 @@ def tables_from_flags(any_QK: Tensor, all_QK: Tensor) -> BlockTables:
 
 def _ordered(flags_RC: Tensor) -> tuple[Tensor, Tensor]:
     """(num (..., R), indices (..., R, C)) int32: row ``r`` lists its flagged columns first,
-    ascending, then the others (what a stable descending argsort gives, with a scan)."""
+    ascending, then the others (a stable descending argsort; a scan + scatter formulation
+    did not lower through Inductor on CUDA at 512 x 512 tiles)."""
     flags = flags_RC.to(torch.int32)
-    C = flags.shape[-1]
-    seen = flags.cumsum(-1, dtype=torch.int32)  # flagged columns up to and including j
-    num = seen[..., -1:]
-    col = torch.arange(C, device=flags.device, dtype=torch.int32).expand_as(flags)
-    slot = torch.where(flags.bool(), seen - 1, num + col - seen)
-    idx = torch.empty_like(flags).scatter_(-1, slot.long(), col)
-    return num[..., 0].contiguous(), idx
+    num = flags.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(flags, dim=-1, descending=True, stable=True).to(torch.int32)
+    return num, idx
 
 
 def evaluate_tiles(

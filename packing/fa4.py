@@ -3,7 +3,9 @@
 ``torch.ops.packing.fa4_varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, q_real) -> (out,
 lse)`` runs FA4's forward (``flash_attn.cute.interface._flash_attn_fwd``); its registered
 backward runs ``_flash_attn_bwd``. ``q``/``k``/``v`` are ``(T, H, D)``, ``lse`` is ``(H, T_q)``
-fp32. ``q_real`` (int32 ``(1,)``, on the device) is the number of real query tokens: rows from
+fp32. ``kv_used`` (int32 ``(1,)``) is where the last key sequence ends: key rows after it are
+in no sequence, and their gradient is 0 (FA4 would leave it unwritten). ``q_real`` (int32
+``(1,)``, on the device) is the number of real query tokens: rows from
 there on are padding and read exactly 0, and their incoming gradient is dropped, as if the
 output had gone through ``torch.where(doc_ids >= 0, out, 0)``. The zeroing is one small kernel
 that writes the padding rows only (`zero_rows_from`), not a pass over the whole output.
@@ -70,6 +72,7 @@ def fa4_varlen(
     max_kv: int,
     scale: float,
     q_real: Tensor,
+    kv_used: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """FA4 varlen forward: ``(T_q, H, D) x2 (T_kv, H, D) -> (out (T_q, H, Dv), lse (H, T_q))``,
     padding rows (from ``q_real[0]`` on) exactly 0."""
@@ -89,7 +92,7 @@ def fa4_varlen(
 
 @fa4_varlen.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_kv: Tensor, max_q: int, max_kv: int,
-      scale: float, q_real: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+      scale: float, q_real: Tensor, kv_used: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     return out, lse
@@ -110,8 +113,10 @@ def fa4_varlen_backward(
     scale: float,
     deterministic: bool,
     q_real: Tensor,
+    kv_used: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """FA4 varlen backward: ``dq, dk, dv``; the padding rows' ``dout`` counts as 0."""
+    """FA4 varlen backward: ``dq, dk, dv``; the padding rows' ``dout`` counts as 0, and key
+    rows from ``kv_used[0]`` on (in no sequence: FA4 leaves them unwritten) get 0."""
     res = _interface()._flash_attn_bwd(
         q,
         k,
@@ -130,28 +135,29 @@ def fa4_varlen_backward(
     )
     # Contiguous whatever FA4 did with an unaligned input (it copies those), so the fake
     # below states the real strides.
-    return res[0].contiguous(), res[1].contiguous(), res[2].contiguous()
+    dk = zero_rows_from(res[1].contiguous(), kv_used)
+    return res[0].contiguous(), dk, zero_rows_from(res[2].contiguous(), kv_used)
 
 
 @fa4_varlen_backward.register_fake
 def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
       cu_kv: Tensor, max_q: int, max_kv: int, scale: float, deterministic: bool,
-      q_real: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+      q_real: Tensor, kv_used: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, cu_q, cu_kv, max_q, max_kv, scale, q_real = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_kv, q_real)
+    q, k, v, cu_q, cu_kv, max_q, max_kv, scale, q_real, kv_used = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_kv, q_real, kv_used)
     ctx.sizes = (max_q, max_kv, scale)
 
 
 def _backward(ctx: Any, dout: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:
-    q, k, v, out, lse, cu_q, cu_kv, q_real = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_kv, q_real, kv_used = ctx.saved_tensors
     deterministic = torch.are_deterministic_algorithms_enabled()
     dq, dk, dv = fa4_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_kv, *ctx.sizes,
-                                     deterministic, q_real)  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None, None
+                                     deterministic, q_real, kv_used)  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 fa4_varlen.register_autograd(_backward, setup_context=_setup_context)

@@ -57,9 +57,7 @@ def test_hand_computed_two_episodes_and_a_pad_row() -> None:
     out = attention(q, k, v, prepare_attention(q_lay, backend="sdpa")).flatten()
     w0 = torch.softmax(torch.tensor([0.0, 1.0]), 0)  # token 0: q=1, k=(0,1)
     w1 = torch.softmax(torch.tensor([0.0, 2.0]), 0)  # token 1: q=2
-    expect = torch.tensor(
-        [w0 @ torch.tensor([10.0, 20.0]), w1 @ torch.tensor([10.0, 20.0]), 30, 0]
-    )
+    expect = torch.tensor([w0 @ torch.tensor([10.0, 20.0]), w1 @ torch.tensor([10.0, 20.0]), 30, 0])
     torch.testing.assert_close(out, expect)  # the pad row attends to nothing: exactly 0
 
 

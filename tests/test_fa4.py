@@ -63,9 +63,12 @@ class StandIn:
         assert not causal and softcap == 0.0
         self.deterministic.append(deterministic)
         # Analytic attention backward per sequence (a custom op runs below autograd).
-        dq, dk, dv = (torch.zeros(t.shape) for t in (q, k, v))
+        # Rows in no sequence stay unwritten, as in FA4 (torch.empty): NaN here, so a row the
+        # library forgets to zero shows up.
+        dq, dk, dv = (torch.full(t.shape, float("nan")) for t in (q, k, v))
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         for a, b, c, d in zip(cq[:-1], cq[1:], ck[:-1], ck[1:], strict=True):
+            dq[a:b], dk[c:d], dv[c:d] = 0, 0, 0
             if b == a or d == c:
                 continue
             qf, kf, vf, do = (t.float() for t in (q[a:b], k[c:d], v[c:d], dout[a:b]))
@@ -135,7 +138,7 @@ def test_fa4_op_passes_its_own_schema_fake_and_autograd_checks(fa4: StandIn) -> 
     lay = layout_from_lengths([5, 9, 3], [5, 9, 3], 20)
     m = _mask(lay)
     q, k, v = _qkv(20, 20)
-    args = (q, k, v, m.cu_q, m.cu_kv, m.max_q, m.max_kv, D**-0.5, m.q_real)
+    args = (q, k, v, m.cu_q, m.cu_kv, m.max_q, m.max_kv, D**-0.5, m.q_real, m.kv_used)
     torch.library.opcheck(fa4_varlen, args)
 
 
