@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -158,6 +159,9 @@ def _select(ids: np.ndarray, episodes: Sequence[int] | None, where: object) -> n
     """Positions of ``episodes`` (by episode_index) among ``ids``, in the order given."""
     if episodes is None:
         return np.arange(len(ids))
+    bad = [e for e in episodes if isinstance(e, bool) or not isinstance(e, int | np.integer)]
+    if bad:
+        raise TypeError(f"episodes must be episode indices (ints), got {bad[:5]}")
     pos = {int(e): j for j, e in enumerate(ids)}
     missing = [int(e) for e in episodes if int(e) not in pos]
     if missing:
@@ -363,6 +367,11 @@ class LeRobotEpisodes(Dataset):
         if isinstance(keys, str):
             raise TypeError(f"keys must be a list of feature names, got the string {keys!r}")
         self.keys = tuple(keys)
+        if not self.keys:
+            raise ValueError(
+                "keys=[] requests no feature: items would hold only episode_index and task; "
+                "name the features to serve, e.g. keys=['latents', 'action']"
+            )
         if isinstance(root_or_dataset, (str, os.PathLike)):
             self.root = Path(root_or_dataset).expanduser()
             _check_root(self.root)
@@ -474,6 +483,7 @@ class LeRobotEpisodes(Dataset):
         item: dict[str, Any] = table_to_episode(table, self._plan)
         for name, want in self._dtypes.items():
             if item[name].dtype != want:  # stored type differs from the declared one
+                self._warn_lossy_cast(name, item[name].dtype, want)
                 item[name] = item[name].to(want)
         for name, shape in self._shapes.items():
             if tuple(item[name].shape[1:]) != shape:
@@ -484,6 +494,21 @@ class LeRobotEpisodes(Dataset):
         item["episode_index"] = ep
         item["task"] = self.tasks[int(table.column("task_index")[0].as_py())]
         return item
+
+    def _warn_lossy_cast(self, name: str, stored: torch.dtype, declared: torch.dtype) -> None:
+        """Items follow meta/info.json's dtype; say so once when the cast can lose bits
+        (float32 stored, float16 declared), as a widening cast (float16 -> float32) cannot."""
+        warned: set[str] = self.__dict__.setdefault("_warned", set())
+        # promote_types(float16, float32) is float32: the declared type holds every stored value.
+        if name in warned or torch.promote_types(stored, declared) == declared:
+            return
+        warned.add(name)
+        warnings.warn(
+            f"{self.root}: feature {name!r} is stored as {stored} but meta/info.json declares "
+            f"{declared}; items are cast to {declared} (the declared dtype), which can round. "
+            "Fix the dtype in info.json or rewrite the data if that is not what you want",
+            stacklevel=3,
+        )
 
     def token_lengths(self, **frames_to_tokens_kwargs: Any) -> np.ndarray:
         """Tokens per item: ``packing.plan.frames_to_tokens(self.lengths, **kwargs)``."""

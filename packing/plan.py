@@ -76,7 +76,13 @@ def frames_to_tokens(
         frames_to_tokens([240, 222], action_tokens_per_frame=4, text_tokens=512)
         -> [9152, 8504]      # 48x240x8x16 latents: 240 * 32 + 240 * 4 + 512
     """
-    n = np.asarray(num_frames, dtype=np.int64)
+    n = np.asarray(num_frames)
+    if n.dtype.kind not in "iu":
+        raise TypeError(
+            f"num_frames must be integer frame counts, got {n.dtype}; convert them yourself "
+            "(frames_to_tokens never truncates 3.7 frames to 3)"
+        )
+    n = n.astype(np.int64, copy=False)
     (h, w), (pt, ph, pw) = latent_hw, patch
     if h % ph or w % pw:
         raise ValueError(
