@@ -291,3 +291,17 @@ def test_ambiguous_features_name_the_candidates(
     assert "cannot tell which feature is the reference model's 'action' stream" in line
     assert "'observation.state', 'joint_targets'" in line
     assert "pass --feature action=FEATURE" in line
+
+
+def test_training_example_runs_on_the_users_dataset_without_code(user_dataset: Path) -> None:
+    """docs/example_lerobot_training.py on observation.latent (16, 6, 10) + action (7,)."""
+    import runpy
+
+    import numpy as np
+
+    path = DOCS.parent / "example_lerobot_training.py"
+    out = runpy.run_path(str(path))["main"]([str(user_dataset), "--epochs", "1", "--workers",
+                                             "0", "--token-budget", "256"])  # fmt: skip
+    assert out["streams"] == {"latents": "observation.latent", "action": "action"}
+    assert sorted(out["episodes_seen"]) == list(range(6)) and out["steps"] >= 2
+    assert all(np.isfinite(out["losses"]))
