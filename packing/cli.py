@@ -24,7 +24,7 @@ import argparse
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["EXIT_STATUS", "build_parser", "main"]
@@ -163,7 +163,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     _check_json_path(args.json)
-    _set_threads(args.threads)
+    restore = _set_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        restore()  # main() called from Python (a test, a notebook) leaves torch as it was
+
+
+def _run(args: argparse.Namespace) -> int:
     from packing.verify import VerifyConfig, run_verify
 
     config = VerifyConfig(
@@ -211,15 +218,18 @@ def _check_json_path(path: str | None) -> None:
         )
 
 
-def _set_threads(threads: int | None) -> None:
-    """One CPU thread unless the user says otherwise (--threads, or $OMP_NUM_THREADS)."""
+def _set_threads(threads: int | None) -> Callable[[], None]:
+    """One CPU thread unless the user says otherwise (--threads, or $OMP_NUM_THREADS); returns
+    what restores the previous setting."""
     if threads is not None and threads < 1:
         raise ValueError(f"--threads {threads} must be >= 1")
     if threads is None and os.environ.get("OMP_NUM_THREADS"):
-        return  # torch already follows it
+        return lambda: None  # torch already follows it
     import torch
 
+    before = torch.get_num_threads()
     torch.set_num_threads(threads or 1)
+    return lambda: torch.set_num_threads(before)
 
 
 def _parse_features(pairs: Sequence[str]) -> dict[str, str]:

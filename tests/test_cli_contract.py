@@ -202,10 +202,12 @@ def test_verify_runs_on_one_cpu_thread_unless_told(monkeypatch: pytest.MonkeyPat
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         torch.set_num_threads(2)
-        _set_threads(None)
+        restore = _set_threads(None)
         assert torch.get_num_threads() == 1
-        _set_threads(2)  # --threads 2
+        restore()  # main() leaves torch as it found it
         assert torch.get_num_threads() == 2
+        _set_threads(3)  # --threads 3
+        assert torch.get_num_threads() == 3
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's environment says otherwise
         torch.set_num_threads(2)
         _set_threads(None)
