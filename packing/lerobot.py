@@ -367,6 +367,7 @@ class LeRobotEpisodes(Dataset):
         if isinstance(keys, str):
             raise TypeError(f"keys must be a list of feature names, got the string {keys!r}")
         self.keys = tuple(keys)
+        self._warned: set[str] = set()  # features whose lossy cast was reported
         if not self.keys:
             raise ValueError(
                 "keys=[] requests no feature: items would hold only episode_index and task; "
@@ -498,7 +499,7 @@ class LeRobotEpisodes(Dataset):
     def _warn_lossy_cast(self, name: str, stored: torch.dtype, declared: torch.dtype) -> None:
         """Items follow meta/info.json's dtype; say so once when the cast can lose bits
         (float32 stored, float16 declared), as a widening cast (float16 -> float32) cannot."""
-        warned: set[str] = self.__dict__.setdefault("_warned", set())
+        warned = self._warned
         # promote_types(float16, float32) is float32: the declared type holds every stored value.
         if name in warned or torch.promote_types(stored, declared) == declared:
             return
