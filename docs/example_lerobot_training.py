@@ -3,8 +3,14 @@
     episodes -> lengths -> plan -> sampler -> collate -> block mask -> model -> loss
 
     python docs/example_lerobot_training.py                  # embedded default dataset, CPU
-    python docs/example_lerobot_training.py ~/data/my_robot  # yours: "latents" (48, 8, 16)
-                                                             # and "action" (14,) features
+    python docs/example_lerobot_training.py ~/data/my_robot  # yours, whatever its names and
+                                                             # shapes, e.g. observation.latent
+                                                             # (16, 8, 16) and action (7,)
+
+The model's two streams (``latents``, ``action``) are read from the dataset's features the way
+``packing verify --dataset`` reads them (`packing.verify.reference_streams`: a feature of that
+name, else the only 3-D / 1-D float feature; ``--feature STREAM=FEATURE`` to choose), and the
+model is sized from their shapes.
 
 Runs in seconds on a CPU (tiny model, fp32). On a GPU, pass ``--device cuda``: the model's
 attention then runs FlexAttention with the same block mask printed below.
@@ -30,6 +36,7 @@ from packing.masks import make_block_mask
 from packing.model import DiT, DiTConfig
 from packing.plan import plan_packs
 from packing.sampler import PackedBatchSampler
+from packing.verify import reference_streams
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -39,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--feature", action="append", default=[], metavar="STREAM=FEATURE")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach the hub
     torch.manual_seed(0)
@@ -47,12 +55,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # 1. Episodes: whole episodes as Arrow slices; lengths come from meta/episodes alone.
     #    For a large dataset add cache_dir="..." (decode each parquet file once; ~20x faster).
     root = Path(args.root) if args.root else default_dataset_root()
-    episodes = LeRobotEpisodes(root, keys=["latents", "action"])
-    cfg = DiTConfig.tiny()
+    info_features = _features(root)
+    given = dict(f.split("=", 1) for f in args.feature)
+    mapping, sizes = reference_streams(info_features, given, str(root))  # stream -> feature
+    episodes = Renamed(LeRobotEpisodes(root, keys=list(mapping.values())), mapping)
+    c, h, w = sizes["latent_shape"]
+    patch = (1, 2, 2) if h % 2 == 0 and w % 2 == 0 else (1, 1, 1)
+    cfg = DiTConfig.tiny(
+        latent_channels=c, latent_hw=(h, w), patch=patch, action_dim=sizes["action_dim"]
+    )
 
     # 2. Lengths in tokens of the primary stream (latents): 8x16 latents, 2x2 patches -> 32
-    #    tokens per latent frame. The collator's token_budget is the same stream's budget.
-    tokens = episodes.token_lengths(latent_hw=cfg.latent_hw, patch=cfg.patch)
+    #    tokens per latent frame. The collator's token_budget is the same stream's budget,
+    #    a whole number of frames.
+    tokens = episodes.dataset.token_lengths(latent_hw=cfg.latent_hw, patch=cfg.patch)
+    args.token_budget -= args.token_budget % cfg.tokens_per_frame
 
     # 3. Plan: bin-pack whole episodes into packs of at most token_budget tokens.
     plan = plan_packs(tokens, args.token_budget)
@@ -115,7 +132,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             step += 1
     secs = time.perf_counter() - t_start
     print(f"{step} steps in {secs:.1f} s")
-    return {"losses": losses, "episodes_seen": seen, "num_episodes": len(episodes), "steps": step}
+    return {
+        "losses": losses,
+        "episodes_seen": seen,
+        "num_episodes": len(episodes),
+        "steps": step,
+        "streams": mapping,
+    }
+
+
+class Renamed(torch.utils.data.Dataset):
+    """The episodes with the dataset's feature names replaced by the model's stream names
+    (``observation.latent`` -> ``latents``; a ``_loss_mask`` follows its feature)."""
+
+    def __init__(self, dataset: LeRobotEpisodes, stream_to_feature: dict[str, str]) -> None:
+        self.dataset = dataset
+        self.names = {f: s for s, f in stream_to_feature.items()}
+        self.names |= {f"{f}_loss_mask": f"{s}_loss_mask" for f, s in list(self.names.items())}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {self.names.get(k, k): v for k, v in self.dataset[i].items()}
+
+
+def _features(root: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads((root / "meta" / "info.json").read_text())["features"]
 
 
 def cfg_joint() -> tuple[str, str]:

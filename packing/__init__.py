@@ -1,50 +1,47 @@
 """packing: pack whole episodes into one sequence for video-action diffusion transformers.
 
-``import packing`` needs only torch, numpy and einops; the dataset adapters
-(`LeRobotEpisodes`, `HFEpisodes`) load lerobot / datasets / pyarrow only when used.
+``import packing`` is instant: every name below is imported from its module on first use
+(torch, numpy and einops then; lerobot / datasets / pyarrow only by the dataset adapters).
 """
 
 from typing import TYPE_CHECKING, Any
 
-# The function `attention` stays in its module: exporting it here would shadow the module
-# `packing.attention` (`import packing.attention` would then bind the function).
-from packing.attention import AttentionMask, prepare_attention
-from packing.collate import PackedCollator, Stream, pack, unpack
-from packing.conditioning import (
-    broadcast_to_tokens,
-    cfg_dropout_mask,
-    episode_noise,
-    episode_seed,
-    episode_timesteps,
-    flow_matching_inputs,
-    packed_noise,
-    step_doc_ids,
-)
-from packing.joint import JointLayout, joint_layout
-from packing.layout import PackedBatch, StreamLayout
-from packing.leak import LeakReport, assert_no_leaks, find_leaks
-from packing.losses import LossNormalizer, global_denominator, reduce_loss, token_weights
-from packing.masks import (
-    causal,
-    dense_mask,
-    document_mask_mod,
-    frame_causal,
-    make_block_mask,
-    sliding_window,
-    with_block_rule,
-)
-from packing.model import DiT, DiTConfig
-from packing.online import BufferedPacker
-from packing.plan import PackPlan, frames_to_tokens, plan_packs, slice_piece, split_windows
-from packing.profile import StepProfiler, profiling
-from packing.sampler import PackedBatchSampler
-from packing.verify import VerifyConfig, compare_packed_unpacked, run_verify
-from packing.verify_report import Tolerances, VerifyReport
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # names for type checkers and IDEs; at run time see _MODULES below
+    from packing.attention import AttentionMask, prepare_attention
+    from packing.collate import PackedCollator, Stream, pack, unpack
+    from packing.conditioning import (
+        broadcast_to_tokens,
+        cfg_dropout_mask,
+        episode_noise,
+        episode_seed,
+        episode_timesteps,
+        flow_matching_inputs,
+        packed_noise,
+        step_doc_ids,
+    )
     from packing.default_dataset import default_dataset_root
     from packing.hf import HFEpisodes
+    from packing.joint import JointLayout, joint_layout
+    from packing.layout import PackedBatch, StreamLayout
+    from packing.leak import LeakReport, assert_no_leaks, find_leaks
     from packing.lerobot import LeRobotEpisodes, episode_lengths
+    from packing.losses import LossNormalizer, global_denominator, reduce_loss, token_weights
+    from packing.masks import (
+        causal,
+        dense_mask,
+        document_mask_mod,
+        frame_causal,
+        make_block_mask,
+        sliding_window,
+        with_block_rule,
+    )
+    from packing.model import DiT, DiTConfig
+    from packing.online import BufferedPacker
+    from packing.plan import PackPlan, frames_to_tokens, plan_packs, slice_piece, split_windows
+    from packing.profile import StepProfiler, profiling
+    from packing.sampler import PackedBatchSampler
+    from packing.verify import VerifyConfig, compare_packed_unpacked, run_verify
+    from packing.verify_report import Tolerances, VerifyReport
 
 __all__ = [
     "AttentionMask",
@@ -102,19 +99,59 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# Adapters behind one lazy boundary: their modules import lerobot / datasets / pyarrow only
-# when an instance is made, but even the module import waits until the name is used.
-_LAZY = {
-    "LeRobotEpisodes": "packing.lerobot",
-    "episode_lengths": "packing.lerobot",
-    "HFEpisodes": "packing.hf",
-    "default_dataset_root": "packing.default_dataset",
+# Every name is imported on first use (PEP 562), so `packing --help` and `import packing` do
+# not pay for torch (seconds of CPU on a busy machine). The function `attention` stays in its
+# module: exporting it here would shadow the module `packing.attention`. The dataset adapters
+# import lerobot / datasets / pyarrow only when an instance is made.
+_MODULES = {
+    "packing.attention": ("AttentionMask", "prepare_attention"),
+    "packing.collate": ("PackedCollator", "Stream", "pack", "unpack"),
+    "packing.conditioning": (
+        "broadcast_to_tokens",
+        "cfg_dropout_mask",
+        "episode_noise",
+        "episode_seed",
+        "episode_timesteps",
+        "flow_matching_inputs",
+        "packed_noise",
+        "step_doc_ids",
+    ),
+    "packing.default_dataset": ("default_dataset_root",),
+    "packing.hf": ("HFEpisodes",),
+    "packing.joint": ("JointLayout", "joint_layout"),
+    "packing.layout": ("PackedBatch", "StreamLayout"),
+    "packing.leak": ("LeakReport", "assert_no_leaks", "find_leaks"),
+    "packing.lerobot": ("LeRobotEpisodes", "episode_lengths"),
+    "packing.losses": ("LossNormalizer", "global_denominator", "reduce_loss", "token_weights"),
+    "packing.masks": (
+        "causal",
+        "dense_mask",
+        "document_mask_mod",
+        "frame_causal",
+        "make_block_mask",
+        "sliding_window",
+        "with_block_rule",
+    ),
+    "packing.model": ("DiT", "DiTConfig"),
+    "packing.online": ("BufferedPacker",),
+    "packing.plan": ("PackPlan", "frames_to_tokens", "plan_packs", "slice_piece", "split_windows"),
+    "packing.profile": ("StepProfiler", "profiling"),
+    "packing.sampler": ("PackedBatchSampler",),
+    "packing.verify": ("VerifyConfig", "compare_packed_unpacked", "run_verify"),
+    "packing.verify_report": ("Tolerances", "VerifyReport"),
 }
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
     raise AttributeError(f"module 'packing' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -7,17 +7,34 @@
     packing verify --dataset ~/data/my_robot --model my_models:build --json report.json
     packing verify --device cuda --dtype bfloat16 --compile
 
-Exit status: 0 when packed and unpacked training agree within tolerance, 1 when they do not,
-2 on a usage or set-up error (bad flag, missing dataset, a model that breaks the protocol).
+Exit status, a contract scripts can rely on (`EXIT_STATUS`):
+
+    0  packed and unpacked training agree within tolerance
+    1  the comparison ran and failed (a leak, a loss or gradient that differs)
+    2  bad input, usage or environment: one line on stderr names the problem and the fix
+       (a bad flag, a missing dataset or folder, an unreadable file, no GPU, a model factory
+       that raises, both runs diverging); ``--traceback`` adds the full traceback
+
+Only argparse is imported until a command runs: ``packing --help`` does not load torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-__all__ = ["build_parser", "main"]
+__all__ = ["EXIT_STATUS", "build_parser", "main"]
+
+EXIT_STATUS = """exit status:
+  0  packed and unpacked training agree within tolerance
+  1  the comparison ran and failed (a leak, a loss or gradient that differs)
+  2  bad input, usage or environment (a bad flag, a missing dataset or folder, an unreadable
+     file, no GPU, a model factory that raises, both runs diverging): one line on stderr
+     names the problem and the fix; --traceback adds the full traceback"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
             "status 0 only within tolerance (fp32: loss 1e-6, gradients and parameters 1e-5 "
             "relative; bf16: loss 5e-3, gradient cosine >= 0.999)."
         ),
+        epilog=EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     v.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     v.add_argument(
@@ -83,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--dataset", default=None, help="a local LeRobot v3 root (default: embedded)")
     v.add_argument(
+        "--feature",
+        action="append",
+        default=[],
+        metavar="STREAM=FEATURE",
+        help=(
+            "read the model's stream STREAM from the dataset feature FEATURE, e.g. "
+            "--feature latents=observation.latent (repeatable). With the reference model, "
+            "unmapped streams are found from the dataset's feature shapes"
+        ),
+    )
+    v.add_argument(
         "--model",
         default=None,
         help="module:factory returning your packed model (see docs/verify.md)",
@@ -97,6 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--no-leak-check", dest="leak_check", action="store_false")
     v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
+    v.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help=(
+            "CPU threads for torch (default: $OMP_NUM_THREADS if set, else 1: the models are "
+            "small, and more threads on a busy machine make verify ~10x slower)"
+        ),
+    )
+    v.add_argument(
+        "--traceback", action="store_true", help="on an error, print the full traceback too"
+    )
     return parser
 
 
@@ -106,40 +148,119 @@ def _progress(line: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # usage errors: argparse prints them and exits 2
     if args.command != "verify":
         parser.print_help()
         return 2
+    try:
+        return _verify(args)
+    except Exception as e:  # the contract: anything but a finished comparison is exit 2
+        if args.traceback:
+            traceback.print_exc()
+        print(f"packing verify: error: {_one_line(e, args.traceback)}", file=sys.stderr)
+        return 2
+
+
+def _verify(args: argparse.Namespace) -> int:
+    _check_json_path(args.json)
+    restore = _set_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        restore()  # main() called from Python (a test, a notebook) leaves torch as it was
+
+
+def _run(args: argparse.Namespace) -> int:
     from packing.verify import VerifyConfig, run_verify
 
-    try:
-        config = VerifyConfig(
-            device=args.device,
-            dtype=args.dtype,
-            compile=args.compile,
-            steps=args.steps,
-            episodes=args.episodes,
-            token_budget=args.token_budget,
-            mask=args.mask,
-            document_mask=args.document_mask,
-            reduction=args.reduction,
-            loss_normaliser=args.loss_normaliser,
-            dataset=args.dataset,
-            model=args.model,
-            seed=args.seed,
-            lr=args.lr,
-            adam_eps=args.adam_eps,
-            leak_check=args.leak_check,
-        )
-        report = run_verify(config, progress=_progress)
-    except (ValueError, TypeError, KeyError, AttributeError, ImportError, FileNotFoundError) as e:
-        print(f"packing verify: error: {e}", file=sys.stderr)
-        return 2
+    config = VerifyConfig(
+        device=args.device,
+        dtype=args.dtype,
+        compile=args.compile,
+        steps=args.steps,
+        episodes=args.episodes,
+        token_budget=args.token_budget,
+        mask=args.mask,
+        document_mask=args.document_mask,
+        reduction=args.reduction,
+        loss_normaliser=args.loss_normaliser,
+        dataset=args.dataset,
+        model=args.model,
+        features=_parse_features(args.feature),
+        seed=args.seed,
+        lr=args.lr,
+        adam_eps=args.adam_eps,
+        leak_check=args.leak_check,
+    )
+    report = run_verify(config, progress=_progress)
+    if args.json:  # written before the verdict is printed: a PASS is never followed by a crash
+        report.to_json(args.json)
     print(report.format(), flush=True)
     if args.json:
-        report.to_json(args.json)
         print(f"report written to {args.json}")
-    return 0 if report.passed else 1
+    if report.passed:
+        return 0
+    return 2 if report.diverged else 1
+
+
+def _check_json_path(path: str | None) -> None:
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(
+            f"--json {path} is a directory; give a file path, e.g. {p / 'report.json'}"
+        )
+    if not p.parent.is_dir():
+        raise FileNotFoundError(
+            f"--json {path}: the folder {p.parent} does not exist; create it first "
+            f"(mkdir -p {p.parent}) or write the report elsewhere"
+        )
+
+
+def _set_threads(threads: int | None) -> Callable[[], None]:
+    """One CPU thread unless the user says otherwise (--threads, or $OMP_NUM_THREADS); returns
+    what restores the previous setting."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads {threads} must be >= 1")
+    if threads is None and os.environ.get("OMP_NUM_THREADS"):
+        return lambda: None  # torch already follows it
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or 1)
+    return lambda: torch.set_num_threads(before)
+
+
+def _parse_features(pairs: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        stream, sep, feature = pair.partition("=")
+        if not sep or not stream or not feature:
+            raise ValueError(
+                f"--feature {pair!r}: expected STREAM=FEATURE, e.g. "
+                "--feature latents=observation.latent"
+            )
+        if stream in out:
+            raise ValueError(f"--feature: stream {stream!r} is mapped twice")
+        out[stream] = feature
+    return out
+
+
+def _one_line(e: BaseException, traceback_shown: bool) -> str:
+    """The exception as one line. Errors packing raises on bad input (builtin types, or its
+    own) already name the problem and the fix; anything else (an error from inside a library
+    or a user's model) is named by its type, with a pointer to ``--traceback``."""
+    args = e.args
+    # KeyError's str() adds quotes around its message.
+    text = args[0] if isinstance(e, KeyError) and len(args) == 1 else str(e)
+    text = " ".join(str(text).split()) or type(e).__name__
+    known = (ValueError, TypeError, LookupError, OSError, ImportError, AttributeError)
+    if (isinstance(e, known) and type(e).__module__ == "builtins") or type(e).__module__.startswith(
+        "packing."
+    ):
+        return text
+    return f"{type(e).__name__}: {text}" + ("" if traceback_shown else " (--traceback shows where)")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -26,7 +26,15 @@ import torch
 from packing.joint import JointLayout, joint_layout
 from packing.layout import PackedBatch, StreamLayout, layout_from_lengths
 
-__all__ = ["JointLayout", "PackedCollator", "Stream", "joint_layout", "pack", "unpack"]
+__all__ = [
+    "JointLayout",
+    "PackedCollator",
+    "Stream",
+    "check_batch",
+    "joint_layout",
+    "pack",
+    "unpack",
+]
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,30 @@ class Stream:
                 f"tokens_per_step={self.tokens_per_step}"
             )
         if self.step_shape is not None:
-            object.__setattr__(self, "step_shape", tuple(int(s) for s in self.step_shape))
+            dims = tuple(self.step_shape)
+            if not all(isinstance(s, int | np.integer) and not isinstance(s, bool) for s in dims):
+                raise TypeError(
+                    f"stream {self.name!r}: step_shape={self.step_shape!r} must hold ints "
+                    "(a 2.5 would be truncated)"
+                )
+            object.__setattr__(self, "step_shape", tuple(int(s) for s in dims))
+        if self.dtype is not None:
+            _check_pad_value(self.name, self.pad_value, self.dtype)
+
+
+def _check_pad_value(stream: str, value: float, dtype: torch.dtype) -> None:
+    """A pad value the stream's dtype holds exactly: 1.5 on an int stream would become 1."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return
+    exact = float(value).is_integer() if dtype != torch.bool else value in (0, 1)
+    if exact and dtype != torch.bool:
+        info = torch.iinfo(dtype)
+        exact = info.min <= value <= info.max
+    if not exact:
+        raise ValueError(
+            f"stream {stream!r}: pad_value={value!r} does not fit its dtype {dtype} (it would be "
+            "stored as another value); pick a pad value the dtype holds, e.g. 0"
+        )
 
 
 def _as_tensor(value: Any) -> torch.Tensor | None:
@@ -293,6 +324,8 @@ class PackedCollator:
                 f"(episode lengths {lengths}); {hint}plan packs under the budget with "
                 f"packing.plan.plan_packs(lengths, token_budget) or raise the budget"
             )
+        if s.dtype is None:
+            _check_pad_value(s.name, s.pad_value, tensors[0].dtype)
         out = _output_buffer(tensors[0], (padded // tps, *tensors[0].shape[1:]), self.pin_memory)
         torch.cat(tensors, dim=0, out=out[: total // tps])
         out[total // tps :].fill_(s.pad_value)
@@ -343,7 +376,8 @@ class PackedCollator:
             # episode_index, so datasets should provide it (LeRobotEpisodes does).
             out["episode_index"] = _pad_rows(torch.arange(k_real, dtype=torch.int64), k_out, -1)
             kinds["episode_index"] = "absent"
-        elif kinds["episode_index"] in ("int", "tensor"):
+        else:
+            _check_episode_index(out["episode_index"], kinds["episode_index"], episodes)
             out["episode_index"] = out["episode_index"].to(torch.int64)
         return out, kinds
 
@@ -375,6 +409,26 @@ class PackedCollator:
             per_episode={"episode_index": torch.full((k_out,), -1, dtype=torch.int64)},
             primary=self.streams[0].name,
             extras={"_kinds": {"episode_index": "absent"}, "_episode_ids": ()},
+        )
+
+
+def _check_episode_index(index: Any, kind: str, episodes: Sequence[Mapping[str, Any]]) -> None:
+    """episode_index is an int >= 0 per episode: -1 marks padding documents, and a float
+    would be truncated into another episode's noise and timestep keys."""
+    if kind not in ("int", "tensor") or (
+        isinstance(index, torch.Tensor)
+        and (index.dtype.is_floating_point or index.dtype == torch.bool or index.dim() != 1)
+    ):
+        raise TypeError(
+            f"episode_index must be an int per episode, got {type(episodes[0]['episode_index']).__name__}"
+            f" ({episodes[0]['episode_index']!r} in episode 0); it keys per-episode noise"
+        )
+    real = index[: len(episodes)]
+    if bool((real < 0).any()):
+        i = int((real < 0).nonzero()[0])
+        raise ValueError(
+            f"episode {i} has episode_index {int(real[i])}; episode indices are >= 0 (-1 marks "
+            "padding documents): renumber the episodes"
         )
 
 
@@ -415,7 +469,10 @@ def unpack(batch: PackedBatch) -> list[dict[str, Any]]:
     """The episodes back, exactly as they went in (same keys, values, dtypes and types).
 
     Stream values are views into the batch's buffers; clone them to keep them past the batch.
+    A batch whose layouts and buffers disagree (edited by hand, or mixed from two batches) is
+    refused rather than read as wrong rows; see `check_batch`.
     """
+    check_batch(batch)
     kinds: dict[str, str] = batch.extras.get("_kinds", {})
     episodes: list[dict[str, Any]] = [{} for _ in range(batch.num_docs)]
     for name, data in batch.streams.items():
@@ -434,3 +491,55 @@ def unpack(batch: PackedBatch) -> list[dict[str, Any]]:
                 v = v.item()
             episodes[k][key] = v
     return episodes
+
+
+def check_batch(batch: PackedBatch) -> None:
+    """Raise unless every stream's layout agrees with its buffer and with the other streams.
+
+    Per stream: K documents of >= 1 step, ``lengths_K == steps_K * tokens_per_step``, the
+    steps fit the buffer's rows and the padded length is ``rows * tokens_per_step``; on CPU
+    also ``doc_ids_T`` (``0 0 1 1 1 2 ... -1 -1``) and ``cu_seqlens_K1`` match the lengths
+    (on an accelerator reading them would be a sync). Every per-episode value has K rows.
+    """
+    k = batch.num_docs
+    for name, data in batch.streams.items():
+        if name not in batch.layouts:
+            raise ValueError(f"stream {name!r} has data but no layout in this PackedBatch")
+        lay = batch.layouts[name]
+        tps = lay.tokens_per_step
+        where = f"stream {name!r}"
+        if lay.num_docs != k or len(lay.steps_K) != k:
+            raise ValueError(
+                f"{where} lays out {len(lay.steps_K)} documents but the batch has {k}; every "
+                "stream of a pack holds the same episodes: build the batch with PackedCollator"
+            )
+        if any(n < 1 for n in lay.steps_K):
+            raise ValueError(f"{where}: a document has 0 steps (steps_K {list(lay.steps_K)})")
+        if [n * tps for n in lay.steps_K] != list(lay.lengths_K):
+            raise ValueError(
+                f"{where}: lengths_K {list(lay.lengths_K)} != steps_K {list(lay.steps_K)} x "
+                f"{tps} tokens per step"
+            )
+        rows = int(data.shape[0]) if data.dim() else 0
+        if sum(lay.steps_K) > rows or lay.padded_len != rows * tps:
+            raise ValueError(
+                f"{where}: the layout has {sum(lay.steps_K)} real steps padded to "
+                f"{lay.padded_len} tokens, but the buffer has {rows} rows of {tps} tokens; "
+                "the layout was not built for this buffer"
+            )
+        if lay.doc_ids_T.device.type == "cpu":
+            want = layout_from_lengths(list(lay.lengths_K), list(lay.steps_K), lay.padded_len, tps)
+            cu = lay.cu_seqlens_K1[: k + 1]
+            if not torch.equal(lay.doc_ids_T.long(), want.doc_ids_T.long()) or not torch.equal(
+                cu.long(), want.cu_seqlens_K1[: k + 1].long()
+            ):
+                raise ValueError(
+                    f"{where}: doc_ids/cu_seqlens do not match lengths_K {list(lay.lengths_K)}; "
+                    "the layout was edited: rebuild it with layout_from_lengths"
+                )
+    for key, values in batch.per_episode.items():
+        if len(values) < k:
+            raise ValueError(
+                f"per-episode value {key!r} has {len(values)} entries for {k} documents; "
+                "every per-episode value needs one entry per episode"
+            )

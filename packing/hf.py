@@ -43,7 +43,7 @@ def arrow_to_numpy(column: Any, *, key: str) -> np.ndarray:
     ``(N, 48, 8, 16)`` float16); a scalar column becomes ``(N,)``. Rows must all have the same
     shape and no nulls; the error names ``key`` otherwise. One copy, into writable memory.
     """
-    pa = require("pyarrow", extra="hf")
+    pa = require("pyarrow", extra=None)
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     n = len(arr)
     shape: list[int] = []
@@ -56,7 +56,7 @@ def arrow_to_numpy(column: Any, *, key: str) -> np.ndarray:
         if pa.types.is_fixed_size_list(t):
             dim = t.list_size
         elif pa.types.is_list(t) or pa.types.is_large_list(t):
-            lens = require("pyarrow.compute", extra="hf").list_value_length(arr).to_numpy()
+            lens = require("pyarrow.compute", extra=None).list_value_length(arr).to_numpy()
             if len(lens) == 0 or (lens != lens[0]).any():
                 raise ValueError(
                     f"column {key!r} is ragged (inner lengths {sorted(set(lens.tolist()))[:5]}); "
@@ -74,7 +74,7 @@ def arrow_to_numpy(column: Any, *, key: str) -> np.ndarray:
 
 def check_numeric(arrow_type: Any, *, key: str) -> None:
     """Raise ``TypeError`` unless ``arrow_type`` is numbers or booleans, possibly nested in lists."""
-    pa = require("pyarrow", extra="hf")
+    pa = require("pyarrow", extra=None)
     t = arrow_type
     while True:
         if isinstance(t, pa.ExtensionType):

@@ -25,8 +25,8 @@ Item values: each requested key as a tensor with the frame axis first in its dec
 (see :func:`packing.hf.plan_columns`). ``"task"`` is the text of the episode's first frame;
 request ``"task_index"`` for per-frame tasks.
 
-Reading needs only pyarrow; lerobot is never imported for a root path, and nothing is
-downloaded. A ``LeRobotDataset`` instance is read through its own memory-mapped Arrow table.
+Reading needs only pyarrow (a core dependency of packing); lerobot is never imported for a
+root path, and nothing is downloaded. A ``LeRobotDataset`` instance is read through its own memory-mapped Arrow table.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -73,7 +74,19 @@ def _check_root(root: Path) -> None:
 
 
 def _load_info(root: Path) -> dict[str, Any]:
-    info: dict[str, Any] = json.loads((root / "meta" / "info.json").read_text())
+    path = root / "meta" / "info.json"
+    try:
+        info: dict[str, Any] = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path} is not valid JSON ({e}); the file is truncated or corrupt: restore it from "
+            "the dataset's source or re-create the dataset"
+        ) from e
+    if not isinstance(info, dict) or not isinstance(info.get("features"), dict):
+        raise ValueError(
+            f"{path} has no 'features' table ({{name: {{dtype, shape}}}}); it is not a LeRobot "
+            "info.json: restore it from the dataset's source or re-create the dataset"
+        )
     version = str(info.get("codebase_version", "?"))
     if not version.startswith("v3"):
         raise ValueError(
@@ -85,8 +98,8 @@ def _load_info(root: Path) -> dict[str, Any]:
 
 def _episodes_table(root: Path) -> Any:
     """meta/episodes rows (no stats columns), sorted by episode_index."""
-    pq = require("pyarrow.parquet", extra="lerobot")
-    pa = require("pyarrow", extra="lerobot")
+    pq = require("pyarrow.parquet", extra=None)
+    pa = require("pyarrow", extra=None)
     files = sorted((root / "meta" / "episodes").glob("*/*.parquet"))
     if not files:
         raise FileNotFoundError(
@@ -94,14 +107,61 @@ def _episodes_table(root: Path) -> Any:
             "the dataset was not finalized (call LeRobotDataset.finalize() after recording)"
         )
     # Columnar read: the per-episode stats columns, most of the bytes, are never decoded.
-    table = pa.concat_tables([pq.read_table(f, columns=_EPISODE_COLUMNS) for f in files])
+    table = pa.concat_tables(
+        [_read_parquet(f, lambda f: pq.read_table(f, columns=_EPISODE_COLUMNS)) for f in files]
+    )
     return table.sort_by("episode_index")
+
+
+def _read_parquet(path: Path, read: Any) -> Any:
+    """``read(path)``, with an error that names the file when it is not readable parquet."""
+    try:
+        return read(path)
+    except (OSError, ValueError, KeyError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise ValueError(
+            f"{path}: cannot read it as parquet ({' '.join(str(e).split())[:200]}); the file is "
+            "truncated, corrupt or lacks a column LeRobot v3 writes: re-copy it from the "
+            "dataset's source or re-create the dataset"
+        ) from e
+
+
+def _check_files_covered(
+    root: Path, template: str, table: Any, rows: dict[Path, int], info: dict[str, Any]
+) -> None:
+    """Every data row belongs to an episode of ``meta/episodes``: per file, the episodes'
+    lengths sum to the file's row count (from the footers, no data read). Metadata shortened
+    consistently (lengths and indices) would otherwise serve fewer frames without a word."""
+    chunk = table.column("data/chunk_index").to_numpy()
+    file = table.column("data/file_index").to_numpy()
+    length = table.column("length").to_numpy().astype(np.int64)
+    pairs, inverse = np.unique(np.stack([chunk, file], axis=1), axis=0, return_inverse=True)
+    per_pair = np.bincount(inverse.reshape(-1), weights=length, minlength=len(pairs))
+    claimed = {
+        root / template.format(chunk_index=int(c), file_index=int(f)): int(n)
+        for (c, f), n in zip(pairs, per_pair, strict=True)
+    }
+    for path, n in rows.items():
+        if claimed.get(path, 0) != n:
+            raise ValueError(
+                f"{path} holds {n:,} frames but meta/episodes assigns "
+                f"{claimed.get(path, 0):,} to it: the metadata and the data disagree (edited or "
+                "partly copied?); re-create meta/episodes from the data or re-copy the dataset"
+            )
+    total = info.get("total_frames")
+    if isinstance(total, int) and total != sum(rows.values()):
+        raise ValueError(
+            f"{root / 'meta' / 'info.json'} says total_frames={total:,} but the data files hold "
+            f"{sum(rows.values()):,} rows: the metadata and the data disagree; re-copy the dataset"
+        )
 
 
 def _select(ids: np.ndarray, episodes: Sequence[int] | None, where: object) -> np.ndarray:
     """Positions of ``episodes`` (by episode_index) among ``ids``, in the order given."""
     if episodes is None:
         return np.arange(len(ids))
+    bad = [e for e in episodes if isinstance(e, bool) or not isinstance(e, int | np.integer)]
+    if bad:
+        raise TypeError(f"episodes must be episode indices (ints), got {bad[:5]}")
     pos = {int(e): j for j, e in enumerate(ids)}
     missing = [int(e) for e in episodes if int(e) not in pos]
     if missing:
@@ -147,14 +207,16 @@ class _ParquetEpisodes:
         columns: list[str],
         cache_dir: Path | None = None,
     ) -> None:
-        pq = require("pyarrow.parquet", extra="lerobot")
+        pq = require("pyarrow.parquet", extra=None)
         self.columns, self.cache_dir = list(columns), cache_dir
         data_files = sorted((root / "data").glob("*/*.parquet"))
         if not data_files:
             raise FileNotFoundError(f"{root / 'data'} has no chunk-*/file-*.parquet data files")
         # Global row numbers (dataset_from_index) run across the files in sorted order, the
         # order lerobot concatenates them in; the footers give each file's row count.
-        rows = np.array([pq.read_metadata(f).num_rows for f in data_files], dtype=np.int64)
+        rows = np.array(
+            [_read_parquet(f, pq.read_metadata).num_rows for f in data_files], dtype=np.int64
+        )
         start = dict(zip(data_files, np.cumsum(rows) - rows, strict=True))
         nrows = dict(zip(data_files, rows, strict=True))
 
@@ -162,6 +224,7 @@ class _ParquetEpisodes:
         template = info.get(
             "data_path", "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
         )
+        _check_files_covered(root, template, table, {f: int(n) for f, n in nrows.items()}, info)
         self.paths: list[Path] = []
         self.row0 = np.empty(len(sel), dtype=np.int64)
         for j in range(len(sel)):
@@ -199,7 +262,7 @@ class _ParquetEpisodes:
         if self.cache_dir is not None:
             self._open[path] = (_arrow_cache(path, self.columns, self.cache_dir), None)
         else:
-            pf = require("pyarrow.parquet", extra="lerobot").ParquetFile(path, memory_map=True)
+            pf = require("pyarrow.parquet", extra=None).ParquetFile(path, memory_map=True)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
             self._open[path] = (pf, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
         if len(self._open) > _MAX_OPEN_FILES:  # a big dataset must not exhaust file handles
@@ -217,7 +280,11 @@ class _ParquetEpisodes:
         # episode). One thread: DataLoader workers are the parallelism.
         first = int(np.searchsorted(rg, r0, side="right")) - 1
         last = int(np.searchsorted(rg, r0 + length, side="left"))
-        table = source.read_row_groups(list(range(first, last)), columns=columns, use_threads=False)
+        groups = list(range(first, last))
+        table = _read_parquet(
+            self.paths[j],
+            lambda _: source.read_row_groups(groups, columns=columns, use_threads=False),
+        )
         return table.slice(r0 - int(rg[first]), length)
 
 
@@ -228,8 +295,8 @@ def _arrow_cache(path: Path, columns: list[str], cache_dir: Path) -> Any:
     rewritten source gets a new file. Workers racing to convert each write a private temp
     file and atomically rename it; the loser's rename replaces an identical file.
     """
-    pa = require("pyarrow", extra="lerobot")
-    pq = require("pyarrow.parquet", extra="lerobot")
+    pa = require("pyarrow", extra=None)
+    pq = require("pyarrow.parquet", extra=None)
     st = path.resolve().stat()
     ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{','.join(columns)}"
     name = f"{path.parent.name}-{path.stem}-{hashlib.sha1(ident.encode()).hexdigest()[:16]}"
@@ -300,6 +367,12 @@ class LeRobotEpisodes(Dataset):
         if isinstance(keys, str):
             raise TypeError(f"keys must be a list of feature names, got the string {keys!r}")
         self.keys = tuple(keys)
+        self._warned: set[str] = set()  # features whose lossy cast was reported
+        if not self.keys:
+            raise ValueError(
+                "keys=[] requests no feature: items would hold only episode_index and task; "
+                "name the features to serve, e.g. keys=['latents', 'action']"
+            )
         if isinstance(root_or_dataset, (str, os.PathLike)):
             self.root = Path(root_or_dataset).expanduser()
             _check_root(self.root)
@@ -411,6 +484,7 @@ class LeRobotEpisodes(Dataset):
         item: dict[str, Any] = table_to_episode(table, self._plan)
         for name, want in self._dtypes.items():
             if item[name].dtype != want:  # stored type differs from the declared one
+                self._warn_lossy_cast(name, item[name].dtype, want)
                 item[name] = item[name].to(want)
         for name, shape in self._shapes.items():
             if tuple(item[name].shape[1:]) != shape:
@@ -422,6 +496,21 @@ class LeRobotEpisodes(Dataset):
         item["task"] = self.tasks[int(table.column("task_index")[0].as_py())]
         return item
 
+    def _warn_lossy_cast(self, name: str, stored: torch.dtype, declared: torch.dtype) -> None:
+        """Items follow meta/info.json's dtype; say so once when the cast can lose bits
+        (float32 stored, float16 declared), as a widening cast (float16 -> float32) cannot."""
+        warned = self._warned
+        # promote_types(float16, float32) is float32: the declared type holds every stored value.
+        if name in warned or torch.promote_types(stored, declared) == declared:
+            return
+        warned.add(name)
+        warnings.warn(
+            f"{self.root}: feature {name!r} is stored as {stored} but meta/info.json declares "
+            f"{declared}; items are cast to {declared} (the declared dtype), which can round. "
+            "Fix the dtype in info.json or rewrite the data if that is not what you want",
+            stacklevel=3,
+        )
+
     def token_lengths(self, **frames_to_tokens_kwargs: Any) -> np.ndarray:
         """Tokens per item: ``packing.plan.frames_to_tokens(self.lengths, **kwargs)``."""
         from packing.plan import frames_to_tokens
@@ -431,11 +520,11 @@ class LeRobotEpisodes(Dataset):
 
 def _tasks_from_parquet(root: Path) -> list[str]:
     """``meta/tasks.parquet`` as a list: ``tasks[task_index]`` is the task text."""
-    pq = require("pyarrow.parquet", extra="lerobot")
+    pq = require("pyarrow.parquet", extra=None)
     path = root / "meta" / "tasks.parquet"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: a v3 dataset stores its task texts there")
-    table = pq.read_table(path)
+    table = _read_parquet(path, pq.read_table)
     # pandas stores the task text as its index column: "task" (or __index_level_0__).
     text_col = next(c for c in table.column_names if c != "task_index")
     index = table.column("task_index").to_pylist()

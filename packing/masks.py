@@ -29,6 +29,7 @@ need a host-device sync (call :func:`validate_doc_ids` yourself if in doubt).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Literal
@@ -286,7 +287,9 @@ def make_block_mask(
     mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
 
     rule: BlockRule | None = document_rule if inner is None else getattr(inner, "block_rule", None)
-    if rule is not None:
+    if rule is not None and not compile and _num_tiles(q_doc, kv_doc, bq, bkv) > _CHUNK_TILES:
+        tables = _chunked_block_tables(q_doc, kv_doc, rule, bq, bkv, self_attention)
+    elif rule is not None:
         build = _compiled_block_tables() if compile else block_tables
         tables = build(q_doc, kv_doc, rule, bq, bkv, self_attention)
     elif inner_fallback == "error":
@@ -312,6 +315,69 @@ def make_block_mask(
         BLOCK_SIZE=(bq, bkv),
         mask_mod=mask_mod,
     )
+
+
+# Tiles classified per chunk on the eager path. Unchunked, the classification holds about a
+# dozen int64 (Q, K) intermediates at once: 13.8 GB of host memory at 1M tokens (8,192 x 8,192
+# tiles), 13x the tables themselves (1.07 GB); a chunk of 1M tiles needs ~200 MB.
+_CHUNK_TILES = 1 << 20
+
+
+def _num_tiles(q_doc: Tensor, kv_doc: Tensor, bq: int, bkv: int) -> int:
+    return -(-q_doc.shape[0] // bq) * -(-kv_doc.shape[0] // bkv)
+
+
+def _chunked_block_tables(
+    q_doc_T: Tensor,
+    kv_doc_T: Tensor,
+    rule: BlockRule,
+    bq: int,
+    bkv: int,
+    self_attention: bool,
+) -> BlockTables:
+    """`block_tables` in row chunks of ``_CHUNK_TILES`` tiles: the same tables, built with
+    peak memory a small multiple of the tables' own (the tile flags are 2 bytes a tile, the
+    tables 16). Rows of q tiles are classified chunk by chunk, then each side's tables are
+    ordered chunk by chunk (kv side over q-tile rows, q side over kv-tile rows)."""
+    q = doc_side(q_doc_T, bq)
+    kv = q if self_attention and bq == bkv else doc_side(kv_doc_T, bkv)
+    Q, K = q.first_Q.shape[0], kv.first_Q.shape[0]
+    any_QK = torch.empty((Q, K), dtype=torch.bool, device=q_doc_T.device)
+    all_QK = torch.empty_like(any_QK)
+    rows = max(1, _CHUNK_TILES // max(K, 1))
+    for lo in range(0, Q, rows):
+        part = dataclasses.replace(
+            q,
+            first_Q=q.first_Q[lo : lo + rows],
+            last_Q=q.last_Q[lo : lo + rows],
+            all_real_Q=q.all_real_Q[lo : lo + rows],
+            start_Q=q.start_Q[lo : lo + rows],
+            stop_Q=q.stop_Q[lo : lo + rows],
+        )
+        any_QK[lo : lo + rows], all_QK[lo : lo + rows] = classify_blocks(part, kv, rule)
+    kv_num, kv_idx, full_kv_num, full_kv_idx = _side_tables(any_QK, all_QK)
+    q_num, q_idx, full_q_num, full_q_idx = _side_tables(
+        any_QK.t().contiguous(), all_QK.t().contiguous()
+    )
+    return BlockTables(
+        kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx
+    )
+
+
+def _side_tables(any_RC: Tensor, all_RC: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The row side's (num, indices, full num, full indices), ``tables_from_flags`` applied
+    to chunks of rows (its column side, for a chunk, is not needed and is dropped)."""
+    R, C = any_RC.shape
+    num = torch.empty((1, 1, R), dtype=torch.int32, device=any_RC.device)
+    idx = torch.empty((1, 1, R, C), dtype=torch.int32, device=any_RC.device)
+    full_num, full_idx = torch.empty_like(num), torch.empty_like(idx)
+    rows = max(1, _CHUNK_TILES // max(C, 1))
+    for lo in range(0, R, rows):
+        t = tables_from_flags(any_RC[lo : lo + rows], all_RC[lo : lo + rows])
+        num[..., lo : lo + rows], idx[..., lo : lo + rows, :] = t.kv_num_blocks, t.kv_indices
+        full_num[..., lo : lo + rows] = t.full_kv_num_blocks
+        full_idx[..., lo : lo + rows, :] = t.full_kv_indices
+    return num, idx, full_num, full_idx
 
 
 @functools.cache

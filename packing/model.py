@@ -482,15 +482,34 @@ def _attention_dtype(p: Tensor) -> torch.dtype:
     return p.dtype
 
 
-def tiny_reference_model(mask: str = "document", document_mask: bool = True) -> DiT:
+def tiny_reference_model(
+    mask: str = "document",
+    document_mask: bool = True,
+    *,
+    latent_shape: tuple[int, int, int] = (48, 8, 16),
+    action_dim: int = 14,
+) -> DiT:
     """The factory `packing verify` uses: ``DiTConfig.tiny()``, seeded weights.
 
     ``mask="frame-causal"`` turns on frame-causal self-attention; ``document_mask=False`` builds
-    the deliberately leaking model of ``packing verify --no-document-mask``.
+    the deliberately leaking model of ``packing verify --no-document-mask``. ``latent_shape``
+    ``(C, H, W)`` and ``action_dim`` size it to a dataset (verify reads them from the dataset's
+    features); an odd ``H`` or ``W`` gets 1x1 patches instead of 2x2.
     """
     if mask not in ("document", "frame-causal"):
         raise ValueError(f"mask={mask!r}; choose 'document' or 'frame-causal'")
-    return DiT(DiTConfig.tiny(frame_causal=mask == "frame-causal", document_mask=document_mask))
+    c, h, w = latent_shape
+    patch = (1, 2, 2) if h % 2 == 0 and w % 2 == 0 else (1, 1, 1)
+    return DiT(
+        DiTConfig.tiny(
+            frame_causal=mask == "frame-causal",
+            document_mask=document_mask,
+            latent_channels=c,
+            latent_hw=(h, w),
+            patch=patch,
+            action_dim=action_dim,
+        )
+    )
 
 
 def param_count(cfg: DiTConfig) -> int:

@@ -76,7 +76,13 @@ def frames_to_tokens(
         frames_to_tokens([240, 222], action_tokens_per_frame=4, text_tokens=512)
         -> [9152, 8504]      # 48x240x8x16 latents: 240 * 32 + 240 * 4 + 512
     """
-    n = np.asarray(num_frames, dtype=np.int64)
+    n = np.asarray(num_frames)
+    if n.dtype.kind not in "iu":
+        raise TypeError(
+            f"num_frames must be integer frame counts, got {n.dtype}; convert them yourself "
+            "(frames_to_tokens never truncates 3.7 frames to 3)"
+        )
+    n = n.astype(np.int64, copy=False)
     (h, w), (pt, ph, pw) = latent_hw, patch
     if h % ph or w % pw:
         raise ValueError(
@@ -270,6 +276,55 @@ class PackPlan:
         )
 
 
+def as_lengths(lengths: Any, what: str = "lengths") -> np.ndarray:
+    """``lengths`` as int64 (N,), or a ValueError that names the bad value and the fix.
+
+    One-dimensional integers only: ``[3.7, 4.9]`` is not truncated to ``[3, 4]`` (a pack
+    would hold more real tokens than its budget), strings are not parsed, a 2-D array is not
+    flattened. Sizes are checked against ``token_budget`` by the caller.
+    """
+    if isinstance(lengths, str | bytes) or lengths is None:
+        raise TypeError(
+            f"{what} must be a 1-D sequence of integer token counts, got {type(lengths).__name__}"
+        )
+    try:
+        arr = np.asarray(lengths)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must be a 1-D sequence of integer token counts ({e})") from e
+    if arr.ndim != 1:
+        raise ValueError(
+            f"{what} must be one-dimensional (one token count per episode), got shape "
+            f"{arr.shape}; pass one length per episode"
+        )
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "O" and all(isinstance(v, int) for v in arr.tolist()):
+            big = next(v for v in arr.tolist() if not -(2**63) <= v < 2**63)
+            raise ValueError(f"{what}: {big} tokens is out of range (int64); check the lengths")
+        bad = 0
+        if arr.dtype.kind == "f" and len(arr):
+            odd = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
+            bad = int(odd[0]) if len(odd) else 0
+        value = arr[bad].item() if len(arr) else None
+        raise TypeError(
+            f"{what} must be integers (tokens per episode), got {arr.dtype} (episode {bad}: "
+            f"{value!r}); convert them yourself, e.g. np.ceil(x).astype(np.int64): the planner "
+            "never truncates"
+        )
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and len(arr) and arr.max() >= 2**63:
+        raise ValueError(f"{what}: {int(arr.max())} tokens is out of range (int64)")
+    return arr.astype(np.int64, copy=False)
+
+
+def positive_int(name: str, value: Any, unit: str) -> int:
+    """``value`` as an int >= 1, or an error naming it: ``8.9`` is not rounded, ``None`` or
+    ``True`` is not a budget."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name}={value!r} must be a positive int ({unit})")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1 ({unit})")
+    return int(value)
+
+
 def plan_packs(
     lengths: Any,
     token_budget: int,
@@ -294,11 +349,10 @@ def plan_packs(
     frame); windows hold at most ``(token_budget - fixed_tokens) // tokens_per_step`` steps,
     cut on multiples of ``split_multiple`` with ``split_overlap`` no-loss context steps.
     """
-    lengths_N = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    if token_budget < 1:
-        raise ValueError(f"token_budget={token_budget} must be >= 1")
-    if max_docs is not None and max_docs < 1:
-        raise ValueError(f"max_docs={max_docs} must be >= 1 or None")
+    lengths_N = as_lengths(lengths)
+    token_budget = positive_int("token_budget", token_budget, "tokens per pack, e.g. 8192")
+    if max_docs is not None:
+        max_docs = positive_int("max_docs", max_docs, "episodes per pack, or None")
     if algorithm not in _ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}; choose one of {sorted(_ALGORITHMS)}")
     if (lengths_N < 1).any():

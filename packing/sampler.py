@@ -33,7 +33,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from packing.plan import Algorithm, Oversize, PackPlan, plan_packs
+from packing.plan import Algorithm, Oversize, PackPlan, plan_packs, positive_int
 
 __all__ = ["PackedBatchSampler", "equalise_packs"]
 
@@ -136,12 +136,18 @@ class PackedBatchSampler(Sampler[list[int]]):
             raise ValueError(f"rank={rank} is outside [0, num_replicas={num_replicas})")
         if balance not in ("tokens", "attention"):
             raise ValueError(f"balance={balance!r}; choose 'tokens' or 'attention'")
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+            raise ValueError(
+                f"seed={seed!r} must be an int >= 0 (numpy seeds the epoch's shuffle with "
+                "[seed, epoch])"
+            )
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle={shuffle!r} must be True or False")
         self.plan = plan
         self.shuffle, self.seed = shuffle, int(seed)
         self.num_replicas, self.rank = num_replicas, rank
-        if balance_window < 1:
-            raise ValueError(f"balance_window={balance_window} must be >= 1 (steps)")
-        self.balance, self.balance_window = balance, int(balance_window)
+        self.balance_window = positive_int("balance_window", balance_window, "steps")
+        self.balance = balance
         self.packs = equalise_packs(plan.packs, plan.item_lengths, num_replicas)
         power = 1 if balance == "tokens" else 2
         _, self.cost_P = _docs_and_cost(self.packs, plan.item_lengths.astype(np.float64) ** power)
@@ -157,6 +163,8 @@ class PackedBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (its shuffle); a resumed position is kept for the epoch it was in."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
+            raise ValueError(f"set_epoch({epoch!r}): the epoch must be an int >= 0")
         if epoch != self.epoch:
             self._start = 0
         self.epoch = int(epoch)
@@ -204,18 +212,32 @@ class PackedBatchSampler(Sampler[list[int]]):
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Position to resume from. ``consumed`` = packs the training loop has used this epoch;
         pass it when a DataLoader prefetches (the sampler runs ahead of training by up to
-        ``num_workers * prefetch_factor`` packs); by default, the packs yielded so far."""
+        ``num_workers * prefetch_factor`` packs); by default, the packs yielded so far.
+
+        The settings that shape an epoch's order are saved too, so that a sampler built
+        differently refuses the state instead of serving some episodes twice and others never.
+        """
+        if consumed is not None and (isinstance(consumed, bool) or not isinstance(consumed, int)):
+            raise TypeError(f"consumed={consumed!r} must be an int (packs used this epoch)")
         return {
             "epoch": self.epoch,
             "consumed": self._yielded if consumed is None else int(consumed),
-            "seed": self.seed,
             "num_replicas": self.num_replicas,
             "fingerprint": self._fingerprint,
+            **{k: getattr(self, k) for k in _ORDER_SETTINGS},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next ``__iter__`` yields exactly the packs of ``state['epoch']`` that
-        were not consumed."""
+        were not consumed. Refuses a state saved by a sampler whose plan, world size, seed,
+        shuffle or balancing differ (the remaining packs would not be the ones not served)."""
+        need = ("epoch", "consumed", "num_replicas", "fingerprint", *_ORDER_SETTINGS)
+        missing = [k for k in need if k not in state]
+        if missing:
+            raise KeyError(
+                f"sampler state lacks {missing}; pass the dict PackedBatchSampler.state_dict() "
+                f"returned (it has {list(need)})"
+            )
         if state["num_replicas"] != self.num_replicas or state["fingerprint"] != self._fingerprint:
             raise ValueError(
                 f"state was saved with num_replicas={state['num_replicas']} and plan "
@@ -223,7 +245,23 @@ class PackedBatchSampler(Sampler[list[int]]):
                 f"{self._fingerprint}; resume with the same world size and plan (save the plan "
                 f"with PackPlan.to_json and pass plan=)"
             )
-        if not 0 <= state["consumed"] <= len(self):
-            raise ValueError(f"consumed={state['consumed']} is outside [0, {len(self)}]")
-        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
-        self._start = self._yielded = int(state["consumed"])
+        for k in _ORDER_SETTINGS:
+            if state[k] != getattr(self, k):
+                raise ValueError(
+                    f"state was saved with {k}={state[k]!r}, this sampler has {k}="
+                    f"{getattr(self, k)!r}: the epoch's order would differ, serving some "
+                    f"episodes twice and others never; build the sampler with {k}={state[k]!r}"
+                )
+        consumed, epoch = state["consumed"], state["epoch"]
+        if isinstance(consumed, bool) or not isinstance(consumed, int | np.integer):
+            raise TypeError(f"state consumed={consumed!r} must be an int")
+        if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
+            raise ValueError(f"state epoch={epoch!r} must be an int >= 0")
+        if not 0 <= consumed <= len(self):
+            raise ValueError(f"consumed={consumed} is outside [0, {len(self)}]")
+        self.epoch = int(epoch)
+        self._start = self._yielded = int(consumed)
+
+
+# What decides an epoch's order besides the plan and the world size.
+_ORDER_SETTINGS = ("seed", "shuffle", "balance", "balance_window")

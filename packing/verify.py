@@ -31,10 +31,11 @@ import platform
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -220,6 +221,7 @@ def compare_packed_unpacked(
     records: list[StepRecord] = []
     worst: dict[str, GradDiff] = {}
     failures: list[str] = []
+    diverged = ""
     for s in range(steps):
         bu = [_with_step(b, seed, s, dev) for b in singles]
         bp = [_with_step(b, seed, s, dev) for b in packed]
@@ -253,6 +255,15 @@ def compare_packed_unpacked(
                 seconds_packed=sec_p,
             )
         )
+        if not (math.isfinite(loss_u) or math.isfinite(loss_p)):
+            # Both runs blew up the same way: that says nothing about packing, and every
+            # difference from here on would be nan - nan.
+            diverged = (
+                f"both runs diverged: the loss is {loss_u} unpacked and {loss_p} packed at step "
+                f"{s}; the model or optimiser produced non-finite values, which says nothing "
+                "about packing: check the model's initialisation, lower --lr or raise --adam-eps"
+            )
+            break
         for name, pu in params_u.items():
             gu, gp = pu.grad, params_p[name].grad
             if gu is None and gp is None:
@@ -286,21 +297,39 @@ def compare_packed_unpacked(
     # it is reported (worst tensor) but the per-tensor gate is on the gradients.
     num = den = 0.0
     param_worst, param_worst_rel = "", 0.0
+    nonfinite: dict[str, list[str]] = {"unpacked": [], "packed": []}
     for name, pu in params_u.items():
         a, b = params_p[name].detach().double(), pu.detach().double()
         if not b.numel():
             continue
-        num = max(num, float((a - b).abs().max()))
-        den = max(den, float(b.abs().max()))
+        for run, t in (("unpacked", b), ("packed", a)):
+            if not bool(torch.isfinite(t).all()):
+                nonfinite[run].append(name)
+        # max() would skip a nan (nan > x is False), printing "ok" beside nan parameters.
+        num = max(num, float((a - b).abs().max().nan_to_num(math.inf)))
+        den = max(den, float(b.abs().max().nan_to_num(math.inf)))
         r = relative_difference(a, b)
         if r > param_worst_rel or not param_worst:
             param_worst, param_worst_rel = name, r
     param_rel = (0.0 if num == 0.0 else math.inf) if den == 0.0 else num / den
-    if math.isnan(num):
+    if not math.isfinite(den):
         param_rel = math.inf
+    if nonfinite["unpacked"] and nonfinite["packed"] and not diverged:
+        diverged = (
+            f"both runs diverged: after {len(records)} AdamW step(s) parameters are non-finite "
+            f"in both ({len(nonfinite['unpacked'])} tensors unpacked, e.g. "
+            f"{nonfinite['unpacked'][0]}); the model or optimiser produced non-finite values, "
+            "which says nothing about packing: lower --lr or raise --adam-eps (0 divides 0 by 0)"
+        )
+    for run in ("packed", "unpacked"):
+        if nonfinite[run] and not diverged:
+            failures.append(
+                f"{len(nonfinite[run])} parameter tensors are non-finite in the {run} run only "
+                f"(e.g. {nonfinite[run][0]})"
+            )
 
     leak = None
-    if leak_check:
+    if leak_check and not diverged:
         multi = [b for b in packed if b.num_docs >= 2]
         if not multi:
             failures.append("leak check impossible: no pack holds >= 2 episodes; lower the budget")
@@ -337,6 +366,8 @@ def compare_packed_unpacked(
         )
     if leak is not None and not leak.ok:
         failures.append(f"episodes leak into each other: pairs (i <- j) {leak.pairs[:6]}")
+    if diverged:  # no verdict on packing: every difference above compares nan with nan
+        failures = [diverged]
 
     primary = singles[0].primary
     return VerifyReport(
@@ -355,6 +386,7 @@ def compare_packed_unpacked(
         pack_sizes=[len(p) for p in packs],
         leak=leak,
         failures=failures,
+        diverged=bool(diverged),
         environment=_environment(dev),
     )
 
@@ -415,8 +447,12 @@ class VerifyConfig:
     adam_eps: float = 1e-6
     leak_check: bool = True
     loss_normaliser: str = "global"
+    # {model stream: dataset feature}, e.g. {"latents": "observation.latent"}; streams not
+    # listed read the feature of their own name (the reference model also looks by shape).
+    features: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_device(self.device)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; choose one of {sorted(_DTYPES)}")
         if self.mask not in ("document", "frame-causal"):
@@ -444,6 +480,41 @@ class VerifyConfig:
         return _DTYPES[self.dtype]
 
 
+class ModelFactoryError(RuntimeError):
+    """The ``--model`` factory raised; the message names the factory and the error."""
+
+
+def check_device(device: str) -> torch.device:
+    """``device`` as a torch device that exists here, or a ValueError naming the fix."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"--device {device!r} is not a torch device; use cpu, cuda or cuda:N"
+        ) from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(
+                f"--device {device}: torch sees no CUDA GPU (torch {torch.__version__}, {build}); "
+                "run on a machine with a GPU and a CUDA build of torch, or use --device cpu"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible "
+                f"(cuda:0..cuda:{torch.cuda.device_count() - 1}); pick one of them"
+            )
+    elif dev.type != "cpu" and not _backend_available(dev):
+        raise ValueError(f"--device {device}: {dev.type} is not available here; use cpu or cuda")
+    return dev
+
+
+def _backend_available(dev: torch.device) -> bool:
+    module = getattr(torch, dev.type, None)
+    is_available = getattr(module, "is_available", None)
+    return bool(is_available()) if callable(is_available) else False
+
+
 def load_factory(spec: str) -> Callable[..., nn.Module]:
     """``"module:factory"`` -> the factory callable, with an error that names what is missing."""
     module_name, _, attr = spec.partition(":")
@@ -463,18 +534,20 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
     return factory  # type: ignore[no-any-return]
 
 
-def build_model(config: VerifyConfig) -> nn.Module:
+def build_model(config: VerifyConfig, sizes: Mapping[str, Any] | None = None) -> nn.Module:
     """Call the factory with the options it must honour; refuse options it cannot take.
 
     ``mask`` and ``document_mask`` are passed only when they differ from the default, so a
     user's ``factory()`` without parameters works for the plain run, and asking it for
-    ``--mask frame-causal`` is an error rather than a silently ignored flag.
+    ``--mask frame-causal`` is an error rather than a silently ignored flag. ``sizes`` (the
+    reference model's ``latent_shape``/``action_dim``, from the dataset) go to the factory
+    as they are.
     """
     import inspect
 
     spec = config.model or DEFAULT_MODEL
     factory = load_factory(spec)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(sizes or {})
     if config.mask != "document":
         kwargs["mask"] = config.mask
     if not config.document_mask:
@@ -489,7 +562,13 @@ def build_model(config: VerifyConfig) -> nn.Module:
             f"{', '.join(flags[k] for k in missing)} cannot be applied; add the parameter to the "
             "factory or drop the flag"
         )
-    model = factory(**kwargs)
+    try:
+        model = factory(**kwargs)
+    except Exception as e:
+        raise ModelFactoryError(
+            f"--model {spec}: the factory raised {type(e).__name__}: {' '.join(str(e).split())}; "
+            "fix the factory (run it in Python to debug), then run verify again"
+        ) from e
     if not isinstance(model, nn.Module):
         raise TypeError(f"--model {spec} returned {type(model).__name__}, expected nn.Module")
     streams = getattr(model, "streams", None)
@@ -515,38 +594,153 @@ def default_token_budget(lengths: Sequence[int]) -> int:
     return -(-want // multiple) * multiple
 
 
-def load_episodes(config: VerifyConfig, keys: Sequence[str]) -> tuple[list[dict[str, Any]], str]:
-    """The first ``config.episodes`` episodes through `LeRobotEpisodes` (the user's path)."""
-    from packing.lerobot import LeRobotEpisodes
+# LeRobot's writer adds these to every dataset; they are bookkeeping, never a model stream.
+_LEROBOT_DEFAULT_FEATURES = ("timestamp", "frame_index", "episode_index", "index", "task_index")
+
+
+def dataset_features(config: VerifyConfig) -> tuple[Path, str, dict[str, dict[str, Any]]]:
+    """(root, how the report names it, ``meta/info.json`` features) of the dataset to verify on."""
+    from packing.lerobot import _check_root, _load_info
 
     if config.dataset is None:
         from packing.default_dataset import default_dataset_root
 
-        root: str | Path = default_dataset_root()
-        where = "embedded default dataset"
+        root, where = default_dataset_root(), "embedded default dataset"
     else:
-        root = config.dataset
-        where = str(root)
-    ds = LeRobotEpisodes(root, keys=list(keys))
+        root = Path(config.dataset).expanduser()
+        where = str(config.dataset)
+        _check_root(root)
+    return root, where, dict(_load_info(root)["features"])
+
+
+def reference_streams(
+    features: Mapping[str, Mapping[str, Any]], given: Mapping[str, str], where: str
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Which features feed the reference DiT, and its sizes from their shapes::
+
+        features {"observation.latent": float16 (16, 8, 16), "action": float32 (7,), ...}
+        -> ({"latents": "observation.latent", "action": "action"},
+            {"latent_shape": (16, 8, 16), "action_dim": 7})
+
+    ``given`` (``--feature STREAM=FEATURE``) wins; otherwise a stream takes the feature of its
+    own name, else the only numeric feature of the right rank (3-D latents, 1-D action);
+    anything ambiguous is an error that lists the candidates.
+    """
+
+    def numeric(spec: Mapping[str, Any]) -> bool:
+        try:
+            return np.dtype(spec.get("dtype")).kind == "f"
+        except TypeError:
+            return False
+
+    def pick(stream: str, rank: int, example: str) -> str:
+        if stream in given:
+            return given[stream]
+        if stream in features:
+            return stream
+        found = [
+            name
+            for name, spec in features.items()
+            if name not in _LEROBOT_DEFAULT_FEATURES
+            and numeric(spec)
+            and len(spec.get("shape", ())) == rank
+        ]
+        if len(found) == 1:
+            return found[0]
+        shapes = {n: tuple(s.get("shape", ())) for n, s in features.items()}
+        raise ValueError(
+            f"{where}: cannot tell which feature is the reference model's {stream!r} stream "
+            f"({rank}-D float, e.g. {example}): {'candidates ' + str(found) if found else 'none'} "
+            f"among {shapes}; pass --feature {stream}=FEATURE"
+        )
+
+    mapping = {
+        "latents": pick("latents", 3, "(C, H, W) latents"),
+        "action": pick("action", 1, "(action_dim,)"),
+    }
+    sizes: dict[str, Any] = {}
+    for stream, feature in mapping.items():
+        if feature not in features:
+            raise ValueError(
+                f"--feature {stream}={feature}: {where} has no feature {feature!r}; its "
+                f"features are {sorted(features)}"
+            )
+        shape = tuple(int(s) for s in features[feature].get("shape", ()))
+        rank = 3 if stream == "latents" else 1
+        if len(shape) != rank or not numeric(features[feature]):
+            raise ValueError(
+                f"feature {feature!r} of {where} is {features[feature].get('dtype')} {shape}; "
+                f"the reference model's {stream!r} stream needs a {rank}-D float feature"
+            )
+        sizes["latent_shape" if stream == "latents" else "action_dim"] = (
+            shape if stream == "latents" else shape[0]
+        )
+    return mapping, sizes
+
+
+def load_episodes(
+    config: VerifyConfig, keys: Sequence[str], mapping: Mapping[str, str] | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """The first ``config.episodes`` episodes through `LeRobotEpisodes` (the user's path).
+
+    ``mapping`` ``{stream: feature}`` renames features to the model's stream names (with
+    their ``_loss_mask``), so ``observation.latent`` reaches the model as ``latents``.
+    """
+    from packing.lerobot import LeRobotEpisodes
+
+    root, where, features = dataset_features(config)
+    mapping = {k: (mapping or {}).get(k, config.features.get(k, k)) for k in keys}
+    unknown = sorted(set(config.features) - set(keys))
+    if unknown:
+        raise ValueError(
+            f"--feature {unknown[0]}=...: the model has no stream {unknown[0]!r}; its streams "
+            f"are {list(keys)}"
+        )
+    for stream, feature in mapping.items():
+        if feature not in features:
+            hint = "" if stream != feature else f"; map it with --feature {stream}=FEATURE"
+            raise ValueError(
+                f"the model's stream {stream!r} reads feature {feature!r}, which {where} does "
+                f"not have (features: {sorted(features)}){hint}"
+            )
+    feats = list(mapping.values())
+    if len(set(feats)) != len(feats):
+        raise ValueError(f"two streams read the same feature: {mapping}; map each to its own")
+    ds = LeRobotEpisodes(root, keys=feats)
     n = len(ds) if config.episodes is None else config.episodes
     if n > len(ds):
         raise ValueError(f"--episodes {n} > {len(ds)} episodes in {where}")
-    return [ds[i] for i in range(n)], where
+    renames = {f: s for s, f in mapping.items() if f != s}
+    renames |= {f"{f}_loss_mask": f"{s}_loss_mask" for f, s in list(renames.items())}
+    return [{renames.get(k, k): v for k, v in ds[i].items()} for i in range(n)], where
 
 
 def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = None) -> VerifyReport:
-    """``packing verify``: load data and model, plan packs, compare, check leaks."""
+    """``packing verify``: load data and model, plan packs, compare, check leaks.
+
+    The reference model (no ``config.model``) is sized from the dataset: its latent shape
+    and action width come from the features `reference_streams` picks.
+    """
     from packing.collate import PackedCollator, Stream
     from packing.plan import plan_packs
 
     torch.manual_seed(config.seed)
-    model = build_model(config)
+    mapping: dict[str, str] = dict(config.features)
+    sizes: dict[str, Any] = {}
+    if config.model is None:
+        _, where, features = dataset_features(config)
+        mapping, sizes = reference_streams(features, config.features, where)
+    model = build_model(config, sizes)
     streams: list[Stream] = list(model.streams)  # type: ignore[arg-type]
-    episodes, where = load_episodes(config, [s.name for s in streams])
+    episodes, where = load_episodes(config, [s.name for s in streams], mapping)
 
-    unpacked = PackedCollator(streams)
+    # One-episode batches pad to a multiple of 128 tokens when every stream's step fits it; a
+    # grid of 15 tokens would pad to lcm(128, 15) = 1,920 (3% real), so such streams use 8.
+    multiple = 128 if all(128 % s.tokens_per_step == 0 for s in streams) else 8
+    unpacked = PackedCollator(streams, pad_to_multiple=multiple)
     lengths = [unpacked([ep]).layout(streams[0].name).num_tokens for ep in episodes]
-    budget = config.token_budget or default_token_budget(lengths)
+    tps = streams[0].tokens_per_step  # the budget holds whole steps of the primary stream
+    budget = config.token_budget or -(-default_token_budget(lengths) // tps) * tps
     if max(lengths) > budget:
         worst = max(range(len(lengths)), key=lambda i: lengths[i])
         raise ValueError(
@@ -557,6 +751,7 @@ def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = No
     packed = PackedCollator(streams, token_budget=budget)
     info = {
         **asdict(config),
+        "features": {s.name: mapping.get(s.name, s.name) for s in streams},
         "model": config.model or DEFAULT_MODEL,
         "dataset": where,
         "token_budget": budget,

@@ -134,6 +134,8 @@ class VerifyReport:
     pack_sizes: list[int]
     leak: LeakReport | None
     failures: list[str] = field(default_factory=list)
+    # Both runs went non-finite: no verdict on packing (the CLI exits 2, not 1).
+    diverged: bool = False
     environment: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -158,6 +160,7 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "passed": self.passed,
+            "diverged": self.diverged,
             "failures": self.failures,
             "config": self.config,
             "tolerances": asdict(self.tolerances),
@@ -224,7 +227,9 @@ class VerifyReport:
             if limit is None:
                 return f"{value:.2e} (reported, not gated)"
             ok = value <= limit if le else value >= limit
-            return f"{value:.2e} {'<=' if le else '>='} {limit:g}  {'ok' if ok else 'FAIL'}"
+            # A nan is never "ok" (nan <= limit is False); diverged runs get no verdict.
+            verdict = "n/a (diverged)" if self.diverged else "ok" if ok else "FAIL"
+            return f"{value:.2e} {'<=' if le else '>='} {limit:g}  {verdict}"
 
         rel = max((g.rel for g in self.grads), default=0.0)
         cos = min((g.cos for g in self.grads), default=1.0)
@@ -234,7 +239,7 @@ class VerifyReport:
         out.append(f"  max rel loss diff        {gate(self.loss_rel, tol.loss_rel)}")
         out.append(f"  max rel gradient diff    {gate(rel, tol.grad_rel)}")
         cos_line = (
-            f"{cos:.7f} >= {tol.grad_cos:g}  {'ok' if cos >= tol.grad_cos else 'FAIL'}"
+            gate(cos, tol.grad_cos, le=False).replace(f"{cos:.2e}", f"{cos:.7f}", 1)
             if tol.grad_cos is not None
             else f"{cos:.7f} (reported, not gated)"
         )
@@ -261,6 +266,8 @@ class VerifyReport:
         out.append("")
         if self.passed:
             out.append("PASS: packed training matches unpacked within tolerance")
+        elif self.diverged:
+            out.append("DIVERGED (no verdict on packing): " + "; ".join(self.failures))
         else:
             out.append("FAIL: " + "; ".join(self.failures))
         return "\n".join(out)

@@ -8,9 +8,21 @@ Set HYPOTHESIS_PROFILE=explore to draw fresh examples locally.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("explore", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def user_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A lerobot-written dataset with non-default feature names and shapes (user_dataset.py)."""
+    pytest.importorskip("lerobot.datasets.lerobot_dataset", reason="needs packing[lerobot]")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from user_dataset import write_user_dataset
+
+    return write_user_dataset(tmp_path_factory.mktemp("user") / "my_robot")

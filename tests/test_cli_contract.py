@@ -1,0 +1,309 @@
+"""The exit-status contract of ``packing verify`` and verify on a user's own dataset.
+
+0 = pass, 1 = the comparison ran and failed, 2 = bad input, usage or environment, with one
+line on stderr that names the problem and the fix (``--traceback`` adds the traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from packing.cli import build_parser, main
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "verify.md"
+FAST = ["--episodes", "3", "--steps", "1", "--no-leak-check"]
+
+
+def error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    """The one stderr line of an exit-2 error (progress lines start with '  ..')."""
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("  ..")]
+    assert len(err) == 1, err
+    assert err[0].startswith("packing verify: error: ")
+    return err[0]
+
+
+@pytest.fixture
+def user_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A module of broken factories on the path."""
+    (tmp_path / "broken_models.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from packing.model import tiny_reference_model
+
+            def raises():
+                return {}["weights"]   # a KeyError from inside the user's code
+
+            def nan_weights(**kw):
+                m = tiny_reference_model(**kw)
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p.fill_(float("nan"))
+                return m
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "broken_models"
+
+
+# -- exit 2: bad input, usage, environment -------------------------------------------------------
+
+
+def test_json_into_a_missing_folder_exits_2_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no" / "such" / "report.json"
+    assert main(["verify", *FAST, "--json", str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert "PASS" not in captured.out  # refused before the run: never PASS then a crash
+    assert f"the folder {missing.parent} does not exist; create it first" in captured.err
+    assert "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("tpu", r"--device 'tpu' is not a torch device; use cpu, cuda or cuda:N"),
+        ("cuda", r"--device cuda: torch sees no CUDA GPU .*or use --device cpu"),
+        ("cuda:7", r"--device cuda:7: torch sees no CUDA GPU"),
+    ],
+)
+def test_a_device_that_is_not_here_exits_2(
+    device: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert main(["verify", "--device", device]) == 2
+    import re
+
+    assert re.search(message, error_line(capsys))
+
+
+def test_a_model_factory_that_raises_exits_2_naming_it(
+    user_models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", "--model", f"{user_models}:raises"]) == 2
+    line = error_line(capsys)
+    assert f"--model {user_models}:raises: the factory raised KeyError: 'weights'" in line
+    assert "fix the factory" in line
+
+
+def test_traceback_flag_adds_the_traceback(
+    user_models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", "--model", f"{user_models}:raises", "--traceback"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and 'return {}["weights"]' in err
+    assert err.rstrip().splitlines()[-1].startswith("packing verify: error: --model")
+
+
+def test_a_truncated_parquet_exits_2_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from packing.default_dataset import default_dataset_root
+
+    root = tmp_path / "ds"
+    shutil.copytree(default_dataset_root(), root)
+    data = sorted((root / "data").glob("*/*.parquet"))[0]
+    data.write_bytes(data.read_bytes()[:2000])
+    assert main(["verify", "--dataset", str(root), *FAST]) == 2
+    line = error_line(capsys)
+    assert f"{data}: cannot read it as parquet" in line and "truncated, corrupt" in line
+
+
+def test_invalid_info_json_exits_2_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from packing.default_dataset import default_dataset_root
+
+    root = tmp_path / "ds"
+    shutil.copytree(default_dataset_root(), root)
+    (root / "meta" / "info.json").write_text('{"features": ')
+    assert main(["verify", "--dataset", str(root), *FAST]) == 2
+    assert f"{root / 'meta' / 'info.json'} is not valid JSON" in error_line(capsys)
+
+
+def test_bad_feature_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--feature", "latents"]) == 2
+    assert "expected STREAM=FEATURE" in error_line(capsys)
+    assert main(["verify", "--feature", "latents=nope"]) == 2
+    assert "has no feature 'nope'" in error_line(capsys)
+    assert main(["verify", "--threads", "0"]) == 2
+    assert "--threads 0 must be >= 1" in error_line(capsys)
+
+
+# -- divergence is not a packing verdict ---------------------------------------------------------
+
+
+def test_both_runs_non_finite_is_reported_as_divergence(
+    user_models: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.json"
+    code = main(["verify", "--model", f"{user_models}:nan_weights", *FAST, "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 2
+    assert "DIVERGED (no verdict on packing): both runs diverged" in printed
+    assert "loss differs" not in printed and " ok" not in printed
+    report = json.loads(out.read_text())
+    assert report["diverged"] is True and report["passed"] is False
+
+
+def test_adam_eps_0_divergence_never_prints_ok_beside_nan(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """AdamW with eps=0 divides 0 by 0 on exactly-zero gradients: parameters turn nan in both
+    runs after the first step. Before, the parameter line said 'ok' (max() skipped the nan)."""
+    assert main(["verify", "--adam-eps", "0", *FAST]) == 2
+    printed = capsys.readouterr().out
+    assert "DIVERGED" in printed and "raise --adam-eps" in printed
+    param_line = next(line for line in printed.splitlines() if "rel param diff" in line)
+    assert "inf" in param_line and " ok" not in param_line
+
+
+# -- the contract is documented -------------------------------------------------------------------
+
+
+def test_verify_help_and_docs_state_the_exit_contract() -> None:
+    sub = build_parser()._subparsers._group_actions[0].choices["verify"]  # type: ignore[union-attr]
+    text = sub.format_help()
+    for line in ("0  packed and unpacked training agree", "1  the comparison ran and failed",
+                 "2  bad input, usage or environment", "--traceback"):  # fmt: skip
+        assert line in text
+    docs = DOCS.read_text()
+    assert "| 2 | bad input, usage or environment" in docs
+
+
+def test_help_does_not_import_torch() -> None:
+    code = (
+        "import sys; from packing.cli import main\n"
+        "try:\n    main(['verify', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'pyarrow') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_verify_runs_on_one_cpu_thread_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's default (a thread per core) made verify ~10x slower on a busy 2-core machine."""
+    from packing.cli import _set_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        restore = _set_threads(None)
+        assert torch.get_num_threads() == 1
+        restore()  # main() leaves torch as it found it
+        assert torch.get_num_threads() == 2
+        _set_threads(3)  # --threads 3
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's environment says otherwise
+        torch.set_num_threads(2)
+        _set_threads(None)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_main_command_needs_no_extra_only_pyarrow(tmp_path: Path) -> None:
+    """What a plain ``pip install packing`` has: the main command never imports lerobot or
+    datasets (the extras), only torch, numpy, einops and pyarrow (which itself uses pandas
+    when it happens to be installed, and does without it otherwise)."""
+    code = textwrap.dedent(
+        """
+        import sys
+        from packing.cli import main
+        code = main(["verify", "--episodes", "3", "--steps", "1", "--no-leak-check"])
+        extras = [m for m in ("lerobot", "datasets") if m in sys.modules]
+        print("exit", code, "extras", extras, "pyarrow", "pyarrow" in sys.modules)
+        """
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    last = out.stdout.strip().splitlines()[-1]
+    assert last == "exit 0 extras [] pyarrow True", out.stderr[-2000:]
+    import tomllib
+
+    pyproject = tomllib.loads((DOCS.parents[1] / "pyproject.toml").read_text())
+    deps = pyproject["project"]["dependencies"]
+    assert any(d.startswith("pyarrow") for d in deps)
+    # The torch range is the tested one: CI pins constraints.txt's version inside it.
+    pinned = (DOCS.parents[1] / "constraints.txt").read_text().split("torch==")[1].split()[0]
+    torch_dep = next(d for d in deps if d.startswith("torch"))
+    assert torch_dep == "torch>=2.11,<2.12" and pinned.startswith("2.11")
+
+
+# -- verify on the user's own data, no code --------------------------------------------------------
+
+
+def test_verify_on_a_lerobot_dataset_with_its_own_feature_names_and_shapes(
+    user_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """observation.latent (16, 6, 10) and action (7,), written by lerobot: verify maps the
+    features to the reference model's streams, sizes the model from them and passes."""
+    out = tmp_path / "r.json"
+    code = main(["verify", "--dataset", str(user_dataset), "--steps", "1", "--json", str(out)])
+    assert code == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["config"]["features"] == {"latents": "observation.latent", "action": "action"}
+    assert report["episodes"] == 6 and report["packs"] < 6
+    # 15 tokens a frame (6x10 latents, 2x2 patches) and the real frame counts: sized from data.
+    assert report["tokens"] == 15 * (3 + 5 + 2 + 4 + 6 + 3)
+    assert report["leak"]["ok"] is True and report["leak"]["num_docs"] >= 2
+    # Padding stays modest with 15-token frames (128 would pad each episode to 1,920 tokens,
+    # 3% real; a multiple of 8 pads to 120).
+    assert report["efficiency_unpacked"] > 0.4
+
+
+def test_feature_flag_maps_a_stream_explicitly(
+    user_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """observation.state (5,) as the action stream: the model is sized to 5 action dims."""
+    out = tmp_path / "r.json"
+    code = main(["verify", "--dataset", str(user_dataset), "--feature",
+                 "action=observation.state", *FAST, "--json", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr()
+    features = json.loads(out.read_text())["config"]["features"]
+    assert features == {"latents": "observation.latent", "action": "observation.state"}
+
+
+def test_ambiguous_features_name_the_candidates(
+    user_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "two_actions"
+    shutil.copytree(user_dataset, root)
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info["features"]["joint_targets"] = info["features"].pop("action")  # no feature "action"
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    assert main(["verify", "--dataset", str(root), *FAST]) == 2
+    line = error_line(capsys)
+    assert "cannot tell which feature is the reference model's 'action' stream" in line
+    assert "'observation.state', 'joint_targets'" in line
+    assert "pass --feature action=FEATURE" in line
+
+
+def test_training_example_runs_on_the_users_dataset_without_code(user_dataset: Path) -> None:
+    """docs/example_lerobot_training.py on observation.latent (16, 6, 10) + action (7,)."""
+    import runpy
+
+    import numpy as np
+
+    path = DOCS.parent / "example_lerobot_training.py"
+    out = runpy.run_path(str(path))["main"]([str(user_dataset), "--epochs", "1", "--workers",
+                                             "0", "--token-budget", "256"])  # fmt: skip
+    assert out["streams"] == {"latents": "observation.latent", "action": "action"}
+    assert sorted(out["episodes_seen"]) == list(range(6)) and out["steps"] >= 2
+    assert all(np.isfinite(out["losses"]))
