@@ -94,6 +94,34 @@ def time_plan(lengths: np.ndarray, budget: int, algorithm: str, repeats: int) ->
     }
 
 
+def replan_rows(n: int) -> list[dict]:
+    """Fill of a plan re-made every epoch in shuffled windows, against the fixed plan."""
+    from packing.sampler import PackedBatchSampler
+
+    rows = []
+    for kind in ["seed_like", "uniform_tokens", "long_tailed"]:
+        all_lengths = lengths_for(kind, n)
+        median = float(np.median(all_lengths))
+        for mult in (4, 8):
+            budget = int(-(-mult * median // 128) * 128)
+            lengths = np.minimum(all_lengths, budget)
+            fixed = plan_packs(lengths, budget).efficiency
+            for window in (16_384, 4_096):
+                s = PackedBatchSampler(lengths, budget, replan=True, replan_window=window)
+                effs, secs = [], []
+                for epoch in range(3):
+                    t0 = time.perf_counter()
+                    packs = s.replan_packs(epoch)
+                    secs.append(time.perf_counter() - t0)
+                    effs.append(float(lengths.sum()) / (len(packs) * budget))
+                rows.append({"lengths": kind, "budget": budget, "x_median": mult, "n": n,
+                             "window": window, "fixed_efficiency": fixed,
+                             "replan_efficiency": float(np.mean(effs)),
+                             "replan_efficiency_per_epoch": effs,
+                             "seconds_per_epoch": statistics.median(secs)})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10000,100000,1000000", help="episode counts")
@@ -174,6 +202,18 @@ def main() -> None:
     for r in sweep:
         print(f"| {r['lengths']} | {r['algorithm']} | {100 * r['min']:.2f}% "
               f"({r['min_at_x_median']}x) | {100 * r['mean']:.2f}% |")  # fmt: skip
+    replan = replan_rows(args.sweep_n)
+    print(f"\nRe-planning every epoch (PackedBatchSampler(replan=True)), {args.sweep_n:,} "
+          "episodes, epochs 0-2:\n")  # fmt: skip
+    print("| lengths | budget (x median) | fixed plan | window | re-planned (mean of 3 epochs) "
+          "| fill cost | s per epoch |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in replan:
+        print(f"| {r['lengths']} | {r['budget']:,} ({r['x_median']}x) | "
+              f"{100 * r['fixed_efficiency']:.2f}% | {r['window']:,} | "
+              f"{100 * r['replan_efficiency']:.2f}% | "
+              f"{100 * (r['fixed_efficiency'] - r['replan_efficiency']):.2f} pt | "
+              f"{r['seconds_per_epoch']:.2f} |")  # fmt: skip
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -184,6 +224,7 @@ def main() -> None:
         "torch": torch.__version__,
         "rows": rows,
         "sweep": sweep,
+        "replan": replan,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -285,8 +285,8 @@ def plan_packs(
     """Pack episodes of ``lengths`` tokens into packs of at most ``token_budget`` tokens.
 
     ``algorithm``: ``"lookahead"`` (default: open each pack from the middle of the lengths
-    left, fill it so the shortest still fits, close with the best fit; >= 99% full and >1M
-    episodes/s on the benchmark, docs/planning.md), ``"bfd"`` best-fit decreasing (the
+    left, fill it so the shortest still fits, close with the best fit; >= 99% full, 0.3-7M
+    episodes/s on one core, docs/planning.md), ``"bfd"`` best-fit decreasing (the
     classic; ~96% on narrow length ranges), ``"ffd"`` first-fit decreasing, ``"next_fit"``
     greedy in data order (the naive baseline). ``max_docs`` caps the
     episodes per pack. For ``oversize="split"`` an episode's length must be
