@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -44,7 +45,8 @@ import torch
 from torch.utils.data import Dataset
 
 from packing._lazy import require
-from packing.hf import plan_columns, table_to_episode
+from packing._parquet_pages import read_fixed_column
+from packing.hf import arrow_to_numpy, plan_columns, table_to_episode
 
 __all__ = ["LeRobotEpisodes", "episode_lengths"]
 
@@ -183,14 +185,20 @@ class _ParquetEpisodes:
                 )
             self.paths.append(path)
             self.row0[j] = r0
-        self._open: OrderedDict[Path, tuple[Any, np.ndarray | None]] = OrderedDict()
+        self._open: OrderedDict[Path, tuple[Any, ...]] = OrderedDict()
         self._pid = os.getpid()
+        features = info.get("features", {})
+        self._shapes = {c: tuple(features[c]["shape"]) for c in columns if c in features}
+        # Columns decoded by packing._parquet_pages vs by pyarrow (when a file's pages are
+        # not ones it handles): a fallback is slower, never different, and it is counted.
+        self.decode_counts = {"direct": 0, "pyarrow": 0}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_open": OrderedDict()}
 
-    def _file(self, path: Path) -> tuple[Any, np.ndarray | None]:
-        """An open parquet file and its row-group offsets, or a cached Arrow table and None."""
+    def _file(self, path: Path) -> tuple[Any, ...]:
+        """An open parquet file, its row-group offsets and its directly decodable columns
+        (see `_direct_columns`), or a cached Arrow table and None."""
         if self._pid != os.getpid():  # forked: do not reuse the parent's handles
             self._open, self._pid = OrderedDict(), os.getpid()
         if path in self._open:
@@ -201,15 +209,44 @@ class _ParquetEpisodes:
         else:
             pf = require("pyarrow.parquet", extra="lerobot").ParquetFile(path, memory_map=True)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
-            self._open[path] = (pf, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            self._open[path] = (pf, offsets, self._direct_columns(path, pf))
         if len(self._open) > _MAX_OPEN_FILES:  # a big dataset must not exhaust file handles
             old = self._open.popitem(last=False)[1]
             if old[1] is not None:
                 old[0].close()
         return self._open[path]
 
+    def _direct_columns(self, path: Path, pf: Any) -> tuple[Any, dict[str, Any]]:
+        """The file as one zero-copy buffer, and the requested nested numeric columns that
+        `read_fixed_column` can decode: name -> (leaf index, numpy dtype, per-row shape).
+
+        The per-row shape is the stored one, read by pyarrow from the file's first row (the
+        declared shape is checked against it later, as for any read)."""
+        pa = require("pyarrow", extra="lerobot")
+        metadata = pf.metadata
+        leaves: dict[str, list[int]] = {}
+        for i in range(metadata.num_columns):
+            leaves.setdefault(metadata.schema.column(i).path.split(".")[0], []).append(i)
+        found: dict[str, Any] = {}
+        for name in self._shapes:
+            if len(leaves.get(name, ())) != 1:
+                continue
+            leaf = metadata.schema.column(leaves[name][0])
+            if leaf.max_repetition_level == 0:  # flat columns: pyarrow is fast on those
+                continue
+            dtype = _PHYSICAL_DTYPES.get(leaf.physical_type)
+            if leaf.physical_type == "FIXED_LEN_BYTE_ARRAY" and str(leaf.logical_type) == "Float16":
+                dtype = np.float16
+            if dtype is not None and metadata.num_rows:
+                first = next(pf.iter_batches(batch_size=1, columns=[name], use_threads=False))
+                stored = arrow_to_numpy(first.column(0), key=name).shape[1:]
+                found[name] = (leaves[name][0], dtype, stored)
+        buffer = pa.memory_map(str(path), "r").read_buffer() if found else None
+        return buffer, found
+
     def read(self, j: int, length: int, columns: list[str]) -> Any:
-        source, rg = self._file(self.paths[j])
+        source, rg, *direct = self._file(self.paths[j])
         r0 = int(self.row0[j])
         if rg is None:  # memory-mapped Arrow cache: a zero-copy slice
             return source.slice(r0, length).select(columns)
@@ -217,8 +254,36 @@ class _ParquetEpisodes:
         # episode). One thread: DataLoader workers are the parallelism.
         first = int(np.searchsorted(rg, r0, side="right")) - 1
         last = int(np.searchsorted(rg, r0 + length, side="left"))
-        table = source.read_row_groups(list(range(first, last)), columns=columns, use_threads=False)
-        return table.slice(r0 - int(rg[first]), length)
+        groups = list(range(first, last))
+        buffer, specs = direct[0]
+        decoded = {}
+        for c in columns:
+            if c in specs:
+                leaf, dtype, shape = specs[c]
+                values = read_fixed_column(
+                    buffer, source.metadata, groups, leaf, dtype, math.prod(shape)
+                )
+                self.decode_counts["pyarrow" if values is None else "direct"] += 1
+                if values is not None:
+                    decoded[c] = _fixed_lists(values, shape)
+        rest = [c for c in columns if c not in decoded]
+        table = source.read_row_groups(groups, columns=rest, use_threads=False)
+        for c, array in decoded.items():
+            table = table.append_column(c, array)
+        return table.slice(r0 - int(rg[first]), length).select(columns)
+
+
+_PHYSICAL_DTYPES = {"FLOAT": np.float32, "DOUBLE": np.float64, "INT32": np.int32, "INT64": np.int64}
+
+
+def _fixed_lists(values: np.ndarray, shape: tuple[int, ...]) -> Any:
+    """Flat values -> an Arrow array of rows of ``shape`` (nested fixed-size lists over the
+    same memory, no copy)."""
+    pa = require("pyarrow", extra="lerobot")
+    array = pa.array(values)
+    for dim in reversed(shape):
+        array = pa.FixedSizeListArray.from_arrays(array, dim)
+    return array
 
 
 def _arrow_cache(path: Path, columns: list[str], cache_dir: Path) -> Any:
