@@ -339,8 +339,9 @@ class LeRobotEpisodes(Dataset):
         cache_dir: root path only. Each data file is decoded once, its requested columns
             written there as an uncompressed Arrow file and memory-mapped from then on (what
             lerobot's own loader does through ``datasets``): reads become zero-copy slices,
-            ~20x cheaper for float16 latents, at the cost of disk space. ``None``: decode the
-            parquet row groups of each episode on every read, write nothing.
+            ~8x cheaper for float16 latents, at the cost of disk space. ``None``: decode the
+            parquet row groups of each episode on every read (fixed-shape numeric columns
+            straight from their pages, docs/datasets.md), write nothing.
 
     Attributes:
         lengths: frames per item (numpy int64), from metadata alone: the planner's input.
