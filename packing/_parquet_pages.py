@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["read_fixed_column"]
+__all__ = ["fixed_shape", "read_fixed_column"]
 
 _CODECS = {"SNAPPY": "snappy", "ZSTD": "zstd", "GZIP": "gzip", "BROTLI": "brotli"}
 _PLAIN_DTYPES = {"FLOAT": np.float32, "DOUBLE": np.float64, "INT32": np.int32, "INT64": np.int64}
@@ -215,6 +215,36 @@ def _page_values(
             raise _Unsupported(f"bit width {bw}")
         return _gather(dictionary, _hybrid(page[pos + 1 :], bw, count))
     raise _Unsupported(f"encoding {encoding}")
+
+
+def fixed_shape(field: Any) -> tuple[int, ...] | None:
+    """The per-row shape that an Arrow schema field guarantees, or ``None``.
+
+    Only two kinds of field promise that every row has one shape: nested fixed-size lists
+    (``fixed_size_list<float>[14]`` -> ``(14,)``) and ``datasets``' ArrayND extension types
+    (``Array3D(48, 8, 16)``, stored as plain lists but validated on write; the shape is in the
+    field's extension metadata). A plain list may be ragged, and its rows could add up to the
+    right count in the wrong shapes, so it is left to pyarrow.
+    """
+    import json
+
+    import pyarrow as pa
+
+    if isinstance(field.type, pa.ExtensionType):  # `datasets` imported: its type is registered
+        ext = field.type
+        ok = ext.extension_name.startswith("datasets.features.features.Array")
+        return tuple(int(d) for d in ext.shape) if ok and hasattr(ext, "shape") else None
+    meta = field.metadata or {}
+    name = meta.get(b"ARROW:extension:name", b"")
+    if name.startswith(b"datasets.features.features.Array") and b"ARROW:extension:metadata" in meta:
+        shape = json.loads(meta[b"ARROW:extension:metadata"])[0]
+        return tuple(int(d) for d in shape)
+    dims: list[int] = []
+    t = field.type
+    while hasattr(t, "list_size"):  # FixedSizeListType
+        dims.append(int(t.list_size))
+        t = t.value_type
+    return tuple(dims) if dims else None
 
 
 def read_fixed_column(

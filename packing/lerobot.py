@@ -45,8 +45,8 @@ import torch
 from torch.utils.data import Dataset
 
 from packing._lazy import require
-from packing._parquet_pages import read_fixed_column
-from packing.hf import arrow_to_numpy, plan_columns, table_to_episode
+from packing._parquet_pages import fixed_shape, read_fixed_column
+from packing.hf import plan_columns, table_to_episode
 
 __all__ = ["LeRobotEpisodes", "episode_lengths"]
 
@@ -221,8 +221,9 @@ class _ParquetEpisodes:
         """The file as one zero-copy buffer, and the requested nested numeric columns that
         `read_fixed_column` can decode: name -> (leaf index, numpy dtype, per-row shape).
 
-        The per-row shape is the stored one, read by pyarrow from the file's first row (the
-        declared shape is checked against it later, as for any read)."""
+        The per-row shape is the one the file's own Arrow schema guarantees (`fixed_shape`);
+        a column without that guarantee is read by pyarrow. The declared shape is checked
+        against what was read later, as for any read."""
         pa = require("pyarrow", extra="lerobot")
         metadata = pf.metadata
         leaves: dict[str, list[int]] = {}
@@ -238,9 +239,8 @@ class _ParquetEpisodes:
             dtype = _PHYSICAL_DTYPES.get(leaf.physical_type)
             if leaf.physical_type == "FIXED_LEN_BYTE_ARRAY" and str(leaf.logical_type) == "Float16":
                 dtype = np.float16
-            if dtype is not None and metadata.num_rows:
-                first = next(pf.iter_batches(batch_size=1, columns=[name], use_threads=False))
-                stored = arrow_to_numpy(first.column(0), key=name).shape[1:]
+            stored = fixed_shape(pf.schema_arrow.field(name))
+            if dtype is not None and stored is not None:
                 found[name] = (leaves[name][0], dtype, stored)
         buffer = pa.memory_map(str(path), "r").read_buffer() if found else None
         return buffer, found

@@ -101,3 +101,25 @@ def test_columns_it_does_not_handle_return_none(tmp_path: Path) -> None:
     ragged = pa.array([[1.0, 2.0], [3.0], [4.0, 5.0]], type=pa.list_(pa.float32()))
     path = write(tmp_path / "r.parquet", {"a": ragged}, 3)
     assert direct(path, "a", np.float32, 2) is None
+
+
+def test_only_schemas_that_guarantee_a_shape_are_decoded_directly() -> None:
+    from packing._parquet_pages import fixed_shape
+
+    ext = pa.field("latents", pa.list_(pa.list_(pa.float16())), metadata={
+        b"ARROW:extension:name": b"datasets.features.features.Array2DExtensionType",
+        b"ARROW:extension:metadata": b'[[4, 3], "float16"]'})  # fmt: skip
+    assert fixed_shape(ext) == (4, 3)
+    fixed = pa.field("action", pa.list_(pa.list_(pa.float32(), 7), 2))
+    assert fixed_shape(fixed) == (2, 7)
+    # a plain list may be ragged: rows of 3 and 1 values add up to 2 rows of 2
+    assert fixed_shape(pa.field("a", pa.list_(pa.float32()))) is None
+    assert fixed_shape(pa.field("t", pa.float32())) is None
+
+
+def test_registered_datasets_extension_type_gives_its_shape() -> None:
+    datasets_features = pytest.importorskip("datasets.features.features")
+    from packing._parquet_pages import fixed_shape
+
+    ext = datasets_features.Array3DExtensionType((48, 8, 16), "float16")
+    assert fixed_shape(pa.field("latents", ext)) == (48, 8, 16)
