@@ -269,7 +269,10 @@ def layout_from_lengths(
     k = len(lengths)
     total = sum(lengths)
     if total > padded:
-        raise ValueError(f"{total:,} tokens (lengths {lengths}) do not fit in padded={padded:,}")
+        raise ValueError(
+            f"{total:,} tokens (lengths {lengths}) do not fit in padded={padded:,}; pass "
+            "padded >= the sum of the lengths (the collator pads to the stream's budget)"
+        )
     cu = np.full(max(k, max_docs or 0) + 1, total, dtype=np.int32)
     cu[0] = 0
     cu[1 : k + 1] = list(accumulate(lengths))  # for a handful of documents, faster than numpy

@@ -187,8 +187,7 @@ class _ParquetEpisodes:
             self.row0[j] = r0
         self._open: OrderedDict[Path, tuple[Any, ...]] = OrderedDict()
         self._pid = os.getpid()
-        features = info.get("features", {})
-        self._shapes = {c: tuple(features[c]["shape"]) for c in columns if c in features}
+        self._features = [c for c in columns if c in info.get("features", {})]
         # Columns decoded by packing._parquet_pages vs by pyarrow (when a file's pages are
         # not ones it handles): a fallback is slower, never different, and it is counted.
         self.decode_counts = {"direct": 0, "pyarrow": 0}
@@ -230,7 +229,7 @@ class _ParquetEpisodes:
         for i in range(metadata.num_columns):
             leaves.setdefault(metadata.schema.column(i).path.split(".")[0], []).append(i)
         found: dict[str, Any] = {}
-        for name in self._shapes:
+        for name in self._features:
             if len(leaves.get(name, ())) != 1:
                 continue
             leaf = metadata.schema.column(leaves[name][0])

@@ -162,7 +162,7 @@ class PackedBatchSampler(Sampler[list[int]]):
         self.balance, self.balance_window = balance, int(balance_window)
         self.replan, self.replan_window = bool(replan), int(replan_window)
         self._algorithm, self._max_docs = algorithm, max_docs
-        self._epoch_cache: tuple[int, list[list[int]], np.ndarray] | None = None
+        self._epoch_cache: tuple[tuple[int, int], list[list[int]], np.ndarray] | None = None
         if self.replan:  # the packs of epoch 0 (each epoch has its own)
             self.packs, self.cost_P = self._plan_epoch(self.replan_packs(0))
         else:
@@ -197,8 +197,9 @@ class PackedBatchSampler(Sampler[list[int]]):
         of the epoch's shuffled windows (cached for the last epoch asked for)."""
         if not self.replan:
             return self.packs, self.cost_P
-        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
-            self._epoch_cache = (epoch, *self._plan_epoch(self.replan_packs(epoch)))
+        key = (self.seed, epoch)  # load_state_dict may change the seed
+        if self._epoch_cache is None or self._epoch_cache[0] != key:
+            self._epoch_cache = (key, *self._plan_epoch(self.replan_packs(epoch)))
         return self._epoch_cache[1], self._epoch_cache[2]
 
     def replan_packs(self, epoch: int) -> list[list[int]]:

@@ -245,3 +245,15 @@ def test_replan_is_refused_with_a_prebuilt_plan():
     plan = plan_packs([3, 4, 5], 8)
     with pytest.raises(ValueError, match="replan=True plans the packs every epoch"):
         PackedBatchSampler(plan=plan, replan=True)
+
+
+def test_replan_follows_the_seed_of_a_loaded_state():
+    lengths = np.random.default_rng(1).integers(1, 40, 200).tolist()
+    a = PackedBatchSampler(lengths, 64, seed=11, replan=True, replan_window=40)
+    a.set_epoch(2)
+    full = list(a)
+    b = PackedBatchSampler(lengths, 64, seed=0, replan=True, replan_window=40)
+    b.set_epoch(2)
+    list(b)  # caches seed 0's packs of epoch 2
+    b.load_state_dict({**a.state_dict(), "consumed": 0})
+    assert list(b) == full
