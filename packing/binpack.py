@@ -286,14 +286,16 @@ def best_fit_lookahead(
     order, sorted_len = _decreasing(lengths)
     starts, stops = _runs(sorted_len)
     vals = [int(sorted_len[s]) for s in reversed(starts)]  # distinct lengths left, ascending
-    # Items of one length are interchangeable: keep a count and the next sorted position per
-    # length (taken in increasing order) instead of a list of item ids.
-    left = {int(sorted_len[s]): e - s for s, e in zip(starts, stops, strict=False)}
+    # Items of one length are interchangeable: keep the next and the stop sorted position per
+    # length (items of a length are taken in increasing order) instead of a list of item ids.
     nxt = {int(sorted_len[s]): s for s in starts}
+    stop = {int(sorted_len[s]): e for s, e in zip(starts, stops, strict=False)}
     cap = n if max_docs is None else max_docs
     b = 0
-    one_pos: list[int] = []  # items placed one at a time: sorted position, bin
-    one_bin: list[int] = []
+    one_pos: list[int] = []  # sorted positions of the items placed one at a time, pack by pack
+    take = one_pos.append
+    pack_ids: list[int] = []  # ... and each such pack's id and size
+    pack_sizes: list[int] = []
     blocks: list[tuple[int, int, int, int]] = []  # repeated packs: first position, items, bin, m
 
     while vals:
@@ -302,17 +304,13 @@ def best_fit_lookahead(
         # the longest would use up the short items as fillers and leave only mid-size ones.
         j = len(vals) - 1 if 2 * vals[-1] > budget else min(int(opener * len(vals)), len(vals) - 1)
         pattern: list[int] = []
-        before: dict[int, int] = {}
         room = budget
         while True:
             v = vals[j]
-            if v not in before:
-                before[v] = left[v]
-            one_pos.append(nxt[v])
-            one_bin.append(b)
-            nxt[v] += 1
-            left[v] -= 1
-            if not left[v]:
+            p = nxt[v]
+            take(p)
+            nxt[v] = p = p + 1
+            if p == stop[v]:
                 vals.pop(j)
             pattern.append(v)
             room -= v
@@ -323,22 +321,26 @@ def best_fit_lookahead(
                 break
             if vals[j] < room and len(pattern) + 1 < cap:
                 k = bisect_left(vals, room - vals[0] + 1) - 1  # leaves room for the shortest
-                if k > 0 or (k == 0 and left[vals[0]] > 1):
+                if k > 0 or (k == 0 and stop[vals[0]] - nxt[vals[0]] > 1):
                     j = k
+        pack_ids.append(b)
+        pack_sizes.append(len(pattern))
         b += 1
         # While every length of this pack is left at least twice over, the next packs see the
         # same choices (no length runs out, the shortest stays the shortest): repeat the pack
-        # k - 2 times at once instead of one item at a time.
-        mult = {v: pattern.count(v) for v in before}
-        reps = min(before[v] // m for v, m in mult.items()) - 2
+        # k - 2 times at once instead of one item at a time. A length's count before this pack
+        # is what is left now plus what the pack took (m).
+        mult = {v: pattern.count(v) for v in dict.fromkeys(pattern)}
+        reps = min((stop[v] - nxt[v] + m) // m for v, m in mult.items()) - 2
         if reps > 0:
             for v, m in mult.items():
                 blocks.append((nxt[v], m * reps, b, m))
                 nxt[v] += m * reps
-                left[v] -= m * reps
             b += reps
     bin_sorted = np.empty(n, dtype=np.int64)
-    bin_sorted[np.asarray(one_pos, dtype=np.int64)] = np.asarray(one_bin, dtype=np.int64)
+    bin_sorted[np.asarray(one_pos, dtype=np.int64)] = np.repeat(
+        np.asarray(pack_ids, dtype=np.int64), pack_sizes
+    )
     if blocks:
         # Block (p, c, b, m): positions p .. p + c - 1 go to packs b .. b + c/m - 1, m items
         # each, the last pack's items first (the order the one-at-a-time loop would use).
