@@ -1,24 +1,31 @@
-"""Collate throughput per DataLoader worker: PackedCollator vs naive torch.cat vs pad-to-longest.
+"""Collate speed per DataLoader worker against the bare copy and a user's naive collate.
 
-One DataLoader worker runs one thread, so this times the collate on one thread
-(``torch.set_num_threads(1)``), on episodes already in memory (I/O is bench_lerobot_io.py's
-subject). GB/s counts the bytes of the episodes' streams (latents + actions), i.e. what had
-to be copied once; episodes/s is the number of episodes collated per second.
+Methods, timed interleaved (one call of each in turn, so a noisy neighbour on a shared machine
+hits them alike) on the same packs, episodes already in memory (I/O is bench_lerobot_io.py's
+subject):
 
-The alternatives, as a user would write them:
+* ``bare copy``: ``torch.cat`` of each stream + doc ids (``repeat_interleave``): no padding,
+  no positions; the floor any collate pays. Goal: PackedCollator >= 0.9x its speed.
+* ``naive full``: what one writes by hand for the same output: cat, a second cat of a zero
+  tail to reach the budget, doc ids / positions from Python lists of ``torch.full`` /
+  ``torch.arange``, ``cu_seqlens``. Goal: PackedCollator >= 1.5x its speed.
+* ``PackedCollator``: the library (streams, layouts with 3D positions, per-episode values).
+* ``pad to longest``: ``pad_sequence`` + key mask, the padded-batch alternative.
 
-* ``naive``: ``torch.cat`` each stream, then ``torch.cat`` a zero tail to reach the budget
-  (a second copy), doc ids / positions from Python lists of ``torch.full``/``torch.arange``.
-* ``pad_longest``: ``pad_sequence`` to the longest episode, ``(K, L_max, ...)`` plus a key mask
-  (the padded-batch alternative to packing; it copies as much but pads a lot).
+GB/s counts the episodes' bytes (latents + actions), what had to be copied once. "memcpy" is
+the machine's bare ``Tensor.copy_`` bandwidth on a 64 MB buffer, measured in the same run.
+Sizes: ``small`` (K ~ 6 episodes of 18-42 latent frames, budget 8K tokens: 2 MB in bf16),
+``seed`` (4.6K-10.7K-token episodes, budget 64K: ~25 MB bf16, ~50 MB fp32), ``short``
+(0.3K-2.5K tokens, budget 48K); bf16 and fp32 latents; 1 thread and the default threads.
 
-    python benchmarks/bench_collate.py            # full sizes (~1 min)
+    python benchmarks/bench_collate.py            # full sizes (~3 min on 2 cores)
     python benchmarks/bench_collate.py --quick    # tiny, for CI
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -105,90 +112,139 @@ def episode_bytes(episodes: list[dict[str, Any]]) -> int:
     )
 
 
+def bare_copy(episodes: list[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
+    """The floor: one cat per stream and the doc ids, nothing else."""
+    lat = torch.cat([e["latents"] for e in episodes])
+    act = torch.cat([e["action"] for e in episodes])
+    tokens = torch.tensor([e["latents"].shape[0] * TOKENS_PER_FRAME for e in episodes])
+    doc_ids = torch.repeat_interleave(torch.arange(len(episodes), dtype=torch.int32), tokens)
+    return lat, act, doc_ids
+
+
+def memcpy_gbs(mb: int = 64, iters: int = 20) -> float:
+    """The machine's bare copy bandwidth (GB/s of payload: bytes read once, written once)."""
+    src = torch.ones(mb * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    t = common.time_host(lambda: dst.copy_(src), warmup=3, iters=iters)
+    return src.numel() / (t.median_ms * 1e-3) / 1e9
+
+
+def time_interleaved(
+    methods: dict[str, Any], packs: list[Any], iters: int, warmup: int = 3
+) -> dict[str, common.Timing]:
+    """Each method once per round, in turn, rotating the pack: a burst of load from a
+    neighbour hits every method alike, so ratios stay meaningful on a shared machine."""
+    samples: dict[str, list[float]] = {m: [] for m in methods}
+    for i in range(warmup + iters):
+        pk = packs[i % len(packs)]
+        for m, fn in methods.items():
+            t0 = time.perf_counter()
+            out = fn(pk)
+            dt = (time.perf_counter() - t0) * 1e3
+            del out  # freed outside the timed region for every method alike
+            if i >= warmup:
+                samples[m].append(dt)
+    return {m: common.summarize(v) for m, v in samples.items()}
+
+
 def main() -> None:
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--packs", type=int, default=8, help="distinct packs per regime (rotated)")
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 = one worker)")
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument(
+        "--threads", default="1,default", help="torch thread counts, 'default' = torch's own"
+    )
     p.add_argument("--dataloader", action="store_true", help="also time DataLoader(workers=1)")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    rng = torch.Generator().manual_seed(args.seed)
+    default_threads = torch.get_num_threads()
+    threads = [default_threads if t == "default" else int(t) for t in args.threads.split(",")]
     # (name, budget tokens, min, max tokens per episode)
     regimes = [
+        ("small 0.6K-1.3K / 8K", 8192, 576, 1344),
         ("seed 4.6K-10.7K / 64K", 65536, 4608, 10752),
         ("short 0.3K-2.5K / 48K", 49152, 320, 2528),
     ]
     if args.quick:
         regimes = [("quick seed", 4096, 640, 1280), ("quick short", 2048, 64, 320)]
-        args.packs, args.iters = 2, 3
+        args.packs, args.iters, threads = 2, 3, threads[:1]
     dtypes = [torch.bfloat16, torch.float32]
+    copy_gbs = memcpy_gbs(8 if args.quick else 64)
+    print(f"memcpy (Tensor.copy_, 1 thread): {copy_gbs:.1f} GB/s")
 
     rows: list[dict[str, Any]] = []
-    for name, budget, lo, hi in regimes:
-        for dtype in dtypes:
-            packs = [make_episodes(rng, budget, lo, hi, dtype) for _ in range(args.packs)]
-            collator = PackedCollator(
-                [Stream("latents", grid=(4, 8), budget=budget), Stream("action")],
-                pad_to_multiple=128,
-            )
-            nbytes = sum(episode_bytes(p) for p in packs) / len(packs)
-            neps = sum(len(p) for p in packs) / len(packs)
-            # Check the alternative computes the same packed data before timing it.
-            ref = collator(packs[0])
-            alt = naive_collate(packs[0], budget)
-            assert torch.equal(ref["latents"], alt["latents"]), "naive collate disagrees"
-            assert torch.equal(ref["doc_ids"], alt["doc_ids"]), "naive doc ids disagree"
-
-            methods = {
-                "PackedCollator": collator,
-                "naive torch.cat": partial(naive_collate, budget=budget),
-                "pad to longest": pad_longest_collate,
-            }
-            res: dict[str, common.Timing] = {}
-            for mname, fn in methods.items():
-                it = iter(range(10**9))
-
-                def call(fn: Any = fn, it: Any = it, packs: Any = packs) -> None:
-                    fn(packs[next(it) % len(packs)])
-
-                res[mname] = common.time_host(call, warmup=2, iters=args.iters)
-            base = res["naive torch.cat"].median_ms
-            for mname, t in res.items():
-                rows.append(
-                    {
-                        "regime": name,
-                        "dtype": str(dtype).replace("torch.", ""),
-                        "method": mname,
-                        "episodes/pack": round(neps, 1),
-                        "MB/pack": nbytes / 1e6,
-                        "ms": t.median_ms,
-                        "p10-p90 ms": f"{t.p10_ms:.2f}-{t.p90_ms:.2f}",
-                        "GB/s": nbytes / (t.median_ms * 1e-3) / 1e9,
-                        "episodes/s": neps / (t.median_ms * 1e-3),
-                        "vs naive": base / t.median_ms,
-                        "timing": t.as_dict(),
-                    }
-                )
+    for nthreads in threads:
+        torch.set_num_threads(nthreads)
+        rng = torch.Generator().manual_seed(args.seed)
+        for name, budget, lo, hi in regimes:
+            for dtype in dtypes:
+                rows += regime_rows(args, nthreads, name, budget, lo, hi, dtype, rng)
+    torch.set_num_threads(default_threads)
 
     dl_rows = []
     if args.dataloader:
-        dl_rows = dataloader_rows(args, regimes[0])
-    cols = ["regime", "dtype", "method", "episodes/pack", "MB/pack", "ms", "p10-p90 ms", "GB/s",
-            "episodes/s", "vs naive"]  # fmt: skip
+        dl_rows = dataloader_rows(args, regimes[1 if len(regimes) > 2 else 0])
+    cols = ["threads", "regime", "dtype", "method", "episodes/pack", "MB/pack", "ms",
+            "p10-p90 ms", "GB/s", "vs bare copy", "vs naive"]  # fmt: skip
     print(common.markdown_table(rows + dl_rows, cols))
     common.write_json(
         "collate",
         args,
-        {"rows": rows + dl_rows, "threads": args.threads},
+        {"rows": rows + dl_rows, "threads": threads, "memcpy_gb_per_s": copy_gbs},
         device="cpu",
     )
 
 
+def regime_rows(
+    args: Any, nthreads: int, name: str, budget: int, lo: int, hi: int, dtype: torch.dtype,
+    rng: torch.Generator,
+) -> list[dict[str, Any]]:  # fmt: skip
+    packs = [make_episodes(rng, budget, lo, hi, dtype) for _ in range(args.packs)]
+    collator = PackedCollator(
+        [
+            Stream("latents", grid=(4, 8), budget=budget),
+            Stream("action", budget=budget // TOKENS_PER_FRAME),  # one action per frame
+        ]
+    )
+    nbytes = sum(episode_bytes(p) for p in packs) / len(packs)
+    neps = sum(len(p) for p in packs) / len(packs)
+    # The alternatives must compute the same packed data before they are timed.
+    ref, alt, bare = collator(packs[0]), naive_collate(packs[0], budget), bare_copy(packs[0])
+    for key in ("latents", "action", "doc_ids", "position_ids", "cu_seqlens"):
+        assert torch.equal(ref[key], alt[key]), f"naive collate disagrees on {key}"
+    n_frames = bare[0].shape[0]
+    assert torch.equal(ref["latents"][:n_frames], bare[0]), "bare copy disagrees"
+    assert torch.equal(ref["doc_ids"][: len(bare[2])], bare[2]), "bare doc ids disagree"
+
+    methods = {
+        "bare copy": bare_copy,
+        "naive full": partial(naive_collate, budget=budget),
+        "PackedCollator": collator,
+        "pad to longest": pad_longest_collate,
+    }
+    res = time_interleaved(methods, packs, args.iters)
+    bare_ms, naive_ms = res["bare copy"].median_ms, res["naive full"].median_ms
+    return [
+        {
+            "threads": nthreads,
+            "regime": name,
+            "dtype": str(dtype).replace("torch.", ""),
+            "method": mname,
+            "episodes/pack": round(neps, 1),
+            "MB/pack": nbytes / 1e6,
+            "ms": t.median_ms,
+            "p10-p90 ms": f"{t.p10_ms:.3f}-{t.p90_ms:.3f}",
+            "GB/s": nbytes / (t.median_ms * 1e-3) / 1e9,
+            "episodes/s": neps / (t.median_ms * 1e-3),
+            "vs bare copy": bare_ms / t.median_ms,
+            "vs naive": naive_ms / t.median_ms,
+            "timing": t.as_dict(),
+        }
+        for mname, t in res.items()
+    ]
+
+
 def dataloader_rows(args: Any, regime: tuple[str, int, int, int]) -> list[dict[str, Any]]:
     """End to end through DataLoader(num_workers=1): collate in the worker + the IPC hand-off."""
-    import time
-
     from torch.utils.data import DataLoader
 
     name, budget, lo, hi = regime

@@ -103,19 +103,19 @@ def step() -> None:
 
 
 def collate() -> None:
-    rows = [r for r in load("collate")["rows"] if "vs naive" in r]
+    rows = [r for r in load("collate")["rows"] if "vs naive" in r and r.get("threads", 1) == 1]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     groups = sorted({(r["regime"], r["dtype"]) for r in rows})
-    methods = ["PackedCollator", "naive torch.cat", "pad to longest"]
-    w = 0.27
+    methods = ["bare copy", "PackedCollator", "naive full", "pad to longest"]
+    w = 0.2
     for j, m in enumerate(methods):
         ys = [next(r["GB/s"] for r in rows if (r["regime"], r["dtype"]) == g and r["method"] == m)
               for g in groups]  # fmt: skip
-        ax.bar([i + (j - 1) * w for i in range(len(groups))], ys, w, label=m)
+        ax.bar([i + (j - 1.5) * w for i in range(len(groups))], ys, w, label=m)
     ax.set_xticks(range(len(groups)), [f"{g[0].split()[0]}\n{g[1]}" for g in groups])
     ax.axhline(10, color="grey", ls=":", label="goal 10 GB/s")
     ax.set_ylabel("GB/s of episode data, one thread")
-    ax.set_title("Collate per DataLoader worker (H200 host CPU)")
+    ax.set_title("Collate per DataLoader worker (CPU of the run in collate.json)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(IMG / "bench_collate.png", dpi=110)

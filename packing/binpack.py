@@ -281,66 +281,75 @@ def best_fit_lookahead(
     operations per pack), so it is slower than ``best_fit_decreasing``.
     """
     n = len(lengths)
-    bin_sorted = np.empty(n, dtype=np.int64)
     if n == 0:
-        return bin_sorted
+        return np.empty(0, dtype=np.int64)
     order, sorted_len = _decreasing(lengths)
     starts, stops = _runs(sorted_len)
-    vals = [int(sorted_len[s]) for s in reversed(starts)]  # distinct lengths, ascending
-    stack = {
-        int(sorted_len[s]): list(range(e - 1, s - 1, -1))
-        for s, e in zip(starts, stops, strict=False)
-    }
+    vals = [int(sorted_len[s]) for s in reversed(starts)]  # distinct lengths left, ascending
+    # Items of one length are interchangeable: keep the next and the stop sorted position per
+    # length (items of a length are taken in increasing order) instead of a list of item ids.
+    nxt = {int(sorted_len[s]): s for s in starts}
+    stop = {int(sorted_len[s]): e for s, e in zip(starts, stops, strict=False)}
     cap = n if max_docs is None else max_docs
     b = 0
-    rep_pos: list[int] = []
-    rep_bin: list[int] = []
-
-    def take(j: int) -> int:
-        v = vals[j]
-        bin_sorted[stack[v].pop()] = b
-        if not stack[v]:
-            vals.pop(j)
-        return v
+    one_pos: list[int] = []  # sorted positions of the items placed one at a time, pack by pack
+    take = one_pos.append
+    pack_ids: list[int] = []  # ... and each such pack's id and size
+    pack_sizes: list[int] = []
+    blocks: list[tuple[int, int, int, int]] = []  # repeated packs: first position, items, bin, m
 
     while vals:
         # Open with the longest item if it is over half the budget (no two such items can share
         # a pack anyway), else with the middle one of the distinct lengths left: opening with
         # the longest would use up the short items as fillers and leave only mid-size ones.
-        j0 = len(vals) - 1 if 2 * vals[-1] > budget else min(int(opener * len(vals)), len(vals) - 1)
-        before = {vals[j0]: len(stack[vals[j0]])}
-        pattern = [take(j0)]
-        room = budget - pattern[0]
-        while vals and len(pattern) < cap:
+        j = len(vals) - 1 if 2 * vals[-1] > budget else min(int(opener * len(vals)), len(vals) - 1)
+        pattern: list[int] = []
+        room = budget
+        while True:
+            v = vals[j]
+            p = nxt[v]
+            take(p)
+            nxt[v] = p = p + 1
+            if p == stop[v]:
+                vals.pop(j)
+            pattern.append(v)
+            room -= v
+            if not vals or len(pattern) >= cap:
+                break
             j = bisect_left(vals, room + 1) - 1  # largest length <= room
             if j < 0:
                 break
             if vals[j] < room and len(pattern) + 1 < cap:
                 k = bisect_left(vals, room - vals[0] + 1) - 1  # leaves room for the shortest
-                if k > 0 or (k == 0 and len(stack[vals[0]]) > 1):
+                if k > 0 or (k == 0 and stop[vals[0]] - nxt[vals[0]] > 1):
                     j = k
-            before.setdefault(vals[j], len(stack[vals[j]]) + (vals[j] in pattern))
-            pattern.append(take(j))
-            room -= pattern[-1]
+        pack_ids.append(b)
+        pack_sizes.append(len(pattern))
         b += 1
         # While every length of this pack is left at least twice over, the next packs see the
         # same choices (no length runs out, the shortest stays the shortest): repeat the pack
-        # k - 2 times at once instead of one item at a time.
-        mult = {v: pattern.count(v) for v in set(pattern)}
-        reps = min(before[v] // m for v, m in mult.items()) - 2
+        # k - 2 times at once instead of one item at a time. A length's count before this pack
+        # is what is left now plus what the pack took (m).
+        mult = {v: pattern.count(v) for v in dict.fromkeys(pattern)}
+        reps = min((stop[v] - nxt[v] + m) // m for v, m in mult.items()) - 2
         if reps > 0:
             for v, m in mult.items():
-                cut = len(stack[v]) - m * reps
-                rep_pos.extend(stack[v][cut:])
-                del stack[v][cut:]
-                rep_bin.extend(
-                    range(b, b + reps)
-                    if m == 1
-                    else [x for x in range(b, b + reps) for _ in range(m)]
-                )
+                blocks.append((nxt[v], m * reps, b, m))
+                nxt[v] += m * reps
             b += reps
-    # Repeated packs were recorded as plain lists: one numpy scatter beats one per repeat.
-    bin_sorted[np.asarray(rep_pos, dtype=np.int64)] = np.asarray(rep_bin, dtype=np.int64)
+    bin_sorted = np.empty(n, dtype=np.int64)
+    bin_sorted[np.asarray(one_pos, dtype=np.int64)] = np.repeat(
+        np.asarray(pack_ids, dtype=np.int64), pack_sizes
+    )
+    if blocks:
+        # Block (p, c, b, m): positions p .. p + c - 1 go to packs b .. b + c/m - 1, m items
+        # each, the last pack's items first (the order the one-at-a-time loop would use).
+        p0, count, b0, per = (np.asarray(x, dtype=np.int64) for x in zip(*blocks, strict=True))
+        q = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        last_first = np.repeat(count, count) - 1 - q
+        bin_sorted[np.repeat(p0, count) + q] = np.repeat(b0, count) + last_first // np.repeat(
+            per, count
+        )
     bin_N = np.empty(n, dtype=np.int64)
     bin_N[order] = bin_sorted
     return bin_N

@@ -112,8 +112,14 @@ def _as_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
+_KINDS = {int: "int", float: "float", bool: "bool", str: "object", torch.Tensor: "tensor"}
+
+
 def _kind(value: Any) -> str:
     """How a per-episode value is stacked, and restored by `unpack`."""
+    kind = _KINDS.get(type(value))  # the common types without ABC isinstance checks
+    if kind is not None:
+        return kind
     if isinstance(value, torch.Tensor):
         return "tensor"
     if isinstance(value, bool | np.bool_):
@@ -277,6 +283,27 @@ class PackedCollator:
     def _pack_stream(
         self, s: Stream, episodes: Sequence[Mapping[str, Any]]
     ) -> tuple[torch.Tensor, StreamLayout]:
+        tensors = [ep[s.name] for ep in episodes]
+        # Fast check, once per pack: every episode a torch tensor of one trailing shape and
+        # dtype with at least one step. Anything else goes through the slow loop, which
+        # converts numpy arrays and names the episode at fault.
+        first = tensors[0]
+        fast = type(first) is torch.Tensor and first.dim() >= 1
+        if fast:
+            shape = first.shape[1:] if s.step_shape is None else s.step_shape
+            dtype = first.dtype if s.dtype is None else s.dtype
+            fast = all(
+                type(t) is torch.Tensor and t.dim() >= 1 and t.shape[0] > 0
+                and t.shape[1:] == shape and t.dtype == dtype
+                for t in tensors
+            )  # fmt: skip
+        if not fast:
+            tensors = self._checked_tensors(s, episodes)
+        return self._copy_stream(s, episodes, tensors)
+
+    def _checked_tensors(
+        self, s: Stream, episodes: Sequence[Mapping[str, Any]]
+    ) -> list[torch.Tensor]:
         tensors: list[torch.Tensor] = []
         for i, ep in enumerate(episodes):
             t = _as_tensor(ep[s.name])
@@ -306,7 +333,11 @@ class PackedCollator:
                     f"{want_dtype}; convert it in the dataset (packing never casts silently)"
                 )
             tensors.append(t)
+        return tensors
 
+    def _copy_stream(
+        self, s: Stream, episodes: Sequence[Mapping[str, Any]], tensors: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, StreamLayout]:
         steps = [int(t.shape[0]) for t in tensors]
         tps = s.tokens_per_step
         lengths = [n * tps for n in steps]
@@ -345,7 +376,8 @@ class PackedCollator:
                 continue
             values = [ep[key] for ep in episodes]
             kind = _kind(values[0])
-            for i, v in enumerate(values):
+            same_type = len({type(v) for v in values}) == 1
+            for i, v in enumerate(values if not same_type else ()):
                 if _kind(v) != kind:
                     raise TypeError(
                         f"episode {_name(episodes[i], i)} key {key!r} is "

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["PackedBatch", "StreamLayout", "layout_from_lengths"]
@@ -258,34 +260,74 @@ def layout_from_lengths(
     ``layout_from_lengths([2, 4, 3], [2, 4, 3], padded=12)`` gives doc ids
     ``[0 0 1 1 1 1 2 2 2 -1 -1 -1]`` and ``cu_seqlens [0, 2, 6, 9]``; with ``max_docs=5``
     ``cu_seqlens`` is ``[0, 2, 6, 9, 9, 9]`` (empty documents at the end keep its shape).
+
+    Runs in the collate of every step, so it costs a few numpy calls, not a few per document
+    or per token: a document's positions (and ``thw``) are the first ``n`` rows of one
+    template that counts up from 0, so the stream's rows are K template slices joined by one
+    ``np.concatenate`` (a memcpy); doc ids are one ``np.repeat``.
     """
     k = len(lengths)
     total = sum(lengths)
-    lengths_t = torch.tensor(lengths, dtype=torch.int64)
-    cu = torch.zeros(max(k, max_docs or 0) + 1, dtype=torch.int32)
-    cu[1 : k + 1] = torch.cumsum(lengths_t, 0).to(torch.int32)
-    cu[k + 1 :] = total
-    doc_ids = torch.full((padded,), -1, dtype=torch.int32)
-    doc_ids[:total] = torch.repeat_interleave(torch.arange(k, dtype=torch.int32), lengths_t)
-    pos = torch.zeros(padded, dtype=torch.int32)
-    starts = cu[:k].to(torch.int64)
-    pos[:total] = (torch.arange(total) - torch.repeat_interleave(starts, lengths_t)).to(torch.int32)
+    if total > padded:
+        raise ValueError(
+            f"{total:,} tokens (lengths {lengths}) do not fit in padded={padded:,}; pass "
+            "padded >= the sum of the lengths (the collator pads to the stream's budget)"
+        )
+    cu = np.full(max(k, max_docs or 0) + 1, total, dtype=np.int32)
+    cu[0] = 0
+    cu[1 : k + 1] = list(accumulate(lengths))  # for a handful of documents, faster than numpy
+    tpl = _template(max(k, *lengths) if k else 0, grid)
+    doc_ids = np.empty(padded, dtype=np.int32)
+    doc_ids[:total] = np.repeat(tpl.pos[:k], lengths)
+    doc_ids[total:] = -1
+    pos = np.empty(padded, dtype=np.int32)
+    pos[total:] = 0
     thw = None
+    if k:
+        np.concatenate([tpl.pos[:n] for n in lengths], out=pos[:total])
     if grid is not None:
-        h, w = grid
-        thw = torch.zeros(padded, 3, dtype=torch.int32)
-        p = pos[:total]
-        thw[:total, 0] = p // (h * w)
-        thw[:total, 1] = (p % (h * w)) // w
-        thw[:total, 2] = p % w
+        thw = np.empty((padded, 3), dtype=np.int32)
+        thw[total:] = 0
+        if k:
+            np.concatenate([tpl.thw[:n] for n in lengths], out=thw[:total])
     return StreamLayout(
-        doc_ids_T=doc_ids,
-        position_ids_T=pos,
-        cu_seqlens_K1=cu,
+        doc_ids_T=torch.from_numpy(doc_ids),
+        position_ids_T=torch.from_numpy(pos),
+        cu_seqlens_K1=torch.from_numpy(cu),
         max_seqlen=max(lengths, default=0),
         lengths_K=tuple(lengths),
         steps_K=tuple(steps),
         tokens_per_step=tokens_per_step,
         grid=grid,
-        thw_T3=thw,
+        thw_T3=None if thw is None else torch.from_numpy(thw),
     )
+
+
+@dataclass(frozen=True)
+class _Template:
+    """``pos = [0, 1, 2, ...]`` and, for a grid, ``thw`` = (t, h, w) of the same tokens."""
+
+    pos: np.ndarray
+    thw: np.ndarray
+
+
+_TEMPLATES: dict[tuple[int, int] | None, _Template] = {}
+
+
+def _template(n: int, grid: tuple[int, int] | None) -> _Template:
+    """The layout of one document of at least ``n`` tokens, built once per grid and grown by
+    doubling; every document's positions are a prefix of it (read-only, never handed out)."""
+    tpl = _TEMPLATES.get(grid)
+    if tpl is not None and len(tpl.pos) >= n:
+        return tpl
+    size = max(n, 2 * len(tpl.pos) if tpl is not None else 4096)
+    pos = np.arange(size, dtype=np.int32)
+    thw: np.ndarray = np.zeros((0, 3), dtype=np.int32)
+    if grid is not None:
+        h, w = grid
+        thw = np.stack([pos // (h * w), (pos % (h * w)) // w, pos % w], axis=1)
+    pos.flags.writeable = False
+    thw.flags.writeable = False
+    tpl = _Template(pos, thw)
+    _TEMPLATES[grid] = tpl
+    return tpl

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import warnings
 from collections import OrderedDict
@@ -45,6 +46,7 @@ import torch
 from torch.utils.data import Dataset
 
 from packing._lazy import require
+from packing._parquet_pages import fixed_shape, read_fixed_column
 from packing.hf import plan_columns, table_to_episode
 
 __all__ = ["LeRobotEpisodes", "episode_lengths"]
@@ -246,14 +248,19 @@ class _ParquetEpisodes:
                 )
             self.paths.append(path)
             self.row0[j] = r0
-        self._open: OrderedDict[Path, tuple[Any, np.ndarray | None]] = OrderedDict()
+        self._open: OrderedDict[Path, tuple[Any, ...]] = OrderedDict()
         self._pid = os.getpid()
+        self._features = [c for c in columns if c in info.get("features", {})]
+        # Columns decoded by packing._parquet_pages vs by pyarrow (when a file's pages are
+        # not ones it handles): a fallback is slower, never different, and it is counted.
+        self.decode_counts = {"direct": 0, "pyarrow": 0}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_open": OrderedDict()}
 
-    def _file(self, path: Path) -> tuple[Any, np.ndarray | None]:
-        """An open parquet file and its row-group offsets, or a cached Arrow table and None."""
+    def _file(self, path: Path) -> tuple[Any, ...]:
+        """An open parquet file, its row-group offsets and its directly decodable columns
+        (see `_direct_columns`), or a cached Arrow table and None."""
         if self._pid != os.getpid():  # forked: do not reuse the parent's handles
             self._open, self._pid = OrderedDict(), os.getpid()
         if path in self._open:
@@ -264,15 +271,44 @@ class _ParquetEpisodes:
         else:
             pf = require("pyarrow.parquet", extra=None).ParquetFile(path, memory_map=True)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
-            self._open[path] = (pf, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            self._open[path] = (pf, offsets, self._direct_columns(path, pf))
         if len(self._open) > _MAX_OPEN_FILES:  # a big dataset must not exhaust file handles
             old = self._open.popitem(last=False)[1]
             if old[1] is not None:
                 old[0].close()
         return self._open[path]
 
+    def _direct_columns(self, path: Path, pf: Any) -> tuple[Any, dict[str, Any]]:
+        """The file as one zero-copy buffer, and the requested nested numeric columns that
+        `read_fixed_column` can decode: name -> (leaf index, numpy dtype, per-row shape).
+
+        The per-row shape is the one the file's own Arrow schema guarantees (`fixed_shape`);
+        a column without that guarantee is read by pyarrow. The declared shape is checked
+        against what was read later, as for any read."""
+        pa = require("pyarrow", extra=None)
+        metadata = pf.metadata
+        leaves: dict[str, list[int]] = {}
+        for i in range(metadata.num_columns):
+            leaves.setdefault(metadata.schema.column(i).path.split(".")[0], []).append(i)
+        found: dict[str, Any] = {}
+        for name in self._features:
+            if len(leaves.get(name, ())) != 1:
+                continue
+            leaf = metadata.schema.column(leaves[name][0])
+            if leaf.max_repetition_level == 0:  # flat columns: pyarrow is fast on those
+                continue
+            dtype = _PHYSICAL_DTYPES.get(leaf.physical_type)
+            if leaf.physical_type == "FIXED_LEN_BYTE_ARRAY" and str(leaf.logical_type) == "Float16":
+                dtype = np.float16
+            stored = fixed_shape(pf.schema_arrow.field(name))
+            if dtype is not None and stored is not None:
+                found[name] = (leaves[name][0], dtype, stored)
+        buffer = pa.memory_map(str(path), "r").read_buffer() if found else None
+        return buffer, found
+
     def read(self, j: int, length: int, columns: list[str]) -> Any:
-        source, rg = self._file(self.paths[j])
+        source, rg, *direct = self._file(self.paths[j])
         r0 = int(self.row0[j])
         if rg is None:  # memory-mapped Arrow cache: a zero-copy slice
             return source.slice(r0, length).select(columns)
@@ -281,11 +317,46 @@ class _ParquetEpisodes:
         first = int(np.searchsorted(rg, r0, side="right")) - 1
         last = int(np.searchsorted(rg, r0 + length, side="left"))
         groups = list(range(first, last))
-        table = _read_parquet(
-            self.paths[j],
-            lambda _: source.read_row_groups(groups, columns=columns, use_threads=False),
-        )
-        return table.slice(r0 - int(rg[first]), length)
+        path = self.paths[j]
+
+        def read(_: Path) -> Any:
+            return self._read_groups(source, direct, groups, columns, r0 - int(rg[first]), length)
+
+        return _read_parquet(path, read)
+
+    def _read_groups(self, source: Any, direct: Any, groups: list[int], columns: list[str],
+                     start: int, length: int) -> Any:  # fmt: skip
+        """Row groups ``groups``, fixed-shape columns decoded from their pages where the
+        file's schema guarantees the shape, the rest through pyarrow."""
+        buffer, specs = direct[0]
+        decoded = {}
+        for c in columns:
+            if c in specs:
+                leaf, dtype, shape = specs[c]
+                values = read_fixed_column(
+                    buffer, source.metadata, groups, leaf, dtype, math.prod(shape)
+                )
+                self.decode_counts["pyarrow" if values is None else "direct"] += 1
+                if values is not None:
+                    decoded[c] = _fixed_lists(values, shape)
+        rest = [c for c in columns if c not in decoded]
+        table = source.read_row_groups(groups, columns=rest, use_threads=False)
+        for c, array in decoded.items():
+            table = table.append_column(c, array)
+        return table.slice(start, length).select(columns)
+
+
+_PHYSICAL_DTYPES = {"FLOAT": np.float32, "DOUBLE": np.float64, "INT32": np.int32, "INT64": np.int64}
+
+
+def _fixed_lists(values: np.ndarray, shape: tuple[int, ...]) -> Any:
+    """Flat values -> an Arrow array of rows of ``shape`` (nested fixed-size lists over the
+    same memory, no copy)."""
+    pa = require("pyarrow", extra=None)
+    array = pa.array(values)
+    for dim in reversed(shape):
+        array = pa.FixedSizeListArray.from_arrays(array, dim)
+    return array
 
 
 def _arrow_cache(path: Path, columns: list[str], cache_dir: Path) -> Any:
@@ -341,8 +412,9 @@ class LeRobotEpisodes(Dataset):
         cache_dir: root path only. Each data file is decoded once, its requested columns
             written there as an uncompressed Arrow file and memory-mapped from then on (what
             lerobot's own loader does through ``datasets``): reads become zero-copy slices,
-            ~20x cheaper for float16 latents, at the cost of disk space. ``None``: decode the
-            parquet row groups of each episode on every read, write nothing.
+            ~8x cheaper for float16 latents, at the cost of disk space. ``None``: decode the
+            parquet row groups of each episode on every read (fixed-shape numeric columns
+            straight from their pages, docs/datasets.md), write nothing.
 
     Attributes:
         lengths: frames per item (numpy int64), from metadata alone: the planner's input.

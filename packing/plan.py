@@ -340,8 +340,8 @@ def plan_packs(
     """Pack episodes of ``lengths`` tokens into packs of at most ``token_budget`` tokens.
 
     ``algorithm``: ``"lookahead"`` (default: open each pack from the middle of the lengths
-    left, fill it so the shortest still fits, close with the best fit; >= 99% full and >1M
-    episodes/s on the benchmark, docs/planning.md), ``"bfd"`` best-fit decreasing (the
+    left, fill it so the shortest still fits, close with the best fit; >= 99% full, 0.3-7M
+    episodes/s on one core, docs/planning.md), ``"bfd"`` best-fit decreasing (the
     classic; ~96% on narrow length ranges), ``"ffd"`` first-fit decreasing, ``"next_fit"``
     greedy in data order (the naive baseline). ``max_docs`` caps the
     episodes per pack. For ``oversize="split"`` an episode's length must be
@@ -389,7 +389,7 @@ def plan_packs(
         keep = np.arange(len(pieces_I4))
     elif oversize not in ("error", "drop"):
         raise ValueError(f"oversize={oversize!r}; choose 'error', 'split' or 'drop'")
-    bin_K = _ALGORITHMS[algorithm](item_lengths[keep], token_budget, max_docs)
+    bin_K = _without_gc(_ALGORITHMS[algorithm], item_lengths[keep], token_budget, max_docs)
     # Group items by bin: a stable sort keeps each pack's items in their input order.
     order = stable_argsort(bin_K)
     counts = np.bincount(bin_K, minlength=int(bin_K.max()) + 1 if len(bin_K) else 0)
@@ -403,3 +403,16 @@ def plan_packs(
         algorithm=algorithm,
         max_docs=max_docs,
     )
+
+
+def _without_gc(fn: Any, *args: Any) -> np.ndarray:
+    """``fn(*args)`` with Python's cyclic GC paused: the planners allocate many small lists and
+    dicts (none can form a cycle), which would trigger collections of the whole heap (every
+    module torch loaded) in the middle of a plan, making some calls 2-3x slower than others."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return np.asarray(fn(*args))
+    finally:
+        if enabled:
+            gc.enable()

@@ -89,6 +89,15 @@ class PackedBatchSampler(Sampler[list[int]]):
     yields in a full epoch, identical on every rank. ``**split`` (``tokens_per_step``,
     ``fixed_tokens``, ``split_multiple``, ``split_overlap``) goes to ``plan_packs`` with
     ``oversize="split"``.
+
+    ``replan=True`` re-plans the packs every epoch from ``(seed, epoch)``, so the episodes that
+    share a step change from one epoch to the next (with a fixed plan only the order of the
+    packs changes): the epoch's items are shuffled, cut into windows of ``replan_window``
+    items and each window is planned with ``algorithm``. Every item is still in exactly one
+    pack per epoch, every rank yields the same number of packs, and a state_dict resumes
+    mid-epoch (the epoch's plan is recomputed from the seed). The number of packs per epoch,
+    so ``len(sampler)``, can differ by a few from epoch to epoch; planning in windows costs
+    a little fill (docs/planning.md gives the measured cost).
     """
 
     def __init__(
@@ -106,8 +115,17 @@ class PackedBatchSampler(Sampler[list[int]]):
         algorithm: Algorithm = "lookahead",
         max_docs: int | None = None,
         oversize: Oversize = "error",
+        replan: bool = False,
+        replan_window: int = 16_384,
         **split: int,
     ) -> None:
+        if replan and plan is not None:
+            raise ValueError(
+                "replan=True plans the packs every epoch from lengths=; a prebuilt plan= is "
+                "fixed. Pass lengths and token_budget instead"
+            )
+        if replan_window < 1:
+            raise ValueError(f"replan_window={replan_window} must be >= 1 (items)")
         if plan is None:
             if lengths is None or token_budget is None:
                 raise ValueError("pass lengths and token_budget, or a prebuilt plan=")
@@ -148,18 +166,63 @@ class PackedBatchSampler(Sampler[list[int]]):
         self.num_replicas, self.rank = num_replicas, rank
         self.balance_window = positive_int("balance_window", balance_window, "steps")
         self.balance = balance
-        self.packs = equalise_packs(plan.packs, plan.item_lengths, num_replicas)
-        power = 1 if balance == "tokens" else 2
-        _, self.cost_P = _docs_and_cost(self.packs, plan.item_lengths.astype(np.float64) ** power)
+        self.replan, self.replan_window = bool(replan), int(replan_window)
+        self._algorithm, self._max_docs = algorithm, max_docs
+        self._epoch_cache: tuple[tuple[int, int], list[list[int]], np.ndarray] | None = None
+        if self.replan:  # the packs of epoch 0 (each epoch has its own)
+            self.packs, self.cost_P = self._plan_epoch(self.replan_packs(0))
+        else:
+            self.packs, self.cost_P = self._plan_epoch(plan.packs)
         self.epoch = 0
         self._start = 0  # steps already consumed in self.epoch, from load_state_dict
         self._yielded = 0
         self._fingerprint = zlib.crc32(
             np.concatenate([plan.item_lengths, plan.items_N, plan.offsets_P1]).tobytes()
         )
+        if self.replan:
+            self._fingerprint = zlib.crc32(
+                f"replan {self.replan_window}".encode(), self._fingerprint
+            )
 
     def __len__(self) -> int:
-        return len(self.packs) // self.num_replicas
+        return self._num_steps(self.epoch)
+
+    def _num_steps(self, epoch: int) -> int:
+        return len(self._epoch_packs(epoch)[0]) // self.num_replicas
+
+    def _plan_epoch(self, packs: list[list[int]]) -> tuple[list[list[int]], np.ndarray]:
+        """Equalise ``packs`` to a multiple of the ranks and cost them."""
+        lengths = self.plan.item_lengths
+        packs = equalise_packs(packs, lengths, self.num_replicas)
+        power = 1 if self.balance == "tokens" else 2
+        _, cost_P = _docs_and_cost(packs, lengths.astype(np.float64) ** power)
+        return packs, cost_P
+
+    def _epoch_packs(self, epoch: int) -> tuple[list[list[int]], np.ndarray]:
+        """The packs of ``epoch`` and their costs: the fixed plan, or with ``replan`` the plan
+        of the epoch's shuffled windows (cached for the last epoch asked for)."""
+        if not self.replan:
+            return self.packs, self.cost_P
+        key = (self.seed, epoch)  # load_state_dict may change the seed
+        if self._epoch_cache is None or self._epoch_cache[0] != key:
+            self._epoch_cache = (key, *self._plan_epoch(self.replan_packs(epoch)))
+        return self._epoch_cache[1], self._epoch_cache[2]
+
+    def replan_packs(self, epoch: int) -> list[list[int]]:
+        """The packs planned for ``epoch`` (``replan=True``), before equalising to the ranks:
+        the plan's items shuffled by ``(seed, epoch)``, planned ``replan_window`` at a time."""
+        items = np.random.default_rng([self.seed, epoch, 1]).permutation(self.plan.items_N)
+        packs: list[list[int]] = []
+        for lo in range(0, len(items), self.replan_window):
+            window = items[lo : lo + self.replan_window]
+            sub = plan_packs(
+                self.plan.item_lengths[window],
+                self.plan.token_budget,
+                algorithm=self._algorithm,
+                max_docs=self._max_docs,
+            )
+            packs += [window[p].tolist() for p in sub.packs]
+        return packs
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (its shuffle); a resumed position is kept for the epoch it was in."""
@@ -172,7 +235,8 @@ class PackedBatchSampler(Sampler[list[int]]):
     def schedule(self, epoch: int | None = None) -> np.ndarray:
         """Pack ids of the epoch as a (steps, num_replicas) table; column r is rank r's order."""
         epoch = self.epoch if epoch is None else epoch
-        n, r = len(self.packs), self.num_replicas
+        packs, cost_P = self._epoch_packs(epoch)
+        n, r = len(packs), self.num_replicas
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(n) if self.shuffle else np.arange(n)
         # Sort by cost inside windows of a few steps so each step's packs cost about the same,
@@ -180,7 +244,7 @@ class PackedBatchSampler(Sampler[list[int]]):
         win = r * self.balance_window
         for lo in range(0, n, win):
             chunk = order[lo : lo + win]
-            order[lo : lo + win] = chunk[np.argsort(-self.cost_P[chunk], kind="stable")]
+            order[lo : lo + win] = chunk[np.argsort(-cost_P[chunk], kind="stable")]
         steps: np.ndarray = order.reshape(-1, r)
         if self.shuffle:
             steps = steps[rng.permutation(len(steps))]
@@ -191,10 +255,10 @@ class PackedBatchSampler(Sampler[list[int]]):
         table = np.empty_like(steps)
         load = np.zeros(r)
         for s, row in enumerate(steps):
-            row = row[np.argsort(-self.cost_P[row], kind="stable")]
+            row = row[np.argsort(-cost_P[row], kind="stable")]
             ranks = np.argsort(load, kind="stable")
             table[s, ranks] = row
-            load[ranks] += self.cost_P[row]
+            load[ranks] += cost_P[row]
         return table
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -202,12 +266,13 @@ class PackedBatchSampler(Sampler[list[int]]):
         # first next(), or a state_dict taken in between would describe the previous pass.
         start, self._start = self._start, 0
         self._yielded = start
-        return self._yield(self.schedule()[start:, self.rank].tolist())
+        packs = self._epoch_packs(self.epoch)[0]
+        return self._yield(packs, self.schedule()[start:, self.rank].tolist())
 
-    def _yield(self, pack_ids: list[int]) -> Iterator[list[int]]:
+    def _yield(self, packs: list[list[int]], pack_ids: list[int]) -> Iterator[list[int]]:
         for p in pack_ids:
             self._yielded += 1
-            yield list(self.packs[p])
+            yield list(packs[p])
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Position to resume from. ``consumed`` = packs the training loop has used this epoch;
@@ -257,11 +322,12 @@ class PackedBatchSampler(Sampler[list[int]]):
             raise TypeError(f"state consumed={consumed!r} must be an int")
         if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
             raise ValueError(f"state epoch={epoch!r} must be an int >= 0")
-        if not 0 <= consumed <= len(self):
-            raise ValueError(f"consumed={consumed} is outside [0, {len(self)}]")
+        steps = self._num_steps(int(epoch))
+        if not 0 <= consumed <= steps:
+            raise ValueError(f"consumed={consumed} is outside [0, {steps}]")
         self.epoch = int(epoch)
         self._start = self._yielded = int(consumed)
 
 
 # What decides an epoch's order besides the plan and the world size.
-_ORDER_SETTINGS = ("seed", "shuffle", "balance", "balance_window")
+_ORDER_SETTINGS = ("seed", "shuffle", "balance", "balance_window", "replan", "replan_window")

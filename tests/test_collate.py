@@ -7,6 +7,7 @@ import pickle
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+import reference
 import torch
 from hypothesis import given, settings
 
@@ -361,3 +362,44 @@ def test_layout_from_lengths_pads_cu_seqlens_for_max_docs():
     lay = layout_from_lengths([2, 4, 3], [2, 4, 3], padded=12, max_docs=5)
     assert lay.cu_seqlens_K1.tolist() == [0, 2, 6, 9, 9, 9]
     assert lay.num_docs == 3 and lay.efficiency == 0.75
+
+
+@SETTINGS
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=0, max_size=12),
+    tail=st.integers(0, 200),
+    grid=st.sampled_from([None, (1, 1), (2, 3), (4, 8)]),
+    max_docs=st.sampled_from([None, 12, 20]),
+)
+def test_fast_layout_equals_the_token_by_token_reference(lengths, tail, grid, max_docs):
+    hw = 1 if grid is None else grid[0] * grid[1]
+    tokens = [n * hw for n in lengths]
+    padded = sum(tokens) + tail * hw
+    if padded == 0:
+        padded = hw
+    fast = layout_from_lengths(tokens, lengths, padded, hw, grid, max_docs)
+    slow = reference.layout_from_lengths(tokens, lengths, padded, hw, grid, max_docs)
+    for name in ("doc_ids_T", "position_ids_T", "cu_seqlens_K1", "thw_T3"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b), name
+    assert fast.max_seqlen == slow.max_seqlen and fast.lengths_K == slow.lengths_K
+
+
+def test_layouts_do_not_share_memory_between_packs():
+    # The layout is built from cached templates; a pack's tensors must still be its own.
+    a = layout_from_lengths([3, 2], [3, 2], 8, 1, (1, 1))
+    b = layout_from_lengths([3, 2], [3, 2], 8, 1, (1, 1))
+    a.position_ids_T.add_(100)
+    a.thw_T3.add_(100)
+    a.doc_ids_T.add_(100)
+    assert b.position_ids_T.tolist() == [0, 1, 2, 0, 1, 0, 0, 0]
+    assert b.thw_T3[:, 0].tolist() == [0, 1, 2, 0, 1, 0, 0, 0]
+    assert b.doc_ids_T.tolist() == [0, 0, 0, 1, 1, -1, -1, -1]
+
+
+def test_many_documents_of_one_token():
+    lay = layout_from_lengths([1] * 5000, [1] * 5000, 5120)
+    assert lay.doc_ids_T[:5000].tolist() == list(range(5000))
+    assert (lay.position_ids_T == 0).all()

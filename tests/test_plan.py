@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference import best_fit_lookahead_reference
 
 from packing.binpack import (
     best_fit_decreasing,
@@ -114,6 +115,43 @@ def test_fast_bfd_matches_one_item_at_a_time_bfd():
     # Guard against a vacuous comparison: equal lengths (the batched path) and packs of many
     # episodes must both have occurred.
     assert seen["runs"] > 20 and seen["many_docs"] > 20, seen
+
+
+def test_lookahead_by_counts_equals_the_item_by_item_reference():
+    seen = {"repeated": 0, "capped": 0}
+
+    @FAST
+    @given(
+        lengths=st.lists(st.integers(1, 40), min_size=1, max_size=60),
+        copies=st.lists(st.integers(1, 30), min_size=1, max_size=60),
+        extra=st.integers(0, 120),
+        max_docs=st.sampled_from([None, 2, 3, 6]),
+        opener=st.sampled_from([0.5, 0.65]),
+    )
+    def check(lengths, copies, extra, max_docs, opener):
+        # a few lengths many times over (packs repeat) mixed with one-off lengths
+        arr = np.repeat(lengths, [copies[i % len(copies)] for i in range(len(lengths))])
+        arr = np.random.default_rng(len(arr)).permutation(arr)
+        budget = int(arr.max()) + extra
+        fast = best_fit_lookahead(arr, budget, max_docs, opener=opener)
+        slow = best_fit_lookahead_reference(arr, budget, max_docs, opener=opener)
+        assert fast.tolist() == slow.tolist()
+        counts = np.bincount(fast)
+        seen["repeated"] += int(np.bincount(arr).max() >= 12 and len(counts) >= 8)
+        seen["capped"] += int(max_docs is not None and counts.max() == max_docs)
+
+    check()
+    # The batched path (packs repeated at once) and the max_docs cap must both have run.
+    assert seen["repeated"] > 10 and seen["capped"] > 10, seen
+
+
+@pytest.mark.parametrize("make", [seed_like, uniform_tokens, long_tailed])
+def test_lookahead_equals_the_reference_on_the_benchmark_lengths(make):
+    lengths = make(5000)
+    for mult in (4, 8):
+        budget = int(mult * np.median(lengths))
+        arr = np.minimum(lengths, budget)
+        assert (best_fit_lookahead(arr, budget) == best_fit_lookahead_reference(arr, budget)).all()
 
 
 @pytest.mark.parametrize("max_docs", [None, 3])

@@ -186,3 +186,79 @@ def test_resume_refuses_another_world_size_or_plan():
         PackedBatchSampler([3, 4, 5], 8, num_replicas=1, rank=0).load_state_dict(state)
     with pytest.raises(ValueError, match="same world size and plan"):
         PackedBatchSampler([3, 4, 6], 8, num_replicas=2, rank=0).load_state_dict(state)
+
+
+# ---- re-planning every epoch ----------------------------------------------------------------
+
+
+def test_replan_gives_each_epoch_its_own_packs_each_episode_once_equal_counts():
+    seen = {"changed": 0}
+
+    @FAST
+    @given(
+        lengths=st.lists(st.integers(1, 40), min_size=1, max_size=80),
+        world=st.integers(1, 4),
+        window=st.sampled_from([4, 16, 16_384]),
+        max_docs=st.sampled_from([None, 3]),
+    )
+    def check(lengths, world, window, max_docs):
+        per_epoch = []
+        for epoch in (0, 1):
+            samplers = ranks(lengths, 64, world, seed=3, replan=True, replan_window=window,
+                             max_docs=max_docs)  # fmt: skip
+            for s in samplers:
+                s.set_epoch(epoch)
+            got = [list(s) for s in samplers]
+            assert len({len(g) for g in got}) == 1 and len(got[0]) == len(samplers[0])
+            items = sorted(i for g in got for p in g for i in p)
+            assert items == list(range(len(lengths)))  # every episode exactly once
+            for g in got:
+                for p in g:
+                    assert sum(lengths[i] for i in p) <= 64
+                    assert max_docs is None or len(p) <= max_docs
+            per_epoch.append({frozenset(p) for g in got for p in g if p})
+        seen["changed"] += per_epoch[0] != per_epoch[1]
+
+    check()
+    assert seen["changed"] >= 20, seen  # packs really change from one epoch to the next
+
+
+def test_replan_resumes_mid_epoch_and_reproduces_every_epoch():
+    lengths = np.random.default_rng(0).integers(1, 40, 300).tolist()
+    a = PackedBatchSampler(lengths, 64, seed=7, replan=True, replan_window=50)
+    a.set_epoch(3)
+    full = list(a)
+    it = iter(a)
+    head = [next(it) for _ in range(11)]
+    b = PackedBatchSampler(lengths, 64, seed=7, replan=True, replan_window=50)
+    b.load_state_dict(a.state_dict())
+    assert head + list(b) == full
+    c = PackedBatchSampler(lengths, 64, seed=7, replan=True, replan_window=50)
+    c.set_epoch(3)
+    assert list(c) == full
+    fixed = PackedBatchSampler(lengths, 64, seed=7)
+    with pytest.raises(ValueError, match="same world size and plan"):
+        fixed.load_state_dict(a.state_dict())  # a re-planned position is not a fixed plan's
+
+
+def test_replan_is_refused_with_a_prebuilt_plan():
+    plan = plan_packs([3, 4, 5], 8)
+    with pytest.raises(ValueError, match="replan=True plans the packs every epoch"):
+        PackedBatchSampler(plan=plan, replan=True)
+
+
+def test_replan_refuses_a_state_with_another_seed_and_resumes_with_the_same():
+    # The seed decides each epoch's re-planned packs: another seed's state is refused, the
+    # same seed's resumes to the very packs (even after caching another epoch's plan).
+    lengths = np.random.default_rng(1).integers(1, 40, 200).tolist()
+    a = PackedBatchSampler(lengths, 64, seed=11, replan=True, replan_window=40)
+    a.set_epoch(2)
+    full = list(a)
+    b = PackedBatchSampler(lengths, 64, seed=0, replan=True, replan_window=40)
+    with pytest.raises(ValueError, match="seed=11"):
+        b.load_state_dict({**a.state_dict(), "consumed": 0})
+    c = PackedBatchSampler(lengths, 64, seed=11, replan=True, replan_window=40)
+    c.set_epoch(1)
+    list(c)  # caches epoch 1's packs
+    c.load_state_dict({**a.state_dict(), "consumed": 0})
+    assert list(c) == full
