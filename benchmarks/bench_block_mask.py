@@ -246,6 +246,9 @@ def main() -> None:
     p.add_argument("--eager-cap", type=int, default=65536, help="largest T for eager cbm")
     p.add_argument("--compiled-cap", type=int, default=262144)
     p.add_argument("--cpu", action="store_true", help="also run the CPU rows next to the GPU")
+    p.add_argument("--sizes", default="", help="token counts, e.g. 65536 (default: all)")
+    p.add_argument("--docs", default="", help="episode counts, e.g. 16 (default: all)")
+    p.add_argument("--no-extra", action="store_true", help="skip inner-mask and recompile rows")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     devices = [torch.device(args.device)]
@@ -265,7 +268,13 @@ def main() -> None:
             sizes, docs, rT, steps = [8192, 32768, 65536], [1, 16, 256], 16384, 4
             args.iters = min(args.iters, 10)
             args.compiled_cap = 32768
+        if args.sizes:
+            sizes = [int(x) for x in args.sizes.split(",")]
+        if args.docs:
+            docs = [int(x) for x in args.docs.split(",")]
         rows += build_rows(args, dev, sizes, docs)
+        if args.no_extra:
+            continue
         extra += inner_rows(args, dev, rT)
         # written after each part: the first H200 run lost its JSON to a timeout at the end
         common.write_json("block_mask", args, {"rows": rows, "inner_rows": extra,
