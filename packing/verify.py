@@ -253,51 +253,20 @@ def compare_packed_unpacked(
                 seconds_packed=sec_p,
             )
         )
-        for name, pu in params_u.items():
-            gu, gp = pu.grad, params_p[name].grad
-            if gu is None and gp is None:
-                continue
-            if gu is None or gp is None:
-                failures.append(
-                    f"parameter {name} has a gradient only in the "
-                    f"{'packed' if gu is None else 'unpacked'} run (step {s})"
-                )
-                continue
-            d = GradDiff(
-                name=name,
-                shape=tuple(gu.shape),
-                rel=relative_difference(gp, gu),
-                cos=cosine_similarity(gp, gu),
-                max_abs=float((gp.double() - gu.double()).abs().max()) if gu.numel() else 0.0,
-                step=s,
-            )
-            prev = worst.get(name)
-            if prev is None or grad_badness(d, tol) > grad_badness(prev, tol):
-                worst[name] = d
+        grads_u = {n: p.grad for n, p in params_u.items()}
+        failures += record_grad_diffs(
+            worst, grads_u, {n: params_p[n].grad for n in grads_u}, s, tol
+        )
         opt_u.step()
         opt_p.step()
         opt_u.zero_grad(set_to_none=True)
         opt_p.zero_grad(set_to_none=True)
 
     grads = sorted(worst.values(), key=lambda g: grad_badness(g, tol), reverse=True)
-    # Parameters are gated as ONE vector: max|a - b| over all of them / max|b| over all.
-    # Per tensor, one that starts at zero (a LayerNorm bias) has max|b| ~ steps * lr, so its
-    # own ratio measures AdamW's per-element normalisation of rounding noise, not packing;
-    # it is reported (worst tensor) but the per-tensor gate is on the gradients.
-    num = den = 0.0
-    param_worst, param_worst_rel = "", 0.0
-    for name, pu in params_u.items():
-        a, b = params_p[name].detach().double(), pu.detach().double()
-        if not b.numel():
-            continue
-        num = max(num, float((a - b).abs().max()))
-        den = max(den, float(b.abs().max()))
-        r = relative_difference(a, b)
-        if r > param_worst_rel or not param_worst:
-            param_worst, param_worst_rel = name, r
-    param_rel = (0.0 if num == 0.0 else math.inf) if den == 0.0 else num / den
-    if math.isnan(num):
-        param_rel = math.inf
+    param_rel, param_worst, param_worst_rel = parameter_difference(
+        {n: p.detach() for n, p in params_u.items()},
+        {n: params_p[n].detach() for n in params_u},
+    )
 
     leak = None
     if leak_check:
@@ -309,6 +278,101 @@ def compare_packed_unpacked(
             say(f"leak check on a pack of {multi[0].num_docs} episodes")
             leak = _leak_check(model_p, _with_step(multi[0], seed, 0, dev), autocast, dev)
 
+    failures += judge(records, grads, param_rel, param_worst, leak, tol, steps)
+
+    primary = singles[0].primary
+    return VerifyReport(
+        config=dict(config or {}),
+        tolerances=tol,
+        steps=records,
+        grads=grads,
+        param_rel=param_rel,
+        param_worst=param_worst,
+        param_worst_rel=param_worst_rel,
+        episodes=len(episodes),
+        tokens=sum(b.layout(primary).num_tokens for b in singles),
+        padded_tokens_unpacked=sum(b.layout(primary).padded_len for b in singles),
+        padded_tokens_packed=sum(b.layout(primary).padded_len for b in packed),
+        packs=len(packed),
+        pack_sizes=[len(p) for p in packs],
+        leak=leak,
+        failures=failures,
+        environment=_environment(dev),
+    )
+
+
+# -- the gates, shared with the distributed run (packing.verify_dist) ------------------------------
+def record_grad_diffs(
+    worst: dict[str, GradDiff],
+    grads_u: Mapping[str, torch.Tensor | None],
+    grads_p: Mapping[str, torch.Tensor | None],
+    step: int,
+    tol: Tolerances,
+) -> list[str]:
+    """Fold one step's gradients into ``worst`` (per parameter, worst over steps); returns
+    the failures found (a gradient in one run only)."""
+    failures = []
+    for name, gu in grads_u.items():
+        gp = grads_p[name]
+        if gu is None and gp is None:
+            continue
+        if gu is None or gp is None:
+            failures.append(
+                f"parameter {name} has a gradient only in the "
+                f"{'packed' if gu is None else 'unpacked'} run (step {step})"
+            )
+            continue
+        d = GradDiff(
+            name=name,
+            shape=tuple(gu.shape),
+            rel=relative_difference(gp, gu),
+            cos=cosine_similarity(gp, gu),
+            max_abs=float((gp.double() - gu.double()).abs().max()) if gu.numel() else 0.0,
+            step=step,
+        )
+        prev = worst.get(name)
+        if prev is None or grad_badness(d, tol) > grad_badness(prev, tol):
+            worst[name] = d
+    return failures
+
+
+def parameter_difference(
+    params_u: Mapping[str, torch.Tensor], params_p: Mapping[str, torch.Tensor]
+) -> tuple[float, str, float]:
+    """(all parameters as one vector: max|a - b| / max|b|, worst tensor, its own ratio).
+
+    Per tensor, one that starts at zero (a LayerNorm bias) has max|b| ~ steps * lr, so its
+    own ratio measures AdamW's per-element normalisation of rounding noise, not packing;
+    it is reported (worst tensor) but the per-tensor gate is on the gradients.
+    """
+    num = den = 0.0
+    param_worst, param_worst_rel = "", 0.0
+    for name, pu in params_u.items():
+        a, b = params_p[name].double(), pu.double()
+        if not b.numel():
+            continue
+        num = max(num, float((a - b).abs().max()))
+        den = max(den, float(b.abs().max()))
+        r = relative_difference(a, b)
+        if r > param_worst_rel or not param_worst:
+            param_worst, param_worst_rel = name, r
+    param_rel = (0.0 if num == 0.0 else math.inf) if den == 0.0 else num / den
+    if math.isnan(num):
+        param_rel = math.inf
+    return param_rel, param_worst, param_worst_rel
+
+
+def judge(
+    records: Sequence[StepRecord],
+    grads: Sequence[GradDiff],
+    param_rel: float,
+    param_worst: str,
+    leak: LeakReport | None,
+    tol: Tolerances,
+    steps: int,
+) -> list[str]:
+    """The failures of a run against ``tol``: losses, gradients, parameters, leaks."""
+    failures = []
     loss_rel = relative_difference(
         torch.tensor([r.loss_packed for r in records], dtype=torch.float64),
         torch.tensor([r.loss_unpacked for r in records], dtype=torch.float64),
@@ -337,26 +401,7 @@ def compare_packed_unpacked(
         )
     if leak is not None and not leak.ok:
         failures.append(f"episodes leak into each other: pairs (i <- j) {leak.pairs[:6]}")
-
-    primary = singles[0].primary
-    return VerifyReport(
-        config=dict(config or {}),
-        tolerances=tol,
-        steps=records,
-        grads=grads,
-        param_rel=param_rel,
-        param_worst=param_worst,
-        param_worst_rel=param_worst_rel,
-        episodes=len(episodes),
-        tokens=sum(b.layout(primary).num_tokens for b in singles),
-        padded_tokens_unpacked=sum(b.layout(primary).padded_len for b in singles),
-        padded_tokens_packed=sum(b.layout(primary).padded_len for b in packed),
-        packs=len(packed),
-        pack_sizes=[len(p) for p in packs],
-        leak=leak,
-        failures=failures,
-        environment=_environment(dev),
-    )
+    return failures
 
 
 def _leak_check(
@@ -415,6 +460,12 @@ class VerifyConfig:
     adam_eps: float = 1e-6
     leak_check: bool = True
     loss_normaliser: str = "global"
+    # distributed (packing.verify_dist): W ranks, FSDP2, the distributed sampler
+    nproc: int = 1
+    checkpointing: str = "full"
+    blocks: str = "blocks"
+    noise_key: str = "episode"
+    fsdp_autocast: bool = False  # bf16: fp32 sharded parameters + autocast, not bf16 params
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -423,10 +474,17 @@ class VerifyConfig:
             raise ValueError(f"mask={self.mask!r}; choose 'document' or 'frame-causal'")
         if self.reduction not in ("token", "frame", "episode"):
             raise ValueError(f"reduction={self.reduction!r}; choose token, frame or episode")
-        if self.loss_normaliser not in ("global", "per-micro-step"):
+        if self.loss_normaliser not in ("global", "per-micro-step", "per-rank"):
             raise ValueError(
-                f"loss_normaliser={self.loss_normaliser!r}; choose 'global' or 'per-micro-step'"
+                f"loss_normaliser={self.loss_normaliser!r}; choose 'global', 'per-micro-step' "
+                "or 'per-rank'"
             )
+        if self.nproc < 1:
+            raise ValueError(f"nproc={self.nproc} must be >= 1")
+        if self.checkpointing not in ("full", "ops", "none"):
+            raise ValueError(f"checkpointing={self.checkpointing!r}; choose full, ops or none")
+        if self.noise_key not in ("episode", "rank"):
+            raise ValueError(f"noise_key={self.noise_key!r}; choose 'episode' or 'rank'")
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be >= 1")
         if self.episodes is not None and self.episodes < 2:
