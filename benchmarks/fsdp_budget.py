@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 from find_token_budget import pack_of
 
-from packing.budget import MemoryModel, Probe, fit_memory_model, probe_peak
+from packing.budget import Probe, fit_memory_model, probe_peak
 from packing.fsdp import shard_model
 from packing.model import DiT, DiTConfig, param_count
 
@@ -73,7 +73,7 @@ def measure(cfg: DiTConfig, depth: int, ac: str, tokens: list[int], dev: torch.d
     out = []
     for t in tokens:
         batch = make_batch(cfg, t)
-        peak = probe_peak(lambda b=batch: train_step(model, opt, b, dev), device=dev)
+        peak = probe_peak(lambda m=model, o=opt, b=batch: train_step(m, o, b, dev), device=dev)
         out.append(Probe(depth=depth, tokens=t, params=params, world=world, peak_bytes=peak))
     del model, opt
     return out
