@@ -113,3 +113,59 @@ def test_shard_model_refuses_a_model_without_its_blocks():
     if not torch.distributed.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             shard_model(torch.nn.Linear(2, 2))
+
+
+# -- the GPU scripts, smoke-run on CPU with gloo (numbers mean nothing here) ------------------
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": str(ROOT),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={port}", str(ROOT / "benchmarks" / script), *args]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_bench_fsdp_smoke_agrees_across_variants_and_fits_the_sweep(tmp_path):
+    proc = torchrun("bench_fsdp.py", "--smoke", "--out", str(tmp_path), "--sweep", "1,2",
+                    "--recompile-packs", "2")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "bench_fsdp_seed_smoke.json").read_text())
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert set(rows) == {"packed", "unpacked_sync", "unpacked_nosync", "packed M=1", "packed M=2"}
+    assert not [r for r in rows.values() if r.get("error")]
+    for r in rows.values():  # same episodes, same weights, fp32: the same global loss
+        assert r["loss rel diff (max)"] < 1e-5, r
+        assert r["recompiles after warm-up"] == 0
+    assert rows["packed M=1"]["micro-steps"] == 1 and rows["packed M=2"]["micro-steps"] == 2
+    assert rows["unpacked_sync"]["micro-steps"] == 4  # the smoke run's 4 episodes per GPU
+    fit = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fit_microsteps.py"),
+         str(tmp_path / "bench_fsdp_seed_smoke.json"), str(tmp_path / "bench_fsdp_seed_smoke.json")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert fit.returncode == 0 and "| 8 |" in fit.stdout, fit.stdout + fit.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_fsdp_budget_smoke_writes_a_prediction_per_gpu_count(tmp_path):
+    proc = torchrun("fsdp_budget.py", "--smoke", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "fsdp_budget.json").read_text())
+    assert {(r["checkpointing"], r["GPUs"]) for r in doc["rows"]} == {
+        (ac, n) for ac in ("full", "none") for n in (1, 2, 4, 8)
+    }
+    assert len(doc["fits"]["full"]["probes"]) == 4  # 2 depths x 2 pack sizes
