@@ -61,7 +61,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
-from bench_step import _LIB_ATTENTION, make_episode, sdpa_one_episode, step_flops, to_device
+from bench_step import (
+    _LIB_ATTENTION,
+    block_params,
+    make_episode,
+    sdpa_one_episode,
+    step_flops,
+    to_device,
+)
 
 import packing.model as pm
 from packing.collate import PackedCollator, Stream
@@ -238,17 +245,36 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3  # us -> ms
 
 
+def _kernel_intervals(prof: Any) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every GPU kernel/memcpy the profiler saw."""
+    out = []
+    try:  # the raw kineto events: no FunctionEvent tree to build for ~10^5 kernels
+        for ev in prof.profiler.kineto_results.events():
+            if ev.device_type() == torch.autograd.DeviceType.CUDA:
+                start = ev.start_ns() / 1e3
+                out.append((ev.name(), start, start + ev.duration_ns() / 1e3))
+    except AttributeError:
+        out = []
+    if not out:
+        for fe in prof.events():
+            if fe.device_type == torch.autograd.DeviceType.CUDA:
+                out.append((fe.name, float(fe.time_range.start), float(fe.time_range.end)))
+    return out
+
+
 def exposed_comm(prof: Any) -> dict[str, float]:
-    """GPU ms of compute kernels, of NCCL kernels, and of NCCL with no compute under it."""
+    """GPU ms of compute kernels, of NCCL kernels, and of NCCL with no compute under it
+    (transfers not hidden behind compute, plus the time a rank's NCCL kernel waits for the
+    other rank to arrive)."""
     comm, comp = [], []
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        iv = (float(ev.time_range.start), float(ev.time_range.end))
-        (comm if "nccl" in ev.name.lower() else comp).append(iv)
+    for name, a, b in _kernel_intervals(prof):
+        (comm if "nccl" in name.lower() else comp).append((a, b))
+    if not comm and not comp:
+        raise RuntimeError("the profiler recorded no GPU kernel")
     c_ms, k_ms = union_ms(comm), union_ms(comp)
     both = union_ms(comm + comp)
-    return {"compute_ms": k_ms, "comm_ms": c_ms, "exposed_comm_ms": both - k_ms}
+    return {"compute_ms": k_ms, "comm_ms": c_ms, "exposed_comm_ms": both - k_ms,
+            "kernels": float(len(comm) + len(comp))}  # fmt: skip
 
 
 def gather_floats(x: dict[str, float], dev: torch.device) -> list[dict[str, float]]:
@@ -267,8 +293,6 @@ def recompute_flops(cfg: DiTConfig, eps: list[dict], checkpointing: str) -> floa
     for ep in eps:
         j = ep["latents"].shape[0] * tpf + ep["action"].shape[0]
         n_text = ep["text"].shape[0]
-        from bench_step import block_params
-
         total += cfg.depth * (2.0 * block_params(cfg) * j
                               + 4.0 * (j * j + j * n_text) * cfg.head_dim * cfg.heads)  # fmt: skip
     return total
@@ -331,7 +355,11 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
             train_step(model, opt, plans[-1], n_steps, dev, sync_every)
             barrier_on(dev)
             common.sync(dev)
-        prof_row = exposed_comm(prof)
+        try:
+            prof_row = exposed_comm(prof)
+        except Exception as e:  # a reporting failure must not cost the variant's row
+            print(f"rank {rank}: exposed communication not measured: {e!r}", flush=True)
+        del prof
     step_losses = torch.stack(losses)
     dist.all_reduce(step_losses)  # each rank holds its share of the step's global mean
     loss_vals = [float(x) for x in step_losses.tolist()]
@@ -568,6 +596,17 @@ def main() -> None:
             rows.append({"variant": kind, "error": f"OOM: {str(e)[:200]}"})
             save(partial=True)
             raise
+        except Exception as e:
+            # Recorded and the run goes on (an error both ranks hit, e.g. a compile failure);
+            # one rank alone would leave the other in a collective: the watchdog ends that.
+            import traceback
+
+            traceback.print_exc()
+            row = {"variant": kind if m is None else f"packed M={m}",
+                   "error": f"{type(e).__name__}: {str(e)[:300]}"}  # fmt: skip
+            pm.attention = _LIB_ATTENTION
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         last_cost = time.perf_counter() - t0
         row["seconds"] = last_cost
         rows.append(row)
