@@ -604,7 +604,8 @@ def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = No
 
     unpacked = PackedCollator(streams)
     lengths = [unpacked([ep]).layout(streams[0].name).num_tokens for ep in episodes]
-    budget = config.token_budget or default_token_budget(lengths)
+    tps = streams[0].tokens_per_step  # a pack holds whole steps (frames) of the primary
+    budget = config.token_budget or -(-default_token_budget(lengths) // tps) * tps
     if max(lengths) > budget:
         worst = max(range(len(lengths)), key=lambda i: lengths[i])
         raise ValueError(
