@@ -182,7 +182,8 @@ def build(args: Any, cfg: DiTConfig, dev: torch.device, kind: str, depth: int | 
     with torch.device(dev):  # a 5B model initialised on the CPU takes minutes
         model = DiT(mcfg)
     pm.attention = sdpa_one_episode if unpacked else _LIB_ATTENTION
-    shard_model(model, MESH.get("mesh"), checkpointing=args.checkpointing, compile=not args.no_compile,
+    shard_model(model, MESH.get("mesh"), checkpointing=args.checkpointing,
+                checkpoint_blocks=checkpoint_count(kind), compile=not args.no_compile,
                 dynamic=unpacked,
                 compile_options={"backend": args.compile_backend},
                 param_dtype=torch.bfloat16 if dev.type == "cuda" else None)  # fmt: skip
@@ -228,6 +229,35 @@ class Clock:
     @staticmethod
     def ms(a: Any, b: Any) -> float:
         return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+
+
+def count_syncs(model: Any, opt: Any, mb: PackedBatch, step: int, dev: torch.device) -> int:
+    """Host-device synchronisations in one micro-step's forward + backward (FSDP hooks,
+    checkpoint recompute and the loss included), counted by torch's sync debug mode."""
+    import warnings
+
+    model.set_requires_gradient_sync(False)
+    batch = to_device(mb, dev)
+    batch.extras["seed"], batch.extras["step"] = 0, step
+    norms = {s: LossNormalizer.for_step([mb.layout(s)], "token", device=dev)
+             for s in ("latents", "action")}  # fmt: skip
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = model(batch)
+            loss = sum(norms[s](out[s], batch.token_layout(s, out[s].shape[0], "loss", fix=""))
+                       for s in ("latents", "action"))  # fmt: skip
+            loss.backward()  # type: ignore[union-attr]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    opt.zero_grad(set_to_none=True)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    if syncs and dist.get_rank() == 0:
+        print(f"host syncs in a micro-step: {len(syncs)}, first: {syncs[0].message}", flush=True)
+    return len(syncs)
 
 
 def barrier_on(dev: torch.device) -> None:
@@ -283,17 +313,24 @@ def gather_floats(x: dict[str, float], dev: torch.device) -> list[dict[str, floa
     return out
 
 
-def recompute_flops(cfg: DiTConfig, eps: list[dict], checkpointing: str) -> float:
-    """FLOPs the full-checkpointing recompute adds: one more block forward (1/3 of the dense
-    fwd+bwd, 1/3.5 of the attention's); 0 without checkpointing; None-like 0 for 'ops'."""
+def checkpoint_count(kind: str) -> int | None:
+    """``packed_ac20`` -> 20 blocks checkpointed (the rest keep their activations); None: all."""
+    return int(kind[len("packed_ac") :]) if kind.startswith("packed_ac") else None
+
+
+def recompute_flops(cfg: DiTConfig, eps: list[dict], checkpointing: str,
+                    blocks: int | None = None) -> float:  # fmt: skip
+    """FLOPs the full-checkpointing recompute adds: one more forward of each checkpointed
+    block (1/3 of the dense fwd+bwd, 1/3.5 of the attention's); 0 for 'none' and 'ops'."""
     if checkpointing != "full":
         return 0.0
+    n = cfg.depth if blocks is None else blocks
     tpf = cfg.tokens_per_frame
     total = 0.0
     for ep in eps:
         j = ep["latents"].shape[0] * tpf + ep["action"].shape[0]
         n_text = ep["text"].shape[0]
-        total += cfg.depth * (2.0 * block_params(cfg) * j
+        total += n * (2.0 * block_params(cfg) * j
                               + 4.0 * (j * j + j * n_text) * cfg.head_dim * cfg.heads)  # fmt: skip
     return total
 
@@ -348,6 +385,11 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
     wait_ms = [Clock.ms(b, c) for _, b, c in marks]
     peak = torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0
     prof_row: dict[str, float] = {}
+    if dev.type == "cuda" and sweep_m is None:
+        try:
+            prof_row["host_syncs"] = float(count_syncs(model, opt, plans[-1][0], n_steps, dev))
+        except Exception as e:  # a reporting failure must not cost the variant's row
+            print(f"rank {rank}: host syncs not counted: {e!r}", flush=True)
     if dev.type == "cuda" and sweep_m is None and kind in args.profile.split(","):
         from torch.profiler import ProfilerActivity, profile
 
@@ -374,7 +416,9 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
             sum(e["latents"].shape[0] * tpf + e["action"].shape[0] for eps in timed for e in eps)
         ),
         "flops": sum(step_flops(mcfg, eps) for eps in timed),
-        "recompute_flops": sum(recompute_flops(mcfg, eps, args.checkpointing) for eps in timed),
+        "recompute_flops": sum(
+            recompute_flops(mcfg, eps, args.checkpointing, checkpoint_count(kind)) for eps in timed
+        ),
         "micro_steps": sum(len(p) for p in plans[args.warmup :]) / max(len(timed), 1),
         **prof_row,
     }
@@ -408,6 +452,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         ],
         "comm ms (per rank)": [round(r.get("comm_ms", float("nan")), 1) for r in ranks],
         "recompiles after warm-up": recompiles,
+        "host syncs per micro-step": ranks[0].get("host_syncs"),
         "losses": loss_vals,
         "steps timed": args.steps,
         "ranks": ranks,
@@ -461,7 +506,7 @@ COLUMNS = ["variant", "attention", "micro-steps", "budget", "s/step", "tokens/s"
            "vs unpacked_sync", "vs best unpacked", "MFU", "MFU incl. recompute", "first step s",
            "compile s (est.)", "peak GB", "wait % of step", "exposed comm ms (per rank)",
            "loss rel diff (step 0)", "loss rel diff (max)", "recompiles after warm-up",
-           "seconds", "error"]  # fmt: skip
+           "host syncs per micro-step", "seconds", "error"]  # fmt: skip
 
 
 # -- main ------------------------------------------------------------------------------------
