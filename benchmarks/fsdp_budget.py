@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 from find_token_budget import pack_of
 
-from packing.budget import Probe, fit_memory_model, probe_peak
+from packing.budget import MemoryModel, Probe, fit_memory_model, probe_peak
 from packing.fsdp import shard_model
 from packing.model import DiT, DiTConfig, param_count
 
@@ -76,6 +76,27 @@ def measure(cfg: DiTConfig, depth: int, ac: str, tokens: list[int], dev: torch.d
         peak = probe_peak(lambda m=model, o=opt, b=batch: train_step(m, o, b, dev), device=dev)
         out.append(Probe(depth=depth, tokens=t, params=params, world=world, peak_bytes=peak))
     del model, opt
+    return out
+
+
+def partial_checkpointing(fits: dict, capacity: float, params: int, depth: int,
+                          world: int) -> list[dict[str, Any]]:  # fmt: skip
+    """How many blocks may keep their activations (``shard_model(checkpoint_blocks=depth -
+    k)``) at a few pack sizes: peak(full) + k x T x (none's - full's per-token-block bytes)."""
+    if "full" not in fits or "none" not in fits:
+        return []
+    full = MemoryModel(
+        **{k: fits["full"]["model"][k] for k in ("fixed", "per_token", "per_token_block")}
+    )
+    extra = fits["none"]["model"]["per_token_block"] - full.per_token_block
+    out = []
+    for t in (16384, 32768, 65536, 98304, 131072):
+        free = capacity - full.peak(t, params, depth, world)
+        if free <= 0 or extra <= 0:
+            continue
+        k = min(depth, int(free / (t * extra)))
+        out.append({"GPUs": world, "pack tokens": t, "blocks without checkpointing": k,
+                    "checkpoint_blocks": depth - k})  # fmt: skip
     return out
 
 
@@ -136,11 +157,15 @@ def main() -> None:
             print(
                 f"[{time.perf_counter() - t0:.0f} s] {ac}: {mm.as_dict()} check {check}", flush=True
             )
+    partial = partial_checkpointing(fits, capacity, full_params, depth, world)
     if rank == 0:
         print(common.markdown_table(rows, list(rows[0])))
+        if partial:
+            print(common.markdown_table(partial, list(partial[0])))
         ns = argparse.Namespace(**{**vars(args), "out": str(Path(args.out) / "fsdp_budget.json"),
                                    "quick": args.smoke})  # fmt: skip
         common.write_json("fsdp_budget", ns, {"rows": rows, "fits": fits, "world_size": world,
+                                              "partial_checkpointing": partial,
                                               "capacity_gb": capacity / 1e9,
                                               "model": cfg.__dict__}, device=dev)  # fmt: skip
     dist.barrier()
