@@ -170,7 +170,11 @@ def shard_model(
     if mesh is None:
         dev_type = next(model.parameters()).device.type
         mesh = init_device_mesh(dev_type, (torch.distributed.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # cast_forward_inputs=False: FSDP would otherwise cast every float input of a block to
+    # bf16, RoPE angles included (an angle of 300 rad in bf16 is off by ~1 rad).
+    mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
     layers = _blocks_of(model, blocks)
     wanted = checkpointed_blocks(len(layers), checkpoint_blocks)
     for i, block in enumerate(list(layers)):
