@@ -49,6 +49,7 @@ import argparse
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import threading
@@ -315,7 +316,20 @@ def gather_floats(x: dict[str, float], dev: torch.device) -> list[dict[str, floa
 
 def checkpoint_count(kind: str) -> int | None:
     """``packed_ac20`` -> 20 blocks checkpointed (the rest keep their activations); None: all."""
-    return int(kind[len("packed_ac") :]) if kind.startswith("packed_ac") else None
+    m = re.search(r"_ac(\d+)", kind)
+    return int(m.group(1)) if m else None
+
+
+def max_docs(args: Any, cfg: DiTConfig, budget: int, world: int) -> int:
+    """Static shapes: the most episodes a pack can hold (each >= the regime's shortest)."""
+    lo_frames = 2 if args.smoke else REGIMES[args.regime][0]
+    return min(world * args.episodes_per_gpu, max(1, budget // (lo_frames * cfg.tokens_per_frame)))
+
+
+def variant_budget(kind: str, args: Any) -> int:
+    """``packed_b131072`` -> packs of 131,072 tokens; else ``--pack-budget``."""
+    m = re.search(r"_b(\d+)", kind)
+    return int(m.group(1)) if m else args.pack_budget
 
 
 def recompute_flops(cfg: DiTConfig, eps: list[dict], checkpointing: str,
@@ -351,8 +365,8 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         budget = None
     else:
         budget = (sweep_budget(args, cfg, sweep_m, world, n_steps) if sweep_m
-                  else args.pack_budget)  # fmt: skip
-        col = packed_collator(mcfg, budget, args.max_docs)
+                  else variant_budget(kind, args))  # fmt: skip
+        col = packed_collator(mcfg, budget, max_docs(args, cfg, budget, world))
         groups = [rank_packs(args, cfg, s, rank, world, budget, sweep_m) if sweep_m
                   else pooled_packs(args, cfg, data, s, rank, budget)
                   for s in range(n_steps)]  # fmt: skip
@@ -578,10 +592,6 @@ def main() -> None:
     else:
         cfg = DiTConfig.wan_2_2_5b(depth=args.depth)
         args.pack_budget = args.pack_budget or DEFAULT_BUDGET[args.regime]
-    lo_frames = 2 if args.smoke else REGIMES[args.regime][0]
-    # static shapes: the most episodes a pack can hold (each at least lo_frames frames)
-    args.max_docs = min(world * args.episodes_per_gpu,
-                        args.pack_budget // (lo_frames * cfg.tokens_per_frame))  # fmt: skip
     data = Episodes(args, cfg, world)
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {}
@@ -636,14 +646,10 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             row = run_variant(kind, args, cfg, dev, data, sweep_m=m)
-        except torch.OutOfMemoryError as e:
-            # Recorded, then the run stops: the other rank may be inside a collective.
-            rows.append({"variant": kind, "error": f"OOM: {str(e)[:200]}"})
-            save(partial=True)
-            raise
         except Exception as e:
-            # Recorded and the run goes on (an error both ranks hit, e.g. a compile failure);
-            # one rank alone would leave the other in a collective: the watchdog ends that.
+            # Recorded and the run goes on (an error both ranks hit: a compile failure, or an
+            # OOM, the ranks having the same shapes); one rank alone would leave the other in
+            # a collective: the watchdog ends that, keeping the rows saved so far.
             import traceback
 
             traceback.print_exc()
