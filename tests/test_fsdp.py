@@ -169,3 +169,48 @@ def test_fsdp_budget_smoke_writes_a_prediction_per_gpu_count(tmp_path):
         (ac, n) for ac in ("full", "none") for n in (1, 2, 4, 8)
     }
     assert len(doc["fits"]["full"]["probes"]) == 4  # 2 depths x 2 pack sizes
+
+
+@pytest.fixture
+def one_rank_group():
+    """A 1-process gloo group in this process: shard_model needs torch.distributed."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_mask_is_built_once_per_micro_step_and_reused_by_the_recompute(one_rank_group, monkeypatch):
+    import packing.model as pm
+    from packing.collate import PackedCollator
+    from packing.fsdp import shard_model
+    from packing.model import DiT, DiTConfig
+
+    torch.manual_seed(0)
+    model = DiT(DiTConfig.tiny(depth=2))
+    shard_model(model, checkpointing="full", compile=False, param_dtype=None)
+    built, ran = [], []
+    real_prepare, real_block = pm.prepare_attention, pm.Block.forward
+    monkeypatch.setattr(
+        pm, "prepare_attention", lambda *a, **k: built.append(1) or real_prepare(*a, **k)
+    )
+    monkeypatch.setattr(
+        pm.Block, "forward", lambda self, *a: ran.append(a[4]) or real_block(self, *a)
+    )
+    g = torch.Generator().manual_seed(1)
+    eps = [{"latents": torch.randn(f, 48, 8, 16, generator=g), "action": torch.randn(f, 14, generator=g),
+            "task": "pick", "episode_index": i} for i, f in enumerate((2, 3))]  # fmt: skip
+    batch = PackedCollator(model.streams, token_budget=256)(eps)
+    batch.extras.update(seed=0, step=0)
+    out = model(batch)
+    (out["latents"].sum() + out["action"].sum()).backward()
+    assert len(built) == 2  # the self- and the cross-attention mask, once
+    assert len(ran) == 4  # 2 blocks forward + 2 recomputed in the backward
+    assert all(m is ran[0] for m in ran)  # the recompute got the very same mask object
+    assert all(p.grad is not None for p in model.parameters())
