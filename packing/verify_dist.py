@@ -82,12 +82,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _check(config: VerifyConfig) -> None:
+    if config.loss_normaliser == "per-micro-step":
+        raise ValueError(
+            "--loss-normaliser per-micro-step is the single-process ablation; across "
+            "processes the planted mistake is --loss-normaliser per-rank"
+        )
+
+
 def run_verify_distributed(
     config: VerifyConfig, progress: Callable[[str], None] | None = None
 ) -> VerifyReport:
     """Spawn ``config.nproc`` ranks on this machine; returns rank 0's report."""
     import torch.multiprocessing as mp
 
+    _check(config)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
@@ -132,12 +141,14 @@ def verify_rank(
     config: VerifyConfig, progress: Callable[[str], None] | None = None
 ) -> VerifyReport | None:
     """The distributed verify in this process (one rank); rank 0 returns the report."""
+    _check(config)
     dev = _init(config)
-    try:
-        return _verify(config, dev, progress or (lambda _line: None))
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    # On an error, no barrier: another rank may sit in a collective, and this process
+    # exiting is what lets the launcher (torchrun, or the spawning parent) end the others.
+    report = _verify(config, dev, progress or (lambda _line: None))
+    dist.barrier()
+    dist.destroy_process_group()
+    return report
 
 
 def _packs_by_rank(lengths: list[int], budget: int, seed: int, world: int) -> list[list[list[int]]]:
@@ -233,9 +244,6 @@ def _verify(
     from packing.fsdp import gathered_named_parameters, shard_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    if config.loss_normaliser == "per-micro-step":
-        raise ValueError("--loss-normaliser per-micro-step is the single-process ablation; "
-                         "with --nproc use per-rank")  # fmt: skip
     torch.manual_seed(config.seed)
     model = build_model(config)
     streams: list[Stream] = list(model.streams)  # type: ignore[arg-type]
