@@ -20,6 +20,7 @@ from packing.conditioning import (
     packed_noise,
     step_doc_ids,
 )
+from packing.fsdp import shard_model
 from packing.joint import JointLayout, joint_layout
 from packing.layout import PackedBatch, StreamLayout
 from packing.leak import LeakReport, assert_no_leaks, find_leaks
@@ -93,6 +94,7 @@ __all__ = [
     "reduce_loss",
     "run_verify",
     "slice_piece",
+    "shard_model",
     "sliding_window",
     "split_windows",
     "step_doc_ids",
