@@ -32,11 +32,13 @@ def verify(tmp_path, *flags: str) -> tuple[int, dict, str]:
 
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_two_ranks_packed_under_fsdp2_equal_unpacked(tmp_path):
-    rc, report, log = verify(tmp_path, "--steps", "2")
+@pytest.mark.parametrize("checkpointing", ["full", "ops"])
+def test_two_ranks_packed_under_fsdp2_equal_unpacked(tmp_path, checkpointing):
+    rc, report, log = verify(tmp_path, "--steps", "2", "--checkpointing", checkpointing)
     assert rc == 0, log
     cfg = report["config"]
     assert cfg["world_size"] == 2 and cfg["backend"] == "gloo"
+    assert cfg["checkpointing"] == checkpointing
     assert sorted(cfg["episodes_per_rank"]) == [3, 4]  # a rank with fewer episodes
     assert report["loss_rel"] <= 1e-6 and report["grad_rel_max"] <= 1e-5
     assert report["param_rel"] <= 1e-5
