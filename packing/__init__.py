@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # names for type checkers and IDEs; at run time see _MODULES 
         step_doc_ids,
     )
     from packing.default_dataset import default_dataset_root
+    from packing.fsdp import shard_model
     from packing.hf import HFEpisodes
     from packing.joint import JointLayout, joint_layout
     from packing.layout import PackedBatch, StreamLayout
@@ -89,6 +90,7 @@ __all__ = [
     "profiling",
     "reduce_loss",
     "run_verify",
+    "shard_model",
     "slice_piece",
     "sliding_window",
     "split_windows",
@@ -117,6 +119,7 @@ _MODULES = {
         "step_doc_ids",
     ),
     "packing.default_dataset": ("default_dataset_root",),
+    "packing.fsdp": ("shard_model",),
     "packing.hf": ("HFEpisodes",),
     "packing.joint": ("JointLayout", "joint_layout"),
     "packing.layout": ("PackedBatch", "StreamLayout"),

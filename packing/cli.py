@@ -94,10 +94,50 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--loss-normaliser",
         default="global",
-        choices=["global", "per-micro-step"],
+        choices=["global", "per-micro-step", "per-rank"],
         help=(
-            "global (correct): one denominator for the whole step; per-micro-step: each pack's "
-            "own mean, averaged (the mean-of-means mistake; verify must FAIL)"
+            "global (correct): one denominator for the whole step, over every micro-step and "
+            "rank; per-micro-step: each pack's own mean, averaged (the mean-of-means mistake); "
+            "per-rank (with --nproc): each rank's own mean, averaged by FSDP. The mistakes must "
+            "FAIL"
+        ),
+    )
+    v.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help=(
+            "ranks: > 1 trains packed under FSDP2 on that many processes (gloo on CPU, NCCL on "
+            "cuda:rank) with the distributed sampler, against unpacked on rank 0 "
+            "(docs/distributed.md); under torchrun the ranks come from the environment"
+        ),
+    )
+    v.add_argument(
+        "--checkpointing",
+        default="full",
+        choices=["full", "ops", "none"],
+        help="distributed run: activation checkpointing of each block (default full)",
+    )
+    v.add_argument(
+        "--blocks",
+        default="blocks",
+        help="distributed run: the model's nn.ModuleList of blocks to shard (default 'blocks')",
+    )
+    v.add_argument(
+        "--fsdp-autocast",
+        action="store_true",
+        help=(
+            "distributed bf16/fp16 run: keep fp32 sharded parameters and use autocast (the "
+            "reference's regime) instead of FSDP's bf16 parameters with fp32 reduction"
+        ),
+    )
+    v.add_argument(
+        "--noise-key",
+        default="episode",
+        choices=["episode", "rank"],
+        help=(
+            "distributed run: noise/timesteps keyed by episode (correct) or with the rank mixed "
+            "into the seed (the mistake; verify must FAIL)"
         ),
     )
     v.add_argument("--dataset", default=None, help="a local LeRobot v3 root (default: embedded)")
@@ -191,8 +231,26 @@ def _run(args: argparse.Namespace) -> int:
         lr=args.lr,
         adam_eps=args.adam_eps,
         leak_check=args.leak_check,
+        nproc=args.nproc,
+        checkpointing=args.checkpointing,
+        blocks=args.blocks,
+        noise_key=args.noise_key,
+        fsdp_autocast=args.fsdp_autocast,
     )
-    report = run_verify(config, progress=_progress)
+    from packing.verify_dist import launched_by_torchrun, run_verify_distributed, verify_rank
+
+    if launched_by_torchrun():
+        first = int(os.environ["RANK"]) == 0
+        result = verify_rank(config, progress=_progress if first else None)
+        if result is None:
+            return 0  # rank 0 reports and sets the exit status
+        report = result
+    elif config.nproc > 1:
+        report = run_verify_distributed(config, progress=_progress)
+    else:
+        if config.loss_normaliser == "per-rank" or config.noise_key == "rank":
+            raise ValueError("--loss-normaliser per-rank and --noise-key rank need --nproc >= 2")
+        report = run_verify(config, progress=_progress)
     if args.json:  # written before the verdict is printed: a PASS is never followed by a crash
         report.to_json(args.json)
     print(report.format(), flush=True)

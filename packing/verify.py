@@ -258,69 +258,27 @@ def compare_packed_unpacked(
         if not (math.isfinite(loss_u) or math.isfinite(loss_p)):
             # Both runs blew up the same way: that says nothing about packing, and every
             # difference from here on would be nan - nan.
-            diverged = (
-                f"both runs diverged: the loss is {loss_u} unpacked and {loss_p} packed at step "
-                f"{s}; the model or optimiser produced non-finite values, which says nothing "
-                "about packing: check the model's initialisation, lower --lr or raise --adam-eps"
-            )
+            diverged = both_diverged_at(s, loss_u, loss_p)
             break
-        for name, pu in params_u.items():
-            gu, gp = pu.grad, params_p[name].grad
-            if gu is None and gp is None:
-                continue
-            if gu is None or gp is None:
-                failures.append(
-                    f"parameter {name} has a gradient only in the "
-                    f"{'packed' if gu is None else 'unpacked'} run (step {s})"
-                )
-                continue
-            d = GradDiff(
-                name=name,
-                shape=tuple(gu.shape),
-                rel=relative_difference(gp, gu),
-                cos=cosine_similarity(gp, gu),
-                max_abs=float((gp.double() - gu.double()).abs().max()) if gu.numel() else 0.0,
-                step=s,
-            )
-            prev = worst.get(name)
-            if prev is None or grad_badness(d, tol) > grad_badness(prev, tol):
-                worst[name] = d
+        grads_u = {n: p.grad for n, p in params_u.items()}
+        failures += record_grad_diffs(
+            worst, grads_u, {n: params_p[n].grad for n in grads_u}, s, tol
+        )
         opt_u.step()
         opt_p.step()
         opt_u.zero_grad(set_to_none=True)
         opt_p.zero_grad(set_to_none=True)
 
     grads = sorted(worst.values(), key=lambda g: grad_badness(g, tol), reverse=True)
-    # Parameters are gated as ONE vector: max|a - b| over all of them / max|b| over all.
-    # Per tensor, one that starts at zero (a LayerNorm bias) has max|b| ~ steps * lr, so its
-    # own ratio measures AdamW's per-element normalisation of rounding noise, not packing;
-    # it is reported (worst tensor) but the per-tensor gate is on the gradients.
-    num = den = 0.0
-    param_worst, param_worst_rel = "", 0.0
-    nonfinite: dict[str, list[str]] = {"unpacked": [], "packed": []}
-    for name, pu in params_u.items():
-        a, b = params_p[name].detach().double(), pu.detach().double()
-        if not b.numel():
-            continue
-        for run, t in (("unpacked", b), ("packed", a)):
-            if not bool(torch.isfinite(t).all()):
-                nonfinite[run].append(name)
-        # max() would skip a nan (nan > x is False), printing "ok" beside nan parameters.
-        num = max(num, float((a - b).abs().max().nan_to_num(math.inf)))
-        den = max(den, float(b.abs().max().nan_to_num(math.inf)))
-        r = relative_difference(a, b)
-        if r > param_worst_rel or not param_worst:
-            param_worst, param_worst_rel = name, r
-    param_rel = (0.0 if num == 0.0 else math.inf) if den == 0.0 else num / den
-    if not math.isfinite(den):
-        param_rel = math.inf
-    if nonfinite["unpacked"] and nonfinite["packed"] and not diverged:
-        diverged = (
-            f"both runs diverged: after {len(records)} AdamW step(s) parameters are non-finite "
-            f"in both ({len(nonfinite['unpacked'])} tensors unpacked, e.g. "
-            f"{nonfinite['unpacked'][0]}); the model or optimiser produced non-finite values, "
-            "which says nothing about packing: lower --lr or raise --adam-eps (0 divides 0 by 0)"
-        )
+    param_rel, param_worst, param_worst_rel = parameter_difference(
+        {n: p.detach() for n, p in params_u.items()},
+        {n: params_p[n].detach() for n in params_u},
+    )
+    nonfinite = {
+        "unpacked": nonfinite_tensors({n: p.detach() for n, p in params_u.items()}),
+        "packed": nonfinite_tensors({n: p.detach() for n, p in params_p.items()}),
+    }
+    diverged = diverged or params_diverged(len(records), nonfinite["unpacked"], nonfinite["packed"])
     for run in ("packed", "unpacked"):
         if nonfinite[run] and not diverged:
             failures.append(
@@ -338,6 +296,105 @@ def compare_packed_unpacked(
             say(f"leak check on a pack of {multi[0].num_docs} episodes")
             leak = _leak_check(model_p, _with_step(multi[0], seed, 0, dev), autocast, dev)
 
+    failures += judge(records, grads, param_rel, param_worst, leak, tol, steps)
+    if diverged:  # no verdict on packing: every difference above compares nan with nan
+        failures = [diverged]
+
+    primary = singles[0].primary
+    return VerifyReport(
+        config=dict(config or {}),
+        tolerances=tol,
+        steps=records,
+        grads=grads,
+        param_rel=param_rel,
+        param_worst=param_worst,
+        param_worst_rel=param_worst_rel,
+        episodes=len(episodes),
+        tokens=sum(b.layout(primary).num_tokens for b in singles),
+        padded_tokens_unpacked=sum(b.layout(primary).padded_len for b in singles),
+        padded_tokens_packed=sum(b.layout(primary).padded_len for b in packed),
+        packs=len(packed),
+        pack_sizes=[len(p) for p in packs],
+        leak=leak,
+        failures=failures,
+        diverged=bool(diverged),
+        environment=_environment(dev),
+    )
+
+
+# -- the gates, shared with the distributed run (packing.verify_dist) ------------------------------
+def record_grad_diffs(
+    worst: dict[str, GradDiff],
+    grads_u: Mapping[str, torch.Tensor | None],
+    grads_p: Mapping[str, torch.Tensor | None],
+    step: int,
+    tol: Tolerances,
+) -> list[str]:
+    """Fold one step's gradients into ``worst`` (per parameter, worst over steps); returns
+    the failures found (a gradient in one run only)."""
+    failures = []
+    for name, gu in grads_u.items():
+        gp = grads_p[name]
+        if gu is None and gp is None:
+            continue
+        if gu is None or gp is None:
+            failures.append(
+                f"parameter {name} has a gradient only in the "
+                f"{'packed' if gu is None else 'unpacked'} run (step {step})"
+            )
+            continue
+        d = GradDiff(
+            name=name,
+            shape=tuple(gu.shape),
+            rel=relative_difference(gp, gu),
+            cos=cosine_similarity(gp, gu),
+            max_abs=float((gp.double() - gu.double()).abs().max()) if gu.numel() else 0.0,
+            step=step,
+        )
+        prev = worst.get(name)
+        if prev is None or grad_badness(d, tol) > grad_badness(prev, tol):
+            worst[name] = d
+    return failures
+
+
+def parameter_difference(
+    params_u: Mapping[str, torch.Tensor], params_p: Mapping[str, torch.Tensor]
+) -> tuple[float, str, float]:
+    """(all parameters as one vector: max|a - b| / max|b|, worst tensor, its own ratio).
+
+    Per tensor, one that starts at zero (a LayerNorm bias) has max|b| ~ steps * lr, so its
+    own ratio measures AdamW's per-element normalisation of rounding noise, not packing;
+    it is reported (worst tensor) but the per-tensor gate is on the gradients.
+    """
+    num = den = 0.0
+    param_worst, param_worst_rel = "", 0.0
+    for name, pu in params_u.items():
+        a, b = params_p[name].double(), pu.double()
+        if not b.numel():
+            continue
+        # max() would skip a nan (nan > x is False), printing "ok" beside nan parameters.
+        num = max(num, float((a - b).abs().max().nan_to_num(math.inf)))
+        den = max(den, float(b.abs().max().nan_to_num(math.inf)))
+        r = relative_difference(a, b)
+        if r > param_worst_rel or not param_worst:
+            param_worst, param_worst_rel = name, r
+    param_rel = (0.0 if num == 0.0 else math.inf) if den == 0.0 else num / den
+    if not math.isfinite(den):
+        param_rel = math.inf
+    return param_rel, param_worst, param_worst_rel
+
+
+def judge(
+    records: Sequence[StepRecord],
+    grads: Sequence[GradDiff],
+    param_rel: float,
+    param_worst: str,
+    leak: LeakReport | None,
+    tol: Tolerances,
+    steps: int,
+) -> list[str]:
+    """The failures of a run against ``tol``: losses, gradients, parameters, leaks."""
+    failures = []
     loss_rel = relative_difference(
         torch.tensor([r.loss_packed for r in records], dtype=torch.float64),
         torch.tensor([r.loss_unpacked for r in records], dtype=torch.float64),
@@ -366,29 +423,33 @@ def compare_packed_unpacked(
         )
     if leak is not None and not leak.ok:
         failures.append(f"episodes leak into each other: pairs (i <- j) {leak.pairs[:6]}")
-    if diverged:  # no verdict on packing: every difference above compares nan with nan
-        failures = [diverged]
+    return failures
 
-    primary = singles[0].primary
-    return VerifyReport(
-        config=dict(config or {}),
-        tolerances=tol,
-        steps=records,
-        grads=grads,
-        param_rel=param_rel,
-        param_worst=param_worst,
-        param_worst_rel=param_worst_rel,
-        episodes=len(episodes),
-        tokens=sum(b.layout(primary).num_tokens for b in singles),
-        padded_tokens_unpacked=sum(b.layout(primary).padded_len for b in singles),
-        padded_tokens_packed=sum(b.layout(primary).padded_len for b in packed),
-        packs=len(packed),
-        pack_sizes=[len(p) for p in packs],
-        leak=leak,
-        failures=failures,
-        diverged=bool(diverged),
-        environment=_environment(dev),
+
+def both_diverged_at(step: int, loss_u: float, loss_p: float) -> str:
+    """The verdict when both runs' loss is non-finite at ``step``: no verdict on packing."""
+    return (
+        f"both runs diverged: the loss is {loss_u} unpacked and {loss_p} packed at step "
+        f"{step}; the model or optimiser produced non-finite values, which says nothing "
+        "about packing: check the model's initialisation, lower --lr or raise --adam-eps"
     )
+
+
+def params_diverged(steps: int, nonfinite_u: Sequence[str], nonfinite_p: Sequence[str]) -> str:
+    """The verdict when both runs end with non-finite parameters ("" when they do not)."""
+    if not (nonfinite_u and nonfinite_p):
+        return ""
+    return (
+        f"both runs diverged: after {steps} AdamW step(s) parameters are non-finite "
+        f"in both ({len(nonfinite_u)} tensors unpacked, e.g. {nonfinite_u[0]}); the model or "
+        "optimiser produced non-finite values, which says nothing about packing: lower --lr "
+        "or raise --adam-eps (0 divides 0 by 0)"
+    )
+
+
+def nonfinite_tensors(params: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the (non-empty) tensors holding a nan or an inf."""
+    return [n for n, t in params.items() if t.numel() and not bool(torch.isfinite(t).all())]
 
 
 def _leak_check(
@@ -450,6 +511,12 @@ class VerifyConfig:
     # {model stream: dataset feature}, e.g. {"latents": "observation.latent"}; streams not
     # listed read the feature of their own name (the reference model also looks by shape).
     features: Mapping[str, str] = field(default_factory=dict)
+    # distributed (packing.verify_dist): W ranks, FSDP2, the distributed sampler
+    nproc: int = 1
+    checkpointing: str = "full"
+    blocks: str = "blocks"
+    noise_key: str = "episode"
+    fsdp_autocast: bool = False  # bf16: fp32 sharded parameters + autocast, not bf16 params
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -459,10 +526,17 @@ class VerifyConfig:
             raise ValueError(f"mask={self.mask!r}; choose 'document' or 'frame-causal'")
         if self.reduction not in ("token", "frame", "episode"):
             raise ValueError(f"reduction={self.reduction!r}; choose token, frame or episode")
-        if self.loss_normaliser not in ("global", "per-micro-step"):
+        if self.loss_normaliser not in ("global", "per-micro-step", "per-rank"):
             raise ValueError(
-                f"loss_normaliser={self.loss_normaliser!r}; choose 'global' or 'per-micro-step'"
+                f"loss_normaliser={self.loss_normaliser!r}; choose 'global', 'per-micro-step' "
+                "or 'per-rank'"
             )
+        if self.nproc < 1:
+            raise ValueError(f"nproc={self.nproc} must be >= 1")
+        if self.checkpointing not in ("full", "ops", "none"):
+            raise ValueError(f"checkpointing={self.checkpointing!r}; choose full, ops or none")
+        if self.noise_key not in ("episode", "rank"):
+            raise ValueError(f"noise_key={self.noise_key!r}; choose 'episode' or 'rank'")
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be >= 1")
         if self.episodes is not None and self.episodes < 2:
@@ -715,6 +789,26 @@ def load_episodes(
     return [{renames.get(k, k): v for k, v in ds[i].items()} for i in range(n)], where
 
 
+def model_and_episodes(
+    config: VerifyConfig,
+) -> tuple[nn.Module, list[dict[str, Any]], str, dict[str, str]]:
+    """(model, episodes, where the data came from, {stream: feature}) for a verify run.
+
+    The reference model (no ``config.model``) is sized from the dataset: its latent shape
+    and action width come from the features `reference_streams` picks. Seed torch first:
+    the model is initialised here.
+    """
+    mapping: dict[str, str] = dict(config.features)
+    sizes: dict[str, Any] = {}
+    if config.model is None:
+        _, where, features = dataset_features(config)
+        mapping, sizes = reference_streams(features, config.features, where)
+    model = build_model(config, sizes)
+    names = [s.name for s in model.streams]  # type: ignore[union-attr]
+    episodes, where = load_episodes(config, names, mapping)
+    return model, episodes, where, mapping
+
+
 def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = None) -> VerifyReport:
     """``packing verify``: load data and model, plan packs, compare, check leaks.
 
@@ -725,14 +819,8 @@ def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = No
     from packing.plan import plan_packs
 
     torch.manual_seed(config.seed)
-    mapping: dict[str, str] = dict(config.features)
-    sizes: dict[str, Any] = {}
-    if config.model is None:
-        _, where, features = dataset_features(config)
-        mapping, sizes = reference_streams(features, config.features, where)
-    model = build_model(config, sizes)
+    model, episodes, where, mapping = model_and_episodes(config)
     streams: list[Stream] = list(model.streams)  # type: ignore[arg-type]
-    episodes, where = load_episodes(config, [s.name for s in streams], mapping)
 
     # One-episode batches pad to a multiple of 128 tokens when every stream's step fits it; a
     # grid of 15 tokens would pad to lcm(128, 15) = 1,920 (3% real), so such streams use 8.

@@ -1,0 +1,697 @@
+"""FSDP2 training step on N GPUs: packed vs one episode per micro-step, full-depth DiT.
+
+Launch one process per GPU::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --regime seed --out results/fsdp
+    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --smoke --out /tmp/fsdp   # CPU, gloo
+
+The reference DiT at Wan-2.2-5B widths (``--depth``, default 30 blocks), sharded with
+`packing.fsdp.shard_model`: ``fully_shard`` per block and root, bf16 parameters, fp32 gradient
+reduction, per-block activation checkpointing (``--checkpointing``), each block compiled,
+AdamW. Every rank trains 16 episodes per optimizer step (``--episodes-per-gpu``), drawn from
+the regime (seed: 144-336 frames = 4.6K-10.7K tokens; short: 10-79 frames = 0.3K-2.5K); the
+same episodes and initial weights in every variant::
+
+    unpacked_sync    one episode per micro-step, 16 micro-steps, gradient reduce-scatter on
+                     every micro-step (the background notes' setup); blocks compiled with
+                     dynamic=True, attention = plain SDPA on the one unpadded episode (flash)
+    unpacked_nosync  the same, reduce-scatter only on the last micro-step
+                     (set_requires_gradient_sync(False) before: the best unpacked setup)
+    packed           the step's episodes of ALL ranks through the distributed sampler
+                     (`PackedBatchSampler`: the fewest packs of --pack-budget tokens, the
+                     same count on every rank, ranks balanced by tokens; 16 episodes per
+                     GPU on average), one static shape, attention `auto` (FA4 varlen when
+                     installed, else Flex), compiled dynamic=False, sync on the last
+                     micro-step. Pooling matters: 16 seed episodes of one rank fill packs of
+                     65,536 to 86% (2.2 packs); the 32 of two ranks to 92% (2.0 packs)
+
+Reported per variant (rank 0 prints a markdown table; JSON to --out): s/step (median of the
+timed steps, CUDA events, up to the end-of-step barrier), tokens/s over all GPUs, MFU by model
+FLOPs (6 x block params x tokens + in-episode attention pairs, fwd+bwd; recompute NOT counted;
+"MFU incl. recompute" adds one more block forward for full checkpointing), first-step time and
+compile estimate (first step minus a timed one), peak memory (max over ranks), per-rank wait at
+the end-of-step barrier (CUDA events), exposed communication from one profiled step (GPU time
+when a NCCL kernel runs and no compute kernel does: transfers not hidden + waiting for the
+other rank), every step's loss (all-reduced, read after the loop) and its relative difference
+to unpacked_sync, and dynamo graphs compiled after warm-up (recompiles).
+
+``--recompile-packs 100`` then trains the packed variant on 100 random packs at
+``--recompile-depth`` blocks (the same compiled block code; full depth would take minutes per
+100 steps) and counts the graphs compiled after the first pack. ``--sweep 1,2,4,8`` trains the
+same episodes in exactly M packs for each M (reduce-scatter on every micro-step) to fit
+``step = a + M * x`` (§6 of docs/benchmarks.md; benchmarks/fit_microsteps.py re-predicts 4 and
+8 GPUs). ``--time-limit`` skips what would not finish (all ranks agree), so the run ends in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import re
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+from bench_step import (
+    _LIB_ATTENTION,
+    block_params,
+    make_episode,
+    sdpa_one_episode,
+    step_flops,
+    to_device,
+)
+
+import packing.model as pm
+from packing.collate import PackedCollator, Stream
+from packing.fsdp import shard_model
+from packing.layout import PackedBatch
+from packing.losses import LossNormalizer
+from packing.model import DiT, DiTConfig
+from packing.plan import plan_packs
+from packing.sampler import PackedBatchSampler, equalise_packs
+
+REGIMES = {"seed": (144, 336), "short": (10, 79)}  # frames (32 tokens each)
+DEFAULT_BUDGET = {"seed": 65536, "short": 24576}  # pooled packs fill ~92% / ~85%
+MESH: dict[str, Any] = {}  # one DeviceMesh for the whole run (set in main)
+VARIANTS = ("packed", "unpacked_sync", "unpacked_nosync")  # packed first: the headline
+
+
+# -- episodes and plans ------------------------------------------------------------------------
+def step_lengths(args: Any, step: int, world: int) -> list[list[int]]:
+    """Frames of every rank's episodes at ``step`` (all ranks compute the same table)."""
+    lo, hi = REGIMES[args.regime] if not args.smoke else (2, 6)
+    prng = random.Random(args.seed * 1_000_003 + step)
+    return [[prng.randint(lo, hi) for _ in range(args.episodes_per_gpu)] for _ in range(world)]
+
+
+class Episodes:
+    """Every episode of a step, made on demand from (seed, step, global index) and kept, so
+    each variant trains the very same tensors; rank r owns indices [16 r, 16 r + 16)."""
+
+    def __init__(self, args: Any, cfg: DiTConfig, world: int) -> None:
+        self.args, self.cfg, self.world = args, cfg, world
+        self.cache: dict[tuple[int, int], dict] = {}
+
+    def frames(self, step: int) -> list[int]:
+        return [f for fr in step_lengths(self.args, step, self.world) for f in fr]
+
+    def get(self, step: int, g: int) -> dict:
+        if (step, g) not in self.cache:
+            rng = torch.Generator().manual_seed((self.args.seed * 1_000_003 + step) * 4099 + g)
+            self.cache[step, g] = make_episode(step * 100_000 + g, self.frames(step)[g],
+                                               self.cfg, rng)  # fmt: skip
+        return self.cache[step, g]
+
+    def own(self, step: int, rank: int) -> list[int]:
+        e = self.args.episodes_per_gpu
+        return list(range(rank * e, (rank + 1) * e))
+
+
+def pooled_packs(args: Any, cfg: DiTConfig, eps: Episodes, step: int, rank: int,
+                 budget: int) -> list[list[int]]:  # fmt: skip
+    """This rank's packs (global episode indices) from the distributed sampler over ALL the
+    step's episodes: 16 per GPU on average, the fewest packs of ``budget``, the same count on
+    every rank, ranks balanced by tokens."""
+    lengths = [f * cfg.tokens_per_frame for f in eps.frames(step)]
+    sampler = PackedBatchSampler(lengths, budget, num_replicas=eps.world, rank=rank,
+                                 shuffle=False)  # fmt: skip
+    return [list(p) for p in sampler]
+
+
+def rank_packs(args: Any, cfg: DiTConfig, step: int, rank: int, world: int,
+               budget: int, packs: int | None = None) -> list[list[int]]:  # fmt: skip
+    """This rank's own episodes (global indices) in exactly ``packs`` packs (the sweep)."""
+    import numpy as np
+
+    tpf = cfg.tokens_per_frame
+    per_rank = [[f * tpf for f in fr] for fr in step_lengths(args, step, world)]
+    plans = [plan_packs(lengths, budget).packs for lengths in per_rank]
+    m = packs or max(len(p) for p in plans)
+    if any(len(p) > m for p in plans):
+        raise ValueError(f"--sweep {m}: the episodes need {max(map(len, plans))} packs of {budget}")
+    base = rank * args.episodes_per_gpu
+    mine = equalise_packs(plans[rank], np.asarray(per_rank[rank]), m)
+    return [[base + i for i in p] for p in mine]
+
+
+def sweep_budget(args: Any, cfg: DiTConfig, m: int, world: int, steps: int) -> int:
+    """Smallest budget (multiple of 1024) under which every step's episodes fit M packs."""
+    tpf = cfg.tokens_per_frame
+    need = 0
+    for s in range(steps):
+        for fr in step_lengths(args, s, world):
+            need = max(need, -(-sum(fr) * tpf // m), max(fr) * tpf)
+    quantum = 128 if args.smoke else 1024
+    budget = -(-need // quantum) * quantum
+    while any(len(plan_packs([f * tpf for f in fr], budget).packs) > m
+              for s in range(steps) for fr in step_lengths(args, s, world)):  # fmt: skip
+        budget += quantum
+    return budget
+
+
+def packed_collator(cfg: DiTConfig, budget: int, max_docs: int) -> PackedCollator:
+    tpf = cfg.tokens_per_frame
+    a_budget = -(-budget // tpf // 128) * 128
+    c, (h, w) = cfg.latent_channels, cfg.latent_hw
+    return PackedCollator(
+        [Stream("latents", grid=cfg.grid, budget=budget, step_shape=(c, h, w)),
+         Stream("action", budget=a_budget, step_shape=(cfg.action_dim,)),
+         Stream("text", budget=max_docs * cfg.text_len)],
+        max_docs=max_docs,
+    )  # fmt: skip
+
+
+# -- the model -----------------------------------------------------------------------------------
+def build(args: Any, cfg: DiTConfig, dev: torch.device, kind: str, depth: int | None = None) -> Any:
+    """Fresh model (same seed -> same weights on every rank and in every variant), sharded."""
+    torch._dynamo.reset()  # each variant compiles from scratch: its compile time is its own
+    unpacked = kind.startswith("unpacked")
+    attn = "auto" if dev.type != "cuda" else ("varlen" if unpacked else args.attention)
+    mcfg = DiTConfig(**{**cfg.__dict__, "attention": attn,
+                        "depth": depth or cfg.depth})  # fmt: skip
+    torch.manual_seed(args.seed)
+    with torch.device(dev):  # a 5B model initialised on the CPU takes minutes
+        model = DiT(mcfg)
+    pm.attention = sdpa_one_episode if unpacked else _LIB_ATTENTION
+    shard_model(model, MESH.get("mesh"), checkpointing=args.checkpointing,
+                checkpoint_blocks=checkpoint_count(kind), compile=not args.no_compile,
+                dynamic=unpacked,
+                compile_options={"backend": args.compile_backend},
+                param_dtype=torch.bfloat16 if dev.type == "cuda" else None)  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    return model, opt, mcfg
+
+
+def train_step(model: Any, opt: Any, mbs: list[PackedBatch], step: int, dev: torch.device,
+               sync_every: bool) -> torch.Tensor:  # fmt: skip
+    """One optimizer step over this rank's micro-batches; the global loss stays on device."""
+    norms = {s: LossNormalizer.for_step([b.layout(s) for b in mbs], "token", device=dev)
+             for s in ("latents", "action")}  # fmt: skip
+    total = torch.zeros((), device=dev, dtype=torch.float32)
+    for i, mb in enumerate(mbs):
+        model.set_requires_gradient_sync(sync_every or i == len(mbs) - 1)
+        batch = to_device(mb, dev)
+        batch.extras["seed"], batch.extras["step"] = 0, step
+        out = model(batch)
+        loss = sum(norms[s](out[s], batch.token_layout(s, out[s].shape[0], "loss", fix=""))
+                   for s in ("latents", "action"))  # fmt: skip
+        loss.backward()  # type: ignore[union-attr]
+        total += loss.detach().float() / norms["latents"].grad_scale  # type: ignore[union-attr]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+# -- measurement helpers ----------------------------------------------------------------------
+class Clock:
+    """Step time and the end-of-step wait: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.cuda = dev.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    @staticmethod
+    def ms(a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+
+
+def count_syncs(model: Any, opt: Any, mb: PackedBatch, step: int, dev: torch.device) -> int:
+    """Host-device synchronisations in one micro-step's forward + backward (FSDP hooks,
+    checkpoint recompute and the loss included), counted by torch's sync debug mode."""
+    import warnings
+
+    model.set_requires_gradient_sync(False)
+    batch = to_device(mb, dev)
+    batch.extras["seed"], batch.extras["step"] = 0, step
+    norms = {s: LossNormalizer.for_step([mb.layout(s)], "token", device=dev)
+             for s in ("latents", "action")}  # fmt: skip
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = model(batch)
+            loss = sum(norms[s](out[s], batch.token_layout(s, out[s].shape[0], "loss", fix=""))
+                       for s in ("latents", "action"))  # fmt: skip
+            loss.backward()  # type: ignore[union-attr]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    opt.zero_grad(set_to_none=True)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    if syncs and dist.get_rank() == 0:
+        print(f"host syncs in a micro-step: {len(syncs)}, first: {syncs[0].message}", flush=True)
+    return len(syncs)
+
+
+def barrier_on(dev: torch.device) -> None:
+    """A barrier that runs on the GPU stream (an all-reduce of one element)."""
+    dist.all_reduce(torch.zeros(1, device=dev))
+
+
+def union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total / 1e3  # us -> ms
+
+
+def _kernel_intervals(prof: Any) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every GPU kernel/memcpy the profiler saw."""
+    out = []
+    try:  # the raw kineto events: no FunctionEvent tree to build for ~10^5 kernels
+        for ev in prof.profiler.kineto_results.events():
+            if ev.device_type() == torch.autograd.DeviceType.CUDA:
+                start = ev.start_ns() / 1e3
+                out.append((ev.name(), start, start + ev.duration_ns() / 1e3))
+    except AttributeError:
+        out = []
+    if not out:
+        for fe in prof.events():
+            if fe.device_type == torch.autograd.DeviceType.CUDA:
+                out.append((fe.name, float(fe.time_range.start), float(fe.time_range.end)))
+    return out
+
+
+def exposed_comm(prof: Any) -> dict[str, float]:
+    """GPU ms of compute kernels, of NCCL kernels, and of NCCL with no compute under it
+    (transfers not hidden behind compute, plus the time a rank's NCCL kernel waits for the
+    other rank to arrive)."""
+    comm, comp = [], []
+    for name, a, b in _kernel_intervals(prof):
+        (comm if "nccl" in name.lower() else comp).append((a, b))
+    if not comm and not comp:
+        raise RuntimeError("the profiler recorded no GPU kernel")
+    c_ms, k_ms = union_ms(comm), union_ms(comp)
+    both = union_ms(comm + comp)
+    return {"compute_ms": k_ms, "comm_ms": c_ms, "exposed_comm_ms": both - k_ms,
+            "kernels": float(len(comm) + len(comp))}  # fmt: skip
+
+
+def gather_floats(x: dict[str, float], dev: torch.device) -> list[dict[str, float]]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
+def checkpoint_count(kind: str) -> int | None:
+    """``packed_ac20`` -> 20 blocks checkpointed (the rest keep their activations); None: all."""
+    m = re.search(r"_ac(\d+)", kind)
+    return int(m.group(1)) if m else None
+
+
+def max_docs(args: Any, cfg: DiTConfig, budget: int, world: int) -> int:
+    """Static shapes: the most episodes a pack can hold (each >= the regime's shortest)."""
+    lo_frames = 2 if args.smoke else REGIMES[args.regime][0]
+    return min(world * args.episodes_per_gpu, max(1, budget // (lo_frames * cfg.tokens_per_frame)))
+
+
+def variant_budget(kind: str, args: Any) -> int:
+    """``packed_b131072`` -> packs of 131,072 tokens; else ``--pack-budget``."""
+    m = re.search(r"_b(\d+)", kind)
+    return int(m.group(1)) if m else args.pack_budget
+
+
+def recompute_flops(cfg: DiTConfig, eps: list[dict], checkpointing: str,
+                    blocks: int | None = None) -> float:  # fmt: skip
+    """FLOPs the full-checkpointing recompute adds: one more forward of each checkpointed
+    block (1/3 of the dense fwd+bwd, 1/3.5 of the attention's); 0 for 'none' and 'ops'."""
+    if checkpointing != "full":
+        return 0.0
+    n = cfg.depth if blocks is None else blocks
+    tpf = cfg.tokens_per_frame
+    total = 0.0
+    for ep in eps:
+        j = ep["latents"].shape[0] * tpf + ep["action"].shape[0]
+        n_text = ep["text"].shape[0]
+        total += n * (2.0 * block_params(cfg) * j
+                              + 4.0 * (j * j + j * n_text) * cfg.head_dim * cfg.heads)  # fmt: skip
+    return total
+
+
+# -- one variant -------------------------------------------------------------------------------
+def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: Episodes,
+                sweep_m: int | None = None) -> dict[str, Any]:  # fmt: skip
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t_build = time.perf_counter()
+    model, opt, mcfg = build(args, cfg, dev, kind)
+    build_s = time.perf_counter() - t_build
+    unpacked = kind.startswith("unpacked")
+    sync_every = kind == "unpacked_sync" or sweep_m is not None
+    n_steps = args.warmup + args.steps
+    if unpacked:
+        col = PackedCollator([*mcfg.streams(), Stream("text")], pad_to_multiple=1)
+        groups = [[[g] for g in data.own(s, rank)] for s in range(n_steps)]
+        budget = None
+    else:
+        budget = (sweep_budget(args, cfg, sweep_m, world, n_steps) if sweep_m
+                  else variant_budget(kind, args))  # fmt: skip
+        col = packed_collator(mcfg, budget, max_docs(args, cfg, budget, world))
+        groups = [rank_packs(args, cfg, s, rank, world, budget, sweep_m) if sweep_m
+                  else pooled_packs(args, cfg, data, s, rank, budget)
+                  for s in range(n_steps)]  # fmt: skip
+    plans = [[col([data.get(s, g) for g in p]) for p in groups[s]] for s in range(n_steps)]
+    trained = [[data.get(s, g) for p in groups[s] for g in p] for s in range(n_steps)]
+    clock = Clock(dev)
+    marks, losses, first_s = [], [], 0.0
+    g0 = 0
+    for s in range(n_steps):
+        if s == args.warmup:
+            common.sync(dev)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            g0 = common.dynamo_counters()["unique_graphs"]
+        t0 = time.perf_counter()
+        a = clock.mark()
+        losses.append(train_step(model, opt, plans[s], s, dev, sync_every))
+        done = clock.mark()
+        barrier_on(dev)
+        after = clock.mark()
+        if s < args.warmup:
+            common.sync(dev)
+            if s == 0:
+                first_s = time.perf_counter() - t0
+        else:
+            marks.append((a, done, after))
+    common.sync(dev)
+    recompiles = common.dynamo_counters()["unique_graphs"] - g0
+    step_ms = [Clock.ms(a, c) for a, _, c in marks]
+    wait_ms = [Clock.ms(b, c) for _, b, c in marks]
+    peak = torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0
+    prof_row: dict[str, float] = {}
+    if dev.type == "cuda" and sweep_m is None:
+        try:
+            prof_row["host_syncs"] = float(count_syncs(model, opt, plans[-1][0], n_steps, dev))
+        except Exception as e:  # a reporting failure must not cost the variant's row
+            print(f"rank {rank}: host syncs not counted: {e!r}", flush=True)
+    if dev.type == "cuda" and sweep_m is None and kind in args.profile.split(","):
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            train_step(model, opt, plans[-1], n_steps, dev, sync_every)
+            barrier_on(dev)
+            common.sync(dev)
+        try:
+            prof_row = exposed_comm(prof)
+        except Exception as e:  # a reporting failure must not cost the variant's row
+            print(f"rank {rank}: exposed communication not measured: {e!r}", flush=True)
+        del prof
+    step_losses = torch.stack(losses)
+    dist.all_reduce(step_losses)  # each rank holds its share of the step's global mean
+    loss_vals = [float(x) for x in step_losses.tolist()]
+    tpf = mcfg.tokens_per_frame
+    timed = trained[args.warmup :]
+    mine = {
+        "step_ms": statistics.median(step_ms) if step_ms else float("nan"),
+        "wait_ms": statistics.median(wait_ms) if wait_ms else float("nan"),
+        "peak_gb": peak,
+        "first_step_s": first_s,
+        "tokens": float(
+            sum(e["latents"].shape[0] * tpf + e["action"].shape[0] for eps in timed for e in eps)
+        ),
+        "flops": sum(step_flops(mcfg, eps) for eps in timed),
+        "recompute_flops": sum(
+            recompute_flops(mcfg, eps, args.checkpointing, checkpoint_count(kind)) for eps in timed
+        ),
+        "micro_steps": sum(len(p) for p in plans[args.warmup :]) / max(len(timed), 1),
+        **prof_row,
+    }
+    ranks = gather_floats(mine, dev)
+    del model, opt
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    pm.attention = _LIB_ATTENTION
+    step_s = max(r["step_ms"] for r in ranks) / 1e3
+    tokens = sum(r["tokens"] for r in ranks) / max(args.steps, 1)
+    flops = sum(r["flops"] for r in ranks) / max(args.steps, 1)
+    rflops = sum(r["recompute_flops"] for r in ranks) / max(args.steps, 1)
+    peak_tf = common.H200_BF16_PEAK_TFLOPS * 1e12 * world
+    row = {
+        "variant": kind if sweep_m is None else f"packed M={sweep_m}",
+        "attention": "sdpa flash (per episode)" if unpacked else attention_name(mcfg, dev),
+        "budget": budget,
+        "micro-steps": ranks[0]["micro_steps"],
+        "s/step": step_s,
+        "tokens/s": tokens / step_s,
+        "MFU": flops / step_s / peak_tf,
+        "MFU incl. recompute": (flops + rflops) / step_s / peak_tf,
+        "first step s": first_s,
+        "compile s (est.)": first_s - step_s,
+        "build+shard s": build_s,
+        "peak GB": max(r["peak_gb"] for r in ranks),
+        "wait ms (per rank)": [round(r["wait_ms"], 1) for r in ranks],
+        "wait % of step": 100 * max(r["wait_ms"] for r in ranks) / 1e3 / step_s,
+        "exposed comm ms (per rank)": [
+            round(r.get("exposed_comm_ms", float("nan")), 1) for r in ranks
+        ],
+        "comm ms (per rank)": [round(r.get("comm_ms", float("nan")), 1) for r in ranks],
+        "recompiles after warm-up": recompiles,
+        "host syncs per micro-step": ranks[0].get("host_syncs"),
+        "losses": loss_vals,
+        "steps timed": args.steps,
+        "ranks": ranks,
+    }
+    return row
+
+
+def attention_name(cfg: DiTConfig, dev: torch.device) -> str:
+    from packing.layout import layout_from_lengths
+
+    lay = layout_from_lengths([256], [256], 256)
+    try:
+        return pm.prepare_attention(lay, None, None, cfg.attention, device=dev,
+                                    dtype=torch.bfloat16, head_dim=cfg.head_dim).backend  # fmt: skip
+    except Exception as e:  # recorded, never hidden
+        return f"? {type(e).__name__}: {e}"[:80]
+
+
+# -- recompiles over many packs at small depth ---------------------------------------------
+def recompile_check(args: Any, cfg: DiTConfig, dev: torch.device) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, mcfg = build(args, cfg, dev, "packed", depth=args.recompile_depth)
+    col = packed_collator(mcfg, args.pack_budget, args.episodes_per_gpu)
+    t0 = time.perf_counter()
+    g0 = None
+    for s in range(args.recompile_packs + 1):
+        lo, hi = REGIMES[args.regime] if not args.smoke else (2, 6)
+        prng = random.Random(args.seed * 31 + s * world + rank)
+        eps, tok = [], 0
+        rng = torch.Generator().manual_seed(s * world + rank)
+        while len(eps) < args.episodes_per_gpu:
+            f = prng.randint(lo, hi)
+            if tok + f * mcfg.tokens_per_frame > args.pack_budget:
+                break
+            eps.append(make_episode(len(eps) + 1000 * (s * world + rank), f, mcfg, rng))
+            tok += f * mcfg.tokens_per_frame
+        train_step(model, opt, [col(eps)], s, dev, False)
+        if g0 is None:
+            common.sync(dev)
+            g0 = common.dynamo_counters()["unique_graphs"]
+    common.sync(dev)
+    n = common.dynamo_counters()["unique_graphs"] - (g0 or 0)
+    del model, opt
+    pm.attention = _LIB_ATTENTION
+    return {"recompile check": f"{args.recompile_packs} random packs at depth "
+            f"{args.recompile_depth}, budget {args.pack_budget}",
+            "graphs compiled after the first pack": n, "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+COLUMNS = ["variant", "attention", "micro-steps", "budget", "s/step", "tokens/s",
+           "vs unpacked_sync", "vs best unpacked", "MFU", "MFU incl. recompute", "first step s",
+           "compile s (est.)", "peak GB", "wait % of step", "exposed comm ms (per rank)",
+           "loss rel diff (step 0)", "loss rel diff (max)", "recompiles after warm-up",
+           "host syncs per micro-step", "seconds", "error"]  # fmt: skip
+
+
+# -- main ------------------------------------------------------------------------------------
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--regime", default="seed", choices=sorted(REGIMES))
+    p.add_argument("--depth", type=int, default=30)
+    p.add_argument("--episodes-per-gpu", type=int, default=16)
+    p.add_argument("--pack-budget", type=int, default=None, help="tokens (default per regime)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant")
+    p.add_argument("--checkpointing", default="full", choices=["full", "ops", "none"])
+    p.add_argument("--attention", default="auto", help="packed variants' backend")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend (aot_eager: a CPU check of the traced path)",
+    )
+    p.add_argument(
+        "--profile",
+        default="packed,unpacked_sync",
+        help="variants that get one extra profiled step (exposed communication)",
+    )
+    p.add_argument("--recompile-packs", type=int, default=0)
+    p.add_argument("--recompile-depth", type=int, default=2)
+    p.add_argument("--sweep", default="", help="micro-step counts, e.g. 1,2,4,8")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=400.0,
+        help="seconds: a variant starts only if the last one's time is left",
+    )
+    p.add_argument(
+        "--hard-limit",
+        type=float,
+        default=470.0,
+        help="seconds: print and save what finished, then exit 124 (a stuck compile)",
+    )
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU with gloo")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="directory for the JSON")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    t_start = time.perf_counter()
+    cuda = torch.cuda.is_available() and not args.smoke
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    MESH["mesh"] = init_device_mesh(dev.type, (world,))
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+    if args.smoke:
+        cfg = DiTConfig.tiny(depth=2)
+        args.episodes_per_gpu = min(args.episodes_per_gpu, 4)
+        args.pack_budget = args.pack_budget or 512
+        if args.compile_backend == "inductor":
+            args.no_compile = True  # inductor on a 2-core CPU takes minutes; the GPU compiles
+    else:
+        cfg = DiTConfig.wan_2_2_5b(depth=args.depth)
+        args.pack_budget = args.pack_budget or DEFAULT_BUDGET[args.regime]
+    data = Episodes(args, cfg, world)
+    rows: list[dict[str, Any]] = []
+    extra: dict[str, Any] = {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"bench_fsdp_{args.regime}{'_smoke' if args.smoke else ''}.json"
+
+    def say(msg: str) -> None:
+        if rank == 0:
+            print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
+
+    def time_left() -> float:  # the same on every rank: the slowest rank's view
+        t = torch.tensor([time.perf_counter() - t_start], dtype=torch.float64)
+        t = t.to(dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return args.time_limit - float(t)
+
+    def save(partial: bool) -> None:
+        if rank == 0:
+            ns = argparse.Namespace(**{**vars(args), "out": str(path), "quick": args.smoke})
+            common.write_json("fsdp", ns, {"rows": rows, "world_size": world, **extra,
+                                           "model": cfg.__dict__}, device=dev,
+                              partial=partial)  # fmt: skip
+
+    def abort() -> None:  # a watchdog thread: a stuck compile must not eat the device call
+        say(f"hard limit {args.hard_limit:.0f} s reached: saving the rows that finished")
+        if rank == 0:
+            print(common.markdown_table(rows, COLUMNS), flush=True)
+        extra["aborted"] = f"hard limit {args.hard_limit} s"
+        save(partial=True)
+        os._exit(124)
+
+    watchdog = threading.Timer(args.hard_limit, abort)
+    watchdog.daemon = True
+    watchdog.start()
+    say(f"{world} ranks, {dev.type}, regime {args.regime}, depth {cfg.depth}, budget "
+        f"{args.pack_budget}, {args.episodes_per_gpu} episodes per GPU per step")  # fmt: skip
+    jobs: list[tuple[str, int | None]] = [(v, None) for v in args.variants.split(",") if v]
+    jobs += [("packed", int(m)) for m in args.sweep.split(",") if m]
+    last_cost = 0.0
+    for kind, m in jobs:
+        left = time_left()
+        if left < last_cost:
+            rows.append(
+                {
+                    "variant": kind if m is None else f"packed M={m}",
+                    "error": f"skipped: {left:.0f} s left < last variant's {last_cost:.0f} s",
+                }
+            )
+            say(rows[-1]["error"])
+            continue
+        t0 = time.perf_counter()
+        try:
+            row = run_variant(kind, args, cfg, dev, data, sweep_m=m)
+        except Exception as e:
+            # Recorded and the run goes on (an error both ranks hit: a compile failure, or an
+            # OOM, the ranks having the same shapes); one rank alone would leave the other in
+            # a collective: the watchdog ends that, keeping the rows saved so far.
+            import traceback
+
+            traceback.print_exc()
+            row = {"variant": kind if m is None else f"packed M={m}",
+                   "error": f"{type(e).__name__}: {str(e)[:300]}"}  # fmt: skip
+            pm.attention = _LIB_ATTENTION
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        last_cost = time.perf_counter() - t0
+        row["seconds"] = last_cost
+        rows.append(row)
+        say({k: v for k, v in row.items() if k not in ("ranks", "losses")})
+        save(partial=True)
+    if args.recompile_packs:
+        if time_left() > 90 or args.smoke:
+            extra["recompiles"] = recompile_check(args, cfg, dev)
+        else:
+            extra["recompiles"] = "skipped: time limit"
+        say(extra["recompiles"])
+    base = next((r for r in rows if r.get("variant") == "unpacked_sync" and "losses" in r), None)
+    for r in rows:
+        if base and "losses" in r and len(r["losses"]) == len(base["losses"]):
+            r["loss rel diff (step 0)"] = abs(r["losses"][0] - base["losses"][0]) / abs(
+                base["losses"][0]
+            )
+            r["loss rel diff (max)"] = max(abs(x - y) / abs(y)
+                                           for x, y in zip(r["losses"], base["losses"], strict=True))  # fmt: skip
+        if base and "tokens/s" in r:
+            r["vs unpacked_sync"] = r["tokens/s"] / base["tokens/s"]
+    best_u = max((r["tokens/s"] for r in rows if str(r.get("variant")).startswith("unpacked")
+                  and "tokens/s" in r), default=None)  # fmt: skip
+    for r in rows:
+        if best_u and "tokens/s" in r:
+            r["vs best unpacked"] = r["tokens/s"] / best_u
+    extra["total_seconds"] = time.perf_counter() - t_start
+    watchdog.cancel()
+    if rank == 0:
+        print(common.markdown_table(rows, COLUMNS))
+    save(partial=False)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""How many tokens per GPU: a memory model of sharded training, fitted on a few probes.
+
+Peak memory of one GPU in an N-way FSDP run of a model of depth ``d`` on packs of ``T``
+tokens, stated as::
+
+    peak(T, d, N) =  state_bytes * P(d) / N          params + grads + AdamW m, v, all fp32,
+                                                     sharded 1/N (16 bytes a parameter)
+                   + fixed                           gathered bf16 blocks in flight, CUDA and
+                                                     NCCL workspaces, allocator slack
+                   + T * (per_token + per_token_block * d)
+                                                     activations: with full checkpointing
+                                                     each block keeps its input (per block)
+                                                     and one block is recomputed at a time
+                                                     (per token, depth-free); without, every
+                                                     block keeps all of its activations
+
+``fit_memory_model`` finds ``fixed``, ``per_token`` and ``per_token_block`` by least squares
+from probes at shallow depths (2 and 4 blocks, two pack sizes: minutes at full depth become
+seconds), with the parameter term computed from the parameter count. ``max_tokens`` inverts
+the model for any depth and N; the caller then checks the prediction with one full-depth
+probe (`probe_peak`) on the GPUs it has. Only the first term depends on N, so the answer
+for 8 GPUs comes from a run on 2 with the same activation terms.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["MemoryModel", "Probe", "fit_memory_model", "probe_peak"]
+
+STATE_BYTES = 16.0  # fp32 parameter + fp32 gradient + AdamW exp_avg + exp_avg_sq
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One measurement: ``tokens`` per GPU at ``depth`` blocks, ``params`` in the model."""
+
+    depth: int
+    tokens: int
+    params: int
+    world: int
+    peak_bytes: float
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """``peak = STATE_BYTES * params / world + fixed + tokens * (per_token + per_token_block
+    * depth)``; bytes."""
+
+    fixed: float
+    per_token: float
+    per_token_block: float
+    state_bytes: float = STATE_BYTES
+
+    def peak(self, tokens: int, params: int, depth: int, world: int) -> float:
+        act = tokens * (self.per_token + self.per_token_block * depth)
+        return self.state_bytes * params / world + self.fixed + act
+
+    def max_tokens(
+        self, capacity: float, params: int, depth: int, world: int, *, multiple: int = 1024
+    ) -> int:
+        """Largest pack (a multiple of ``multiple``) whose predicted peak fits ``capacity``
+        bytes; 0 when the sharded states alone do not fit."""
+        free = capacity - self.state_bytes * params / world - self.fixed
+        per = self.per_token + self.per_token_block * depth
+        if free <= 0 or per <= 0:
+            return 0
+        return int(free / per) // multiple * multiple
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["per_token_mb"] = self.per_token / 1e6
+        d["per_token_block_kb"] = self.per_token_block / 1e3
+        return d
+
+
+def fit_memory_model(probes: Sequence[Probe]) -> MemoryModel:
+    """Least squares of ``peak - STATE_BYTES * P / N = fixed + T * a + T * d * b`` over the
+    probes (at least two depths and two pack sizes)."""
+    if len({p.depth for p in probes}) < 2 or len({p.tokens for p in probes}) < 2:
+        raise ValueError(
+            f"fit_memory_model needs probes at >= 2 depths and >= 2 pack sizes, got "
+            f"{[(p.depth, p.tokens) for p in probes]}"
+        )
+    a = torch.tensor([[1.0, p.tokens, p.tokens * p.depth] for p in probes], dtype=torch.float64)
+    y = torch.tensor(
+        [p.peak_bytes - STATE_BYTES * p.params / p.world for p in probes], dtype=torch.float64
+    )
+    sol = torch.linalg.lstsq(a, y[:, None]).solution[:, 0].tolist()
+    return MemoryModel(fixed=sol[0], per_token=sol[1], per_token_block=sol[2])
+
+
+def probe_peak(step: Callable[[], Any], *, device: torch.device, repeats: int = 2) -> float:
+    """Peak bytes allocated over ``repeats`` calls of ``step`` (a full training step; the
+    second one holds the optimizer states), max over ranks when distributed."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(repeats):
+        step()
+    peak = 0.0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = float(torch.cuda.max_memory_allocated(device))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        t = torch.tensor([peak], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        peak = float(t)
+    return peak
