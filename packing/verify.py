@@ -166,8 +166,14 @@ def compare_packed_unpacked(
     normalise: str = "global",
     config: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    reference: nn.Module | None = None,
 ) -> VerifyReport:
     """The core of `packing verify` on any packed model and any list of episodes.
+
+    ``reference``: the module the unpacked run trains instead of a copy of ``model`` -- e.g.
+    the unmodified upstream model called one episode at a time (a diffusers adapter's
+    ``model.reference()``). It must hold the same parameters under the same names, with the
+    same values; ``model`` itself then trains packed (no copy is made).
 
     ``collate_unpacked([ep])`` makes the one-episode batches of the baseline,
     ``collate_packed([eps...])`` the packs; ``packs`` lists the episode positions of each pack
@@ -206,8 +212,12 @@ def compare_packed_unpacked(
     singles = [collate_unpacked([ep]) for ep in episodes]
     packed = [collate_packed([episodes[i] for i in p]) for p in packs]
 
-    model_u = model.to(dev)
-    model_p = copy.deepcopy(model_u)
+    if reference is None:
+        model_u = model.to(dev)
+        model_p = copy.deepcopy(model_u)
+    else:
+        model_u, model_p = reference.to(dev), model.to(dev)
+        _check_same_parameters(model_p, model_u)
     model_u.train()
     model_p.train()
     run_u: nn.Module = torch.compile(model_u, dynamic=True) if compile else model_u  # type: ignore[assignment]
@@ -359,6 +369,23 @@ def compare_packed_unpacked(
     )
 
 
+def _check_same_parameters(packed: nn.Module, reference: nn.Module) -> None:
+    """The packed model and its reference must start from the same weights, name by name."""
+    p, r = dict(packed.named_parameters()), dict(reference.named_parameters())
+    if p.keys() != r.keys():
+        only_p, only_r = sorted(p.keys() - r.keys()), sorted(r.keys() - p.keys())
+        raise ValueError(
+            f"the reference's parameters are not the packed model's: only packed {only_p[:4]}, "
+            f"only reference {only_r[:4]}; build the reference from the same model"
+        )
+    for name, value in p.items():
+        if value.shape != r[name].shape or not torch.equal(value.detach(), r[name].detach()):
+            raise ValueError(
+                f"parameter {name} differs between the packed model and the reference; both "
+                "must start from the same weights (copy the model before packing it)"
+            )
+
+
 def _leak_check(
     model: nn.Module, batch: PackedBatch, autocast: torch.dtype | None, dev: torch.device
 ) -> LeakReport:
@@ -410,6 +437,7 @@ class VerifyConfig:
     reduction: str = "episode"
     dataset: str | None = None  # None: the embedded default dataset
     model: str | None = None  # "module:factory"; None: the tiny reference model
+    reference: str | None = None  # "module:factory(model)"; None: model.reference() or a copy
     seed: int = 0
     lr: float = 1e-4
     adam_eps: float = 1e-6
@@ -433,11 +461,12 @@ class VerifyConfig:
             raise ValueError(f"episodes={self.episodes}: packing needs at least 2 episodes")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"token_budget={self.token_budget} must be >= 1")
-        if self.model is not None and self.model.count(":") != 1:
-            raise ValueError(
-                f"model={self.model!r}: expected 'module:factory', e.g. 'my_models:build' for a "
-                "function build() in my_models.py on the Python path"
-            )
+        for flag, spec in (("model", self.model), ("reference", self.reference)):
+            if spec is not None and spec.count(":") != 1:
+                raise ValueError(
+                    f"{flag}={spec!r}: expected 'module:factory', e.g. 'my_models:build' for a "
+                    "function build() in my_models.py on the Python path"
+                )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -502,6 +531,23 @@ def build_model(config: VerifyConfig) -> nn.Module:
     return model
 
 
+def build_reference(config: VerifyConfig, model: nn.Module) -> tuple[nn.Module | None, str]:
+    """The unpacked side: ``--reference`` factory called with the packed model, else the
+    model's own ``reference()`` (e.g. an unmodified upstream model run one episode at a time),
+    else None (a copy of the packed model runs one episode per micro-step)."""
+    if config.reference is not None:
+        ref = load_factory(config.reference)(model)
+        where = config.reference
+    elif callable(getattr(model, "reference", None)):
+        ref = model.reference()  # type: ignore[operator]
+        where = f"{type(model).__name__}.reference()"
+    else:
+        return None, "a copy of the model"
+    if not isinstance(ref, nn.Module):
+        raise TypeError(f"the reference ({where}) is {type(ref).__name__}, expected nn.Module")
+    return ref, where
+
+
 def default_token_budget(lengths: Sequence[int]) -> int:
     """About a third of one step's tokens (so ~3 packs of several episodes), never below the
     longest episode, rounded up to a multiple of 128 (of 8 below 512 tokens)::
@@ -541,6 +587,7 @@ def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = No
 
     torch.manual_seed(config.seed)
     model = build_model(config)
+    reference, reference_name = build_reference(config, model)
     streams: list[Stream] = list(model.streams)  # type: ignore[arg-type]
     episodes, where = load_episodes(config, [s.name for s in streams])
 
@@ -560,6 +607,7 @@ def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = No
         "model": config.model or DEFAULT_MODEL,
         "dataset": where,
         "token_budget": budget,
+        "reference": reference_name,
     }
     return compare_packed_unpacked(
         model,
@@ -579,4 +627,5 @@ def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = No
         normalise=config.loss_normaliser,
         config=info,
         progress=progress,
+        reference=reference,
     )
