@@ -473,21 +473,21 @@ class VerifyConfig:
         return _DTYPES[self.dtype]
 
 
-def load_factory(spec: str) -> Callable[..., nn.Module]:
+def load_factory(spec: str, flag: str = "--model") -> Callable[..., nn.Module]:
     """``"module:factory"`` -> the factory callable, with an error that names what is missing."""
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ImportError(
-            f"--model {spec}: cannot import module {module_name!r} ({e}); put its directory on "
+            f"{flag} {spec}: cannot import module {module_name!r} ({e}); put its directory on "
             "PYTHONPATH or install it"
         ) from e
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise AttributeError(
-            f"--model {spec}: module {module_name!r} has no callable {attr!r}; expected a "
-            "function that returns the packed model (see docs/verify.md)"
+            f"{flag} {spec}: module {module_name!r} has no callable {attr!r}; expected a "
+            "function that returns a model (see docs/verify.md)"
         )
     return factory  # type: ignore[no-any-return]
 
@@ -536,7 +536,7 @@ def build_reference(config: VerifyConfig, model: nn.Module) -> tuple[nn.Module |
     model's own ``reference()`` (e.g. an unmodified upstream model run one episode at a time),
     else None (a copy of the packed model runs one episode per micro-step)."""
     if config.reference is not None:
-        ref = load_factory(config.reference)(model)
+        ref = load_factory(config.reference, "--reference")(model)
         where = config.reference
     elif callable(getattr(model, "reference", None)):
         ref = model.reference()  # type: ignore[operator]

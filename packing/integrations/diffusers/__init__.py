@@ -55,4 +55,5 @@ __all__ = [
     "tiny_wan_2_2",
     "toy_text_encoder",
     "uninstall_processors",
+    "unpatchify",
 ]

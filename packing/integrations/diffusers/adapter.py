@@ -48,6 +48,7 @@ class FlowMatchingAdapter(nn.Module):
     """
 
     patch_hw: tuple[int, int]
+    transformer: Any  # the diffusers model (its attributes are typed by diffusers, not here)
 
     def __init__(
         self,
@@ -69,11 +70,11 @@ class FlowMatchingAdapter(nn.Module):
     # -- streams and inputs ----------------------------------------------------------------
     @property
     def in_channels(self) -> int:
-        return int(self.transformer.config.in_channels)  # type: ignore[union-attr]
+        return int(self.transformer.config.in_channels)
 
     @property
     def text_dim(self) -> int:
-        return int(self.transformer.config.text_dim)  # type: ignore[union-attr]
+        return int(self.transformer.config.text_dim)
 
     @property
     def streams(self) -> list[Stream]:
@@ -87,7 +88,9 @@ class FlowMatchingAdapter(nn.Module):
         ph, pw = self.patch_hw
         if h % ph or w % pw:
             raise ValueError(f"latent_hw={self.latent_hw} is not divisible by the patch {ph}x{pw}")
-        lat = Stream(self.latents_stream, grid=(h // ph, w // pw), step_shape=(self.in_channels, h, w))
+        lat = Stream(
+            self.latents_stream, grid=(h // ph, w // pw), step_shape=(self.in_channels, h, w)
+        )
         if self.text_encoder is not None:
             return [lat]
         return [lat, Stream(self.text_stream, step_shape=(self.text_dim,))]
@@ -95,7 +98,9 @@ class FlowMatchingAdapter(nn.Module):
     def text_inputs(self, batch: PackedBatch, device: torch.device) -> tuple[Tensor, StreamLayout]:
         """The K episodes' text embeddings ``(T_txt, D_txt)`` and their layout."""
         if self.text_stream in batch.layouts:
-            return batch.streams[self.text_stream].to(device), batch.layout(self.text_stream).to(device)
+            return batch.streams[self.text_stream].to(device), batch.layout(self.text_stream).to(
+                device
+            )
         k = batch.layout(self.latents_stream).num_docs
         if self.text_encoder is None or "task" not in batch.per_episode:
             raise KeyError(

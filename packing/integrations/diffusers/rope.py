@@ -1,15 +1,15 @@
 """RoPE for packed tokens, read from the diffusers model's own tables at doc-local positions.
 
 diffusers' ``WanRotaryPosEmbed`` holds per-axis tables ``freqs_cos``/``freqs_sin``
-``(max_seq_len, head_dim)``, built in float64, the head dim split ``[t_dim | h_dim | w_dim]``
+``(max_seq_len, head_dim)``, computed in float64 (then stored as float32), the head dim split ``[t_dim | h_dim | w_dim]``
 (128 -> 44 / 42 / 42); its ``forward`` takes rows ``0..F-1``, ``0..H-1``, ``0..W-1`` of one
 video's grid. Packed, each token gathers the rows of its own (t, h, w) inside its episode::
 
     thw_T3     (0,0,0) (0,0,1) ... (1,1,2) | (0,0,0) ...   episode 0, then episode 1 from 0
-    cos_T1D    [cos_t[t] | cos_h[h] | cos_w[w]]             (T, 1, head_dim), float64
+    cos_T1D    [cos_t[t] | cos_h[h] | cos_w[w]]             (T, 1, head_dim), tables' dtype
 
 Gathering rows of the same tables is bit-identical to diffusers' slicing; `rotate` is the
-model's own rotation (float64 arithmetic, cast back), so an episode is rotated in a pack
+model's own rotation (in the tables' dtype, cast back), so an episode is rotated in a pack
 exactly as it is alone.
 """
 

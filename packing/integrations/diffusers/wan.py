@@ -55,7 +55,7 @@ __all__ = [
 Conditioning = Literal["per_episode", "per_token"]
 
 
-def _check_wan(model: nn.Module) -> None:
+def _check_wan(model: Any) -> None:
     if not isinstance(model, _wan.WanTransformer3DModel):
         raise TypeError(f"expected a diffusers WanTransformer3DModel, got {type(model).__name__}")
     pt = model.config.patch_size[0]
@@ -112,7 +112,7 @@ class PackedWan(FlowMatchingAdapter):
             text_encoder=text_encoder,
             timestep_shift=timestep_shift,
         )
-        cfg = transformer.config
+        cfg: Any = transformer.config
         self.patch_hw = (int(cfg.patch_size[1]), int(cfg.patch_size[2]))
         self.attention_backend = attention
         self.conditioning = conditioning
@@ -155,7 +155,9 @@ class PackedWan(FlowMatchingAdapter):
         q_lay = latent_layout if self.document_mask else _one_document(latent_layout)
         kv_lay = text_layout if self.document_mask else _one_document(text_layout)
         if latent_layout.thw_T3 is None:
-            raise ValueError(f"stream {self.latents_stream!r} must be a grid stream (Stream(grid=...))")
+            raise ValueError(
+                f"stream {self.latents_stream!r} must be a grid stream (Stream(grid=...))"
+            )
         rope = m.rope
         split = (rope.t_dim, rope.h_dim, rope.w_dim)
         kw: dict[str, Any] = dict(device=dev, dtype=dtype, head_dim=m.config.attention_head_dim)
@@ -207,7 +209,7 @@ class PackedWan(FlowMatchingAdapter):
 
 
 def _block_forward(
-    block: nn.Module,
+    block: Any,
     x: Tensor,
     ctx: Tensor,
     e0_T6D: Tensor,
@@ -216,7 +218,9 @@ def _block_forward(
     cross_mask: AttentionMask,
 ) -> Tensor:
     """``WanTransformerBlock.forward`` on packed tokens ``(T, D)`` with per-token adaLN rows."""
-    shift, scale, gate, c_shift, c_scale, c_gate = (block.scale_shift_table + e0_T6D.float()).unbind(1)
+    shift, scale, gate, c_shift, c_scale, c_gate = (
+        block.scale_shift_table + e0_T6D.float()
+    ).unbind(1)
     h = (block.norm1(x.float()) * (1 + scale) + shift).type_as(x)
     x = (x.float() + block.attn1(h, None, self_mask, rope) * gate).type_as(x)
     h = block.norm2(x.float()).type_as(x)
@@ -238,7 +242,7 @@ class WanReference(FlowMatchingAdapter):
     def __init__(self, transformer: nn.Module, **kwargs: Any) -> None:
         _check_wan(transformer)
         super().__init__(transformer, **kwargs)
-        cfg = transformer.config
+        cfg: Any = transformer.config
         self.patch_hw = (int(cfg.patch_size[1]), int(cfg.patch_size[2]))
 
     def velocity(
@@ -251,7 +255,9 @@ class WanReference(FlowMatchingAdapter):
     ) -> Tensor:
         out = torch.zeros_like(xt_SCHW)
         s0 = c0 = 0
-        for k, (frames, words) in enumerate(zip(latent_layout.steps_K, text_layout.lengths_K, strict=True)):
+        for k, (frames, words) in enumerate(
+            zip(latent_layout.steps_K, text_layout.lengths_K, strict=True)
+        ):
             video = rearrange(xt_SCHW[s0 : s0 + frames], "f c h w -> 1 c f h w")
             pred = self.transformer(
                 video,
