@@ -117,12 +117,20 @@ class PackedWan(FlowMatchingAdapter):
         self.attention_backend = attention
         self.conditioning = conditioning
         self.document_mask = document_mask
+        self._block_fn: Callable[..., Tensor] = _block_forward
         install_processors(transformer, _wan.WanAttention, _wan._get_qkv_projections)
 
     def uninstall(self) -> nn.Module:
         """Put the model's own attention processors back; returns the model."""
         uninstall_processors(self.transformer)
         return self.transformer
+
+    def compile_blocks(self, **compile_options: Any) -> PackedWan:
+        """``torch.compile`` the packed block step (one compiled function for every block, its
+        weights graph inputs); per-step host work (`prepare`, noise, layouts) stays eager.
+        Give packs static shapes (``Stream(budget=...)``, ``max_docs``) so it compiles once."""
+        self._block_fn = torch.compile(_block_forward, **compile_options)
+        return self
 
     def __enter__(self) -> PackedWan:
         return self
@@ -190,7 +198,7 @@ class PackedWan(FlowMatchingAdapter):
         t_rows = timestep_K
         if self.conditioning == "per_token":
             t_rows = broadcast_to_tokens(timestep_K, ids_T)
-        temb, tproj, ctx, _ = m.condition_embedder(t_rows, text_TD[None].to(m.dtype))
+        temb, tproj, ctx, _ = m.condition_embedder(t_rows, text_TD[None])
         e0 = tproj.unflatten(1, (6, -1))
         if self.conditioning == "per_episode":
             temb, e0 = broadcast_to_tokens(temb, ids_T), broadcast_to_tokens(e0, ids_T)
@@ -199,9 +207,9 @@ class PackedWan(FlowMatchingAdapter):
         for block in m.blocks:
             args = (block, x, ctx, e0, prep["rope"], prep["self_mask"], prep["cross_mask"])
             if torch.is_grad_enabled() and m.gradient_checkpointing:
-                x = checkpoint(_block_forward, *args, use_reentrant=False)
+                x = checkpoint(self._block_fn, *args, use_reentrant=False)
             else:
-                x = _block_forward(*args)
+                x = self._block_fn(*args)
 
         shift, scale = (m.scale_shift_table + temb[:, None]).unbind(1)
         x = (m.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
