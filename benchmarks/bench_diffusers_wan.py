@@ -29,6 +29,7 @@ episodes ("loss rel diff": bf16 noise, a packing bug would show as O(1)).
 from __future__ import annotations
 
 import copy
+import gc
 import random
 import sys
 import time
@@ -43,7 +44,6 @@ import common
 
 from packing.collate import PackedCollator
 from packing.integrations.diffusers import PackedWan, WanReference, install, tiny_wan
-from packing.layout import PackedBatch
 
 TI2V_5B = dict(
     patch_size=(1, 2, 2),
@@ -265,6 +265,9 @@ def main() -> None:
             except Exception as e:  # one failed variant must not lose the other rows
                 row = {"variant": kind, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             rows.append({"regime": rname, **row})
+            gc.collect()  # the variant's model, optimizer state and graphs go before the next
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
             common.write_json("diffusers_wan", args, {"rows": rows, "probe": probe}, device=dev,
                               partial=True)  # fmt: skip
     for r in rows:
