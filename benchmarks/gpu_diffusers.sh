@@ -14,7 +14,9 @@
 #    flash-attn-4 on PYTHONPATH, else Flex) against the unmodified model per episode;
 # 3. benchmarks/bench_diffusers_wan.py: Wan-2.2-TI2V-5B config, 4 blocks, packed auto vs
 #    diffusers' fastest backend per episode, seed and short regimes.
-# Expected on the H200: ~0.5 min install + verify, ~3.5 min benchmark (compiles included).
+# Expected on the H200: ~1 min install + verify, ~3 min benchmark (compiles included); the
+# limits (75 s + 200 s) keep the call under 5 minutes, and the benchmark writes its JSON after
+# every variant, so a cut run keeps its finished rows.
 # Results: $OUT/verify_wan_bf16.{json,txt}, $OUT/diffusers_wan.{json,md}, $OUT/gpu_diffusers.log
 set -uo pipefail
 OUT=${OUT:-.bench_out/wan}
@@ -44,6 +46,6 @@ python3 -c "import torch, diffusers, packing.attention as a; print('torch', torc
 
 t() { local lim=$1; shift; echo "=== $* (limit ${lim}s)"; timeout "$lim" "$@"; echo "=== rc=$? $(date +%T)"; }
 
-t 120 python3 -m packing verify --device cuda --dtype bfloat16 --model benchmarks.verify_models:wan_head_dim_128 \
+t "${VERIFY_LIMIT:-75}" python3 -m packing verify --device cuda --dtype bfloat16 --model benchmarks.verify_models:wan_head_dim_128 \
   --json "$OUT/verify_wan_bf16.json" 2>&1 | tee "$OUT/verify_wan_bf16.txt"
-t "${BENCH_LIMIT:-280}" python3 benchmarks/bench_diffusers_wan.py --out "$OUT" ${BENCH_ARGS:-}
+t "${BENCH_LIMIT:-200}" python3 benchmarks/bench_diffusers_wan.py --out "$OUT" ${BENCH_ARGS:-}
