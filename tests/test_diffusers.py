@@ -217,3 +217,18 @@ def test_packing_verify_runs_the_unmodified_model_on_the_embedded_dataset(
     out = capsys.readouterr().out
     assert "unpacked side: " + (flags[1] if flags else "PackedWan.reference()") in out
     assert main([*args, "--no-document-mask"]) == 1
+
+
+def test_gradient_checkpointing_gives_the_same_gradients() -> None:
+    torch.manual_seed(0)
+    plain = install(tiny_wan("2.1"), latent_hw=HW)
+    ckpt = install(tiny_wan("2.1"), latent_hw=HW)
+    ckpt.load_state_dict(plain.state_dict())
+    ckpt.transformer.enable_gradient_checkpointing()
+    assert ckpt.transformer.gradient_checkpointing  # the packed loop reads this flag
+    batch = PackedCollator(plain.streams)(episodes(16)[:3])
+    batch = replace(batch, extras={**batch.extras, "seed": 0, "step": 0})
+    for m in (plain, ckpt):
+        m(batch)["latents"].sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
