@@ -157,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="module:factory returning your packed model (see docs/verify.md)",
     )
+    v.add_argument(
+        "--reference",
+        default=None,
+        help=(
+            "module:factory called with the packed model, returning the unpacked baseline "
+            "(default: the model's reference() if it has one, else a copy of the model)"
+        ),
+    )
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     v.add_argument(
@@ -226,6 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         loss_normaliser=args.loss_normaliser,
         dataset=args.dataset,
         model=args.model,
+        reference=args.reference,
         features=_parse_features(args.feature),
         seed=args.seed,
         lr=args.lr,

@@ -167,8 +167,14 @@ def compare_packed_unpacked(
     normalise: str = "global",
     config: Mapping[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    reference: nn.Module | None = None,
 ) -> VerifyReport:
     """The core of `packing verify` on any packed model and any list of episodes.
+
+    ``reference``: the module the unpacked run trains instead of a copy of ``model`` -- e.g.
+    the unmodified upstream model called one episode at a time (a diffusers adapter's
+    ``model.reference()``). It must hold the same parameters under the same names, with the
+    same values; ``model`` itself then trains packed (no copy is made).
 
     ``collate_unpacked([ep])`` makes the one-episode batches of the baseline,
     ``collate_packed([eps...])`` the packs; ``packs`` lists the episode positions of each pack
@@ -207,8 +213,12 @@ def compare_packed_unpacked(
     singles = [collate_unpacked([ep]) for ep in episodes]
     packed = [collate_packed([episodes[i] for i in p]) for p in packs]
 
-    model_u = model.to(dev)
-    model_p = copy.deepcopy(model_u)
+    if reference is None:
+        model_u = model.to(dev)
+        model_p = copy.deepcopy(model_u)
+    else:
+        model_u, model_p = reference.to(dev), model.to(dev)
+        _check_same_parameters(model_p, model_u)
     model_u.train()
     model_p.train()
     run_u: nn.Module = torch.compile(model_u, dynamic=True) if compile else model_u  # type: ignore[assignment]
@@ -452,6 +462,23 @@ def nonfinite_tensors(params: Mapping[str, torch.Tensor]) -> list[str]:
     return [n for n, t in params.items() if t.numel() and not bool(torch.isfinite(t).all())]
 
 
+def _check_same_parameters(packed: nn.Module, reference: nn.Module) -> None:
+    """The packed model and its reference must start from the same weights, name by name."""
+    p, r = dict(packed.named_parameters()), dict(reference.named_parameters())
+    if p.keys() != r.keys():
+        only_p, only_r = sorted(p.keys() - r.keys()), sorted(r.keys() - p.keys())
+        raise ValueError(
+            f"the reference's parameters are not the packed model's: only packed {only_p[:4]}, "
+            f"only reference {only_r[:4]}; build the reference from the same model"
+        )
+    for name, value in p.items():
+        if value.shape != r[name].shape or not torch.equal(value.detach(), r[name].detach()):
+            raise ValueError(
+                f"parameter {name} differs between the packed model and the reference; both "
+                "must start from the same weights (copy the model before packing it)"
+            )
+
+
 def _leak_check(
     model: nn.Module, batch: PackedBatch, autocast: torch.dtype | None, dev: torch.device
 ) -> LeakReport:
@@ -503,6 +530,7 @@ class VerifyConfig:
     reduction: str = "episode"
     dataset: str | None = None  # None: the embedded default dataset
     model: str | None = None  # "module:factory"; None: the tiny reference model
+    reference: str | None = None  # "module:factory(model)"; None: model.reference() or a copy
     seed: int = 0
     lr: float = 1e-4
     adam_eps: float = 1e-6
@@ -543,11 +571,12 @@ class VerifyConfig:
             raise ValueError(f"episodes={self.episodes}: packing needs at least 2 episodes")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"token_budget={self.token_budget} must be >= 1")
-        if self.model is not None and self.model.count(":") != 1:
-            raise ValueError(
-                f"model={self.model!r}: expected 'module:factory', e.g. 'my_models:build' for a "
-                "function build() in my_models.py on the Python path"
-            )
+        for flag, spec in (("model", self.model), ("reference", self.reference)):
+            if spec is not None and spec.count(":") != 1:
+                raise ValueError(
+                    f"{flag}={spec!r}: expected 'module:factory', e.g. 'my_models:build' for a "
+                    "function build() in my_models.py on the Python path"
+                )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -555,7 +584,8 @@ class VerifyConfig:
 
 
 class ModelFactoryError(RuntimeError):
-    """The ``--model`` factory raised; the message names the factory and the error."""
+    """The ``--model`` (or ``--reference``) factory raised; the message names the factory and
+    the error."""
 
 
 def check_device(device: str) -> torch.device:
@@ -589,21 +619,21 @@ def _backend_available(dev: torch.device) -> bool:
     return bool(is_available()) if callable(is_available) else False
 
 
-def load_factory(spec: str) -> Callable[..., nn.Module]:
+def load_factory(spec: str, flag: str = "--model") -> Callable[..., nn.Module]:
     """``"module:factory"`` -> the factory callable, with an error that names what is missing."""
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ImportError(
-            f"--model {spec}: cannot import module {module_name!r} ({e}); put its directory on "
+            f"{flag} {spec}: cannot import module {module_name!r} ({e}); put its directory on "
             "PYTHONPATH or install it"
         ) from e
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise AttributeError(
-            f"--model {spec}: module {module_name!r} has no callable {attr!r}; expected a "
-            "function that returns the packed model (see docs/verify.md)"
+            f"{flag} {spec}: module {module_name!r} has no callable {attr!r}; expected a "
+            "function that returns a model (see docs/verify.md)"
         )
     return factory  # type: ignore[no-any-return]
 
@@ -653,6 +683,31 @@ def build_model(config: VerifyConfig, sizes: Mapping[str, Any] | None = None) ->
             "Stream('action')] (see docs/verify.md)"
         )
     return model
+
+
+def build_reference(config: VerifyConfig, model: nn.Module) -> tuple[nn.Module | None, str]:
+    """The unpacked side: ``--reference`` factory called with the packed model, else the
+    model's own ``reference()`` (e.g. an unmodified upstream model run one episode at a time),
+    else None (a copy of the packed model runs one episode per micro-step)."""
+    if config.reference is not None:
+        factory = load_factory(config.reference, "--reference")
+        try:
+            ref = factory(model)
+        except Exception as e:
+            raise ModelFactoryError(
+                f"--reference {config.reference}: the factory raised {type(e).__name__}: "
+                f"{' '.join(str(e).split())}; fix the factory (run it in Python to debug), "
+                "then run verify again"
+            ) from e
+        where = config.reference
+    elif callable(getattr(model, "reference", None)):
+        ref = model.reference()  # type: ignore[operator]
+        where = f"{type(model).__name__}.reference()"
+    else:
+        return None, "a copy of the model"
+    if not isinstance(ref, nn.Module):
+        raise TypeError(f"the reference ({where}) is {type(ref).__name__}, expected nn.Module")
+    return ref, where
 
 
 def default_token_budget(lengths: Sequence[int]) -> int:
@@ -820,6 +875,7 @@ def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = No
 
     torch.manual_seed(config.seed)
     model, episodes, where, mapping = model_and_episodes(config)
+    reference, reference_name = build_reference(config, model)
     streams: list[Stream] = list(model.streams)  # type: ignore[arg-type]
 
     # One-episode batches pad to a multiple of 128 tokens when every stream's step fits it; a
@@ -843,6 +899,7 @@ def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = No
         "model": config.model or DEFAULT_MODEL,
         "dataset": where,
         "token_budget": budget,
+        "reference": reference_name,
     }
     return compare_packed_unpacked(
         model,
@@ -862,4 +919,5 @@ def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = No
         normalise=config.loss_normaliser,
         config=info,
         progress=progress,
+        reference=reference,
     )

@@ -86,6 +86,12 @@ def _free_port() -> int:
 
 
 def _check(config: VerifyConfig) -> None:
+    if config.reference is not None:
+        raise ValueError(
+            f"--reference {config.reference} is single-process: the distributed run's unpacked "
+            "side is a plain copy of the model on rank 0 (its leak check runs the packed "
+            "model's weights in that copy); drop --nproc, or drop --reference"
+        )
     if config.loss_normaliser == "per-micro-step":
         raise ValueError(
             "--loss-normaliser per-micro-step is the single-process ablation; across "

@@ -201,6 +201,8 @@ class VerifyReport:
             f"mask={cfg.get('mask')}{'' if cfg.get('document_mask', True) else ' (NO document mask)'}"
         )
         out.append(f"model: {cfg.get('model')}   data: {cfg.get('dataset')}")
+        if cfg.get("reference"):
+            out.append(f"unpacked side: {cfg['reference']}")
         out.append("")
         out.append(
             "| step | loss unpacked | loss packed | rel diff | micro-steps u/p | s/step u | s/step p |"

@@ -26,6 +26,7 @@ SCRIPTS = [
         ["--regimes", "seed", "--variants", "unpacked,packed,per_token,cudagraphs", "--profile"],
     ),
     ("find_token_budget.py", []),
+    ("bench_diffusers_wan.py", []),
 ]
 
 
@@ -48,6 +49,10 @@ def test_script_runs_quick_on_cpu(script: str, extra: list[str], tmp_path: Path)
     assert rows, f"{script} wrote no rows"
     errors = [r for r in rows if r.get("error")]
     assert not errors, errors
+    if script == "bench_diffusers_wan.py":
+        # packed and the unmodified model per episode, same episodes and weights, fp32 CPU
+        assert {r["variant"] for r in rows} == {"unpacked[diffusers]", "packed[auto]"}
+        assert all(r["loss rel diff"] < 1e-5 for r in rows), rows
     if script == "bench_step.py":
         # every variant trains on the same episodes and weights: the losses must agree
         # (fp32 on CPU), and a NaN run would have been flagged as an error above

@@ -24,7 +24,7 @@ def test_submodules_are_not_shadowed_by_exported_names():
 def test_import_packing_needs_only_torch_numpy_einops():
     code = (
         "import sys, packing; "
-        "heavy = [m for m in ('lerobot', 'datasets', 'pyarrow', 'matplotlib', 'pandas') "
+        "heavy = [m for m in ('lerobot', 'datasets', 'pyarrow', 'matplotlib', 'pandas', 'diffusers') "
         "if m in sys.modules]; print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

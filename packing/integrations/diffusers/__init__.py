@@ -1,0 +1,59 @@
+"""Train pretrained diffusers video transformers packed: ``pip install 'packing[diffusers]'``.
+
+    from diffusers import WanTransformer3DModel
+    from packing.integrations.diffusers import install
+
+    model = WanTransformer3DModel.from_pretrained(path, subfolder="transformer")
+    packed = install(model, latent_hw=(44, 80))   # processors swapped; no weight renamed
+    collate = PackedCollator(packed.streams, token_budget=16_384)
+    losses = packed(batch)                         # {latents: per-token loss (T,)}
+
+Modules: `streams` (patchify, text packing), `rope` (RoPE rows from the model's tables),
+`processor` (the packed attention processor), `adapter` (the flow-matching protocol both the
+packed model and its unpacked reference share), `wan` (Wan 2.1 / 2.2).
+"""
+
+from packing._lazy import require
+
+require("diffusers", extra="diffusers")
+
+from packing.integrations.diffusers.adapter import FlowMatchingAdapter  # noqa: E402
+from packing.integrations.diffusers.processor import (  # noqa: E402
+    PackedAttnProcessor,
+    install_processors,
+    uninstall_processors,
+)
+from packing.integrations.diffusers.rope import rope_from_table, rotate  # noqa: E402
+from packing.integrations.diffusers.streams import (  # noqa: E402
+    pack_text_embeddings,
+    patchify,
+    unpatchify,
+)
+from packing.integrations.diffusers.wan import (  # noqa: E402
+    PackedWan,
+    WanReference,
+    install,
+    tiny_wan,
+    tiny_wan_2_1,
+    tiny_wan_2_2,
+    toy_text_encoder,
+)
+
+__all__ = [
+    "FlowMatchingAdapter",
+    "PackedAttnProcessor",
+    "PackedWan",
+    "WanReference",
+    "install",
+    "install_processors",
+    "pack_text_embeddings",
+    "patchify",
+    "rope_from_table",
+    "rotate",
+    "tiny_wan",
+    "tiny_wan_2_1",
+    "tiny_wan_2_2",
+    "toy_text_encoder",
+    "uninstall_processors",
+    "unpatchify",
+]
