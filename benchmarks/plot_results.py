@@ -47,6 +47,24 @@ def attention() -> None:
     fig.savefig(IMG / "bench_attention.png", dpi=100)
 
 
+def fill() -> None:
+    """Padding cost: the same episodes packed tight vs in the budget (1.0 = padding free)."""
+    rows = [r for r in load("attention")["rows"] if "vs tight" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, regime in zip(axes, ("seed", "short"), strict=True):
+        rs = [r for r in rows if r["regime"] == regime]
+        labels = [f"{r['mask']}, {r['kernel']}, {r['fill']:.0%} full" for r in rs]
+        ax.barh(labels, [r["vs tight"] for r in rs], color="tab:orange")
+        ax.axvline(0.95, color="grey", ls=":", label="goal 0.95")
+        ax.set_xlim(0, 1.05)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_xlabel("tight time / in-budget time, fwd+bwd (1.0 = padding is free)")
+        ax.set_title(f"{regime} regime (H200)", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(IMG / "bench_fill.png", dpi=100)
+
+
 def block_mask() -> None:
     d = load("block_mask")
     rows = [r for r in d["rows"] if r["device"] == "cuda" and r["episodes"] == 16]
@@ -77,13 +95,12 @@ def _short(r: dict[str, Any]) -> str:
 
 
 def step() -> None:
-    r4, r7, r8 = (load(f)["rows"] for f in ("step_run4_seed", "step_run7_short", "step_run8_seed"))
+    r7, r8 = (load(f)["rows"] for f in ("step_run7_short", "step_run8_seed"))
     seed = [
         (r8[0], "run 8"),
         (r8[1], "run 8"),
         (r8[2], "run 8"),
         (r8[3], "run 8, 200 steps, 0 recompiles"),
-        (r4[2], "run 4, its unpacked: 75.1K tokens/s"),
     ]
     short = [(r, "run 7") for r in r7]
     fig, axes = plt.subplots(1, 2, figsize=(16, 5.2))
@@ -123,7 +140,7 @@ def collate() -> None:
 
 def main() -> None:
     IMG.mkdir(parents=True, exist_ok=True)
-    for fn in (attention, block_mask, step, collate):
+    for fn in (attention, fill, block_mask, step, collate):
         fn()
         print(f"wrote {IMG / ('bench_' + fn.__name__ + '.png')}")
 
