@@ -166,7 +166,10 @@ def test_text_stream_and_task_strings_give_the_same_model() -> None:
     for s in ("latents", "action"):
         n = with_text.layout(s).num_tokens
         assert n > 0
-        torch.testing.assert_close(a[s][:n], b[s][:n], rtol=0, atol=0)
+        # Rounding-level, not bitwise: the two text layouts differ in padding, and SDPA's CPU
+        # kernel visits the key blocks that the opened padding rows touch (padding queries
+        # attend to nothing and are opened, then zeroed), which reorders the softmax sums.
+        torch.testing.assert_close(a[s][:n], b[s][:n], rtol=1e-6, atol=1e-6)
 
 
 def test_noise_and_timesteps_follow_the_episode_not_the_pack() -> None:
