@@ -508,7 +508,22 @@ def _environment(dev: torch.device) -> dict[str, str]:
     }
     if dev.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(dev)
+        # with the model's head dim this says which kernel `auto` ran (FA4 varlen or Flex)
+        env["flash_attn_4"] = _fa4_version()
     return env
+
+
+def _fa4_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packing.attention import fa4_available
+
+    if not fa4_available():
+        return "not importable"
+    try:
+        return version("flash-attn-4")
+    except PackageNotFoundError:
+        return "importable (version unknown)"
 
 
 # -- the command ---------------------------------------------------------------------------------
