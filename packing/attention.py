@@ -233,8 +233,8 @@ def prepare_attention(
     dev = torch.device(device) if device is not None else layout.doc_ids_T.device
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    q_lay = layout.to(dev)
-    kv_lay = q_lay if kv_layout is None else kv_layout.to(dev)
+    q_lay = layout.to(dev, non_blocking=True)  # a host layout: no sync
+    kv_lay = q_lay if kv_layout is None else kv_layout.to(dev, non_blocking=True)
     cross = kv_layout is not None
     if cross and kv_lay.num_docs != q_lay.num_docs:
         raise ValueError(
