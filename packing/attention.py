@@ -1,6 +1,7 @@
 """One attention call for packed batches: build the mask once per step, share it across layers.
 
-Packed ``q``/``k``/``v`` are ``(T, H, D)`` (tokens first, "THD"). Two episodes of 3 and 2 tokens,
+Packed ``q``/``k``/``v`` are ``(T, H, D)`` (tokens first, "THD"; ``T_q``/``T_kv`` on the query
+and key side, K documents: the legend of ``docs/index.md``). Two episodes of 3 and 2 tokens,
 padded to 6, self-attention with the document mask (``#`` attends, ``.`` does not)::
 
     doc_ids  0 0 0 1 1 -1         k: 0 0 0 1 1 p

@@ -1,9 +1,10 @@
 """The packed layout: one type, `PackedBatch`, that flows from collate to mask to loss.
 
-Legend (used in names across the package)::
+Legend (used in names across the package; ``docs/index.md`` has the whole table)::
 
     K   documents (episodes) in a pack        T   tokens of a stream, padded (tail only)
     S   steps of a stream (frames, actions)   K1  K + 1 (boundaries)
+    J   tokens of a joint sequence            N   items to plan, P packs
     doc_ids_T       int32 (T,)   document of each token, -1 on padding
     position_ids_T  int32 (T,)   token position inside its document, 0 on padding
     thw_T3          int32 (T,3)  (t, h, w) inside the document, for 3D RoPE (grid streams)

@@ -247,7 +247,7 @@ def make_block_mask(
     """FlexAttention ``BlockMask`` for ``document_mask_mod(doc_ids, kv_doc_ids, inner)``.
 
     Built from the document boundaries on the tensors' device, never from the ``T x T`` pairs:
-    ``O(T + #q tiles x #kv tiles)`` tensor work, no host-device sync, output shapes fixed by
+    ``O(T + R x C)`` tensor work (R q tiles, C kv tiles), no host-device sync, output shapes fixed by
     ``(T_q, T_kv, block_size)`` alone (not by the number of episodes), so a compiled model sees
     the same shapes every step. Tiles where every pair attends are listed as *full* (Flex skips
     the mask_mod there), tiles without a true pair are not listed, the rest are *partial*; a
@@ -269,7 +269,7 @@ def make_block_mask(
 
     * ``"evaluate"`` (default): evaluate the full mask_mod on the pairs of the *candidate* tiles
       only (those the documents allow). Exact tiles, but one host-device sync (to gather the
-      candidates) and ``O(#candidates x Bq x Bkv)`` work.
+      candidates) and ``O(#candidates x q_block x kv_block)`` work.
     * ``"partial"``: list every candidate tile as partial. No sync, exact attention, but no
       full tiles and no sparsity from the inner mask.
     * ``"error"``: raise, for hot paths that must stay sync-free.

@@ -1,7 +1,7 @@
 """make_block_mask's eager path at long sequences: tile classification in row chunks.
 
 Unchunked, classifying 8,192 x 8,192 tiles (1M tokens, blocks of 128) held about a dozen
-int64 (Q, K) intermediates: 13.8 GB of host memory for 1.07 GB of tables. In chunks the
+int64 (R, C) tile intermediates: 13.8 GB of host memory for 1.07 GB of tables. In chunks the
 peak is the tables plus ~200 MB; the chunked tables are the unchunked ones, bit for bit.
 """
 
