@@ -352,7 +352,6 @@ def test_the_builder_compiles_as_one_graph_reused_across_layouts():
     assert compiles.frame_count == 1
 
 
-@pytest.mark.slow
 def test_the_builder_compiled_by_inductor_equals_eager_and_never_recompiles():
     """make_block_mask(compile=True) through the real Inductor backend (CPU here; the same
     graph failed to lower on CUDA before the document-only path stopped needing spans): the

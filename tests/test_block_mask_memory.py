@@ -51,6 +51,7 @@ def test_chunked_tables_equal_unchunked_on_random_layouts(monkeypatch: pytest.Mo
     assert min(seen.values()) >= 20, seen
 
 
+@pytest.mark.slow
 def test_host_memory_at_512k_tokens_stays_near_the_tables() -> None:
     """512K tokens, causal: peak growth was 12x the tables (3.2 GB for 269 MB); now < 3x."""
     code = textwrap.dedent(

@@ -16,7 +16,6 @@ from packing.cli import build_parser, main
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "verify.md"
 
 
-@pytest.mark.slow
 def test_readme_main_command_passes_on_the_embedded_dataset(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
