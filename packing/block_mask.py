@@ -1,10 +1,11 @@
 """Block classification from document boundaries: which (q block, kv block) tiles may attend.
 
-FlexAttention cuts the ``(T_q, T_kv)`` mask into tiles of ``q_block x kv_block`` tokens and wants to know, for
-every tile, whether it is *empty* (skip it), *full* (every pair attends: skip the mask_mod) or
-*partial* (evaluate the mask_mod pair by pair). ``torch``'s ``create_block_mask`` finds out by
-evaluating the mask_mod on all ``T_q x T_kv`` pairs. Here the answer comes from the document
-boundaries alone, in ``O(T + R x C)`` tensor work (R q tiles, C kv tiles) with no host-device sync:
+FlexAttention cuts the ``(T_q, T_kv)`` mask into tiles of ``q_block x kv_block`` tokens and
+wants to know, for every tile, whether it is *empty* (skip it), *full* (every pair attends: skip
+the mask_mod) or *partial* (evaluate the mask_mod pair by pair). ``torch``'s
+``create_block_mask`` finds out by evaluating the mask_mod on all ``T_q x T_kv`` pairs. Here the
+answer comes from the document boundaries alone, in ``O(T + R x C)`` tensor work (R q tiles, C
+kv tiles) with no host-device sync:
 
 * documents are contiguous runs in increasing id order, so a q tile and a kv tile share at most
   two *boundary* documents (the largest of their first ids, ``lo``, and the smallest of their

@@ -99,8 +99,9 @@ def doc_starts(doc_ids_T: Tensor) -> Tensor:
     """
     doc_T = doc_ids_T.to(torch.int64)
     t_T = torch.arange(doc_T.shape[0], device=doc_T.device)
-    prev_T = torch.nn.functional.pad(doc_T[:-1], (1, 0), value=-2)  # -2: never a doc id
-    return torch.where(doc_T != prev_T, t_T, 0).cummax(0).values
+    new_T = torch.ones_like(doc_T, dtype=torch.bool)  # a run starts here
+    new_T[1:] = doc_T[1:] != doc_T[:-1]
+    return torch.where(new_T, t_T, 0).cummax(0).values
 
 
 def local_positions(doc_ids_T: Tensor) -> Tensor:

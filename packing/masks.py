@@ -247,9 +247,9 @@ def make_block_mask(
     """FlexAttention ``BlockMask`` for ``document_mask_mod(doc_ids, kv_doc_ids, inner)``.
 
     Built from the document boundaries on the tensors' device, never from the ``T x T`` pairs:
-    ``O(T + R x C)`` tensor work (R q tiles, C kv tiles), no host-device sync, output shapes fixed by
-    ``(T_q, T_kv, block_size)`` alone (not by the number of episodes), so a compiled model sees
-    the same shapes every step. Tiles where every pair attends are listed as *full* (Flex skips
+    ``O(T + R x C)`` tensor work (R q tiles, C kv tiles), no host-device sync, output shapes
+    fixed by ``(T_q, T_kv, block_size)`` alone (not by the number of episodes), so a compiled
+    model sees the same shapes every step. Tiles where every pair attends are listed as *full* (Flex skips
     the mask_mod there), tiles without a true pair are not listed, the rest are *partial*; a
     tile that spans several episodes is partial when any of them attends. The last ragged tile
     (T not a multiple of the block) is never full, as with ``create_block_mask``.

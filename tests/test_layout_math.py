@@ -59,6 +59,8 @@ def test_tiny_cases():
     assert doc_starts(doc).tolist() == [0, 0, 2, 2, 2, 2, 6, 6, 6, 9, 9, 9]
     assert local_positions(doc).tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 2, 0, 0, 0]
     assert local_positions(doc).dtype == torch.int32
+    empty = torch.zeros(0, dtype=torch.int32)
+    assert doc_starts(empty).tolist() == [] and local_positions(empty).tolist() == []
     thw = thw_from_lengths([4, 2], grid=(1, 2)).tolist()
     assert thw == [[0, 0, 0], [0, 0, 1], [1, 0, 0], [1, 0, 1], [0, 0, 0], [0, 0, 1]]
     assert opener_index(4, 5, 8) == 3 and opener_index(4, 4, 8) == 2
