@@ -129,13 +129,17 @@ def joint_layout(batch: PackedBatch, streams: Sequence[str]) -> JointLayout:
         offset += d.shape[0]
     max_docs = int(lays[0].cu_seqlens_K1.shape[0]) - 1  # keeps a static max_docs static
     joint_lengths = [int(x) for x in doc_len]
-    layout = layout_from_lengths(joint_lengths, joint_lengths, total, 1, None, max_docs).to(device)
+    layout = layout_from_lengths(joint_lengths, joint_lengths, total, 1, None, max_docs).to(
+        device, non_blocking=True
+    )
     joint = JointLayout(
         streams=names,
         padded_lens=tuple(lay.padded_len for lay in lays),
-        src_index_J=torch.from_numpy(src).to(device),
-        dest_index={n: torch.from_numpy(d).to(device) for n, d in dest_parts.items()},
-        stream_ids_J=torch.from_numpy(sid).to(device),
+        src_index_J=torch.from_numpy(src).to(device, non_blocking=True),
+        dest_index={
+            n: torch.from_numpy(d).to(device, non_blocking=True) for n, d in dest_parts.items()
+        },
+        stream_ids_J=torch.from_numpy(sid).to(device, non_blocking=True),
         layout=layout,
     )
     cache[names] = joint

@@ -170,7 +170,16 @@ class DiTConfig:
         ]
 
 
+def _h2d(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor to ``device`` without a host-device sync (``non_blocking``: a pageable
+    source is staged by the driver, so it is safe to free right after); a no-op when it is
+    there already. A blocking copy would make the CPU wait for the GPU's queue every step."""
+    return t.to(device, non_blocking=True)
+
+
 # -- text ----------------------------------------------------------------------------------------
+
+
 def text_tokens(task: str, text_len: int = 64) -> Tensor:
     """Deterministic byte-level tokens of a task string: ``[BOS, utf-8 bytes...]``, int64.
 
@@ -320,18 +329,20 @@ class DiT(nn.Module):
 
     def _text(self, batch: PackedBatch, device: torch.device) -> tuple[Tensor, StreamLayout]:
         if "text" in batch.layouts:
-            return batch.streams["text"].to(device), batch.layout("text").to(device)
+            return _h2d(batch.streams["text"], device), batch.layout("text").to(
+                device, non_blocking=True
+            )
         k = batch.layout(batch.primary).num_docs
         if k == 0:  # an all-padding pack (a rank with no episode): no text either
             tokens, lay = pack_text([], self.config.text_len)
-            return tokens.to(device), lay.to(device)
+            return _h2d(tokens, device), lay.to(device, non_blocking=True)
         if "task" not in batch.per_episode:
             raise KeyError(
                 "the DiT attends to each episode's task text: the batch has neither a 'text' "
                 "stream (packing.model.text_tokens per episode) nor per-episode 'task' strings"
             )
         tokens, lay = pack_text(list(batch.per_episode["task"])[:k], self.config.text_len)
-        return tokens.to(device), lay.to(device)
+        return _h2d(tokens, device), lay.to(device, non_blocking=True)
 
     def _inputs(self, batch: PackedBatch) -> dict[str, Any]:
         """Noised inputs, targets and per-episode times, all keyed by (seed, step, episode)."""
@@ -350,8 +361,8 @@ class DiT(nn.Module):
         # The RNG keys are host ints (batch.episode_ids survives .to(device)): no sync.
         ep_K = torch.tensor(batch.episode_ids, dtype=torch.int64)
         t_K = episode_timesteps(seed, step, ep_K, device=dev)
-        lat = batch.streams["latents"].to(dev, dtype)
-        act = batch.streams["action"].to(dev, dtype)
+        lat = _h2d(batch.streams["latents"], dev).to(dtype)
+        act = _h2d(batch.streams["action"], dev).to(dtype)
         n_lat = packed_noise(batch, seed=seed, step=step, stream="latents", dtype=dtype)
         n_act = packed_noise(batch, seed=seed, step=step, stream="action", dtype=dtype)
         if ep_K.numel() and len(set(ep_K.tolist())) != k:
@@ -359,10 +370,10 @@ class DiT(nn.Module):
                 f"episode_index {ep_K.tolist()} repeats inside one pack: both copies would draw "
                 "the same noise; give each copy its own episode_index"
             )
-        t_lat = broadcast_to_tokens(t_K, step_doc_ids(lat_lay, lat.shape[0]).to(dev))
-        t_act = broadcast_to_tokens(t_K, act_lay.doc_ids_T.to(dev))
-        xt_lat, v_lat = flow_matching_inputs(lat, n_lat.to(dev), t_lat)
-        xt_act, v_act = flow_matching_inputs(act, n_act.to(dev), t_act)
+        t_lat = broadcast_to_tokens(t_K, _h2d(step_doc_ids(lat_lay, lat.shape[0]), dev))
+        t_act = broadcast_to_tokens(t_K, _h2d(act_lay.doc_ids_T, dev))
+        xt_lat, v_lat = flow_matching_inputs(lat, _h2d(n_lat, dev), t_lat)
+        xt_act, v_act = flow_matching_inputs(act, _h2d(n_act, dev), t_act)
         return dict(t_K=t_K, xt_lat=xt_lat, v_lat=v_lat, xt_act=xt_act, v_act=v_act)
 
     def _action_thw(self, batch: PackedBatch, dev: torch.device) -> Tensor:
@@ -370,10 +381,10 @@ class DiT(nn.Module):
         (``a * F // A`` for action ``a`` of ``A``, episode of ``F`` frames); (h, w) is one
         past the grid's corner, a place no video token occupies."""
         lat_lay, act_lay = batch.layout("latents"), batch.layout("action")
-        ids = act_lay.doc_ids_T.to(dev)
-        frames = torch.tensor(lat_lay.steps_K, dtype=torch.int64).to(dev)
-        actions = torch.tensor(act_lay.steps_K, dtype=torch.int64).clamp_min(1).to(dev)
-        pos = act_lay.position_ids_T.to(dev).long()
+        ids = _h2d(act_lay.doc_ids_T, dev)
+        frames = _h2d(torch.tensor(lat_lay.steps_K, dtype=torch.int64), dev)
+        actions = _h2d(torch.tensor(act_lay.steps_K, dtype=torch.int64).clamp_min(1), dev)
+        pos = _h2d(act_lay.position_ids_T, dev).long()
         t = pos * broadcast_to_tokens(frames, ids) // broadcast_to_tokens(actions, ids, 1)
         gh, gw = self.config.grid
         hw = torch.tensor([gh, gw], dtype=torch.int64, device=dev).expand(t.shape[0], 2)
@@ -394,12 +405,12 @@ class DiT(nn.Module):
         prep = self._inputs(batch)
         joint = joint_layout(batch, ("latents", "action"))
         if joint.layout.doc_ids_T.device != dev:
-            joint = joint.to(dev)
+            joint = joint.to(dev, non_blocking=True)
         thw_v = batch.layout("latents").thw_T3
         if thw_v is None:
             raise ValueError("stream 'latents' must be a grid stream (Stream(grid=...))")
         thw_a = self._action_thw(batch, dev)
-        prep["thw_J3"] = joint.join({"latents": thw_v.to(dev).long(), "action": thw_a})
+        prep["thw_J3"] = joint.join({"latents": _h2d(thw_v, dev).long(), "action": thw_a})
         prep["joint"] = joint
         txt, txt_lay = self._text(batch, dev)
         prep["text"] = txt
@@ -427,7 +438,7 @@ class DiT(nn.Module):
         out = {}
         for name in ("latents", "action"):
             err = (pred[name].float() - target[name].float()).pow(2).mean(-1)
-            real = batch.layout(name).doc_ids_T.to(err.device) >= 0
+            real = _h2d(batch.layout(name).doc_ids_T, err.device) >= 0
             out[name] = torch.where(real, err, 0.0)
         return out
 

@@ -278,3 +278,32 @@ def test_an_all_padding_pack_gives_zero_loss_and_zero_gradients() -> None:
     assert all(v.shape[0] > 0 and (v == 0).all() for v in out.values())
     sum(v.sum() for v in out.values()).backward()  # type: ignore[union-attr]
     assert all(p.grad is None or (p.grad == 0).all() for p in m.parameters())
+
+
+def test_a_step_moves_host_data_to_the_device_without_blocking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On the GPU a blocking host-to-device copy is a host-device sync: the CPU waits for the
+    # GPU's queue to drain, every micro-step (10 per micro-step were counted on the H200 under
+    # FSDP). Every device move the model's step asks for must be non_blocking. On the CPU the
+    # moves are no-ops, so the spy checks how they are asked for.
+    blocking: list[str] = []
+    to = torch.Tensor.to
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # a literal "cpu" is a host read the code does on purpose (checks of CPU tensors)
+        names_device = "device" in kwargs or any(
+            isinstance(a, torch.device) or (isinstance(a, str) and a != "cpu") for a in args
+        )
+        if names_device and not kwargs.get("non_blocking", False):
+            import traceback
+
+            blocking.append(traceback.format_stack(limit=2)[0].strip())
+        return to(self, *args, **kwargs)
+
+    m = model()
+    batch = collate(m, EPISODES)
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    out = m(batch)
+    sum(v.float().sum() for v in out.values()).backward()  # type: ignore[union-attr]
+    assert not blocking, "\n".join(blocking)
