@@ -13,7 +13,7 @@
 # Stages can be chained: `bash benchmarks/gpu_all.sh tests blockmask`.
 #
 # flash-attn-4 (FA4) is 8 wheels, one of 92 MB; a device call carries 64 MiB, so they travel
-# in two calls while the machine stays warm (/work/shared/gpu-recipes.md): .whl/p1 (the small
+# in two calls while the machine stays warm: .whl/p1 (the small
 # wheels and the first half of the big one) and .whl/p2 (the second half). Each call copies
 # what it carries to /tmp/whl; once both halves are there the wheels are installed into
 # /tmp/site, which stays while the machine is warm. REQUIRE_FA4=1 stops at once if FA4 is not

@@ -1,6 +1,7 @@
 """One attention call for packed batches: build the mask once per step, share it across layers.
 
-Packed ``q``/``k``/``v`` are ``(T, H, D)`` (tokens first, "THD"). Two episodes of 3 and 2 tokens,
+Packed ``q``/``k``/``v`` are ``(T, H, D)`` (tokens first, "THD"; ``T_q``/``T_kv`` on the query
+and key side, K documents: the legend of ``docs/index.md``). Two episodes of 3 and 2 tokens,
 padded to 6, self-attention with the document mask (``#`` attends, ``.`` does not)::
 
     doc_ids  0 0 0 1 1 -1         k: 0 0 0 1 1 p
@@ -55,6 +56,7 @@ from torch import Tensor
 from packing import masks
 from packing.fa4 import fa4_varlen, zero_rows_from
 from packing.layout import StreamLayout
+from packing.layout_math import round_up
 from packing.masks import InnerMask
 
 __all__ = [
@@ -108,8 +110,8 @@ class AttentionMask:
     kv_layout: StreamLayout
     inner: InnerMask | None
     cross: bool
-    dense_QK: Tensor | None = None  # sdpa: bool (T_q, T_kv), rows with no key made all-True
-    keep_Q: Tensor | None = None  # sdpa, torch varlen: bool (T_q,), rows not forced to 0
+    dense_TT: Tensor | None = None  # sdpa: bool (T_q, T_kv), rows with no key made all-True
+    keep_T: Tensor | None = None  # sdpa, torch varlen: bool (T_q,), rows not forced to 0
     block_mask: Any = None  # flex: torch BlockMask
     kernel_options: dict[str, Any] | None = None  # flex
     cu_q: Tensor | None = None  # varlen: int32 (K+2,), the pad tail as one more sequence
@@ -259,7 +261,7 @@ def prepare_attention(
         # SDPA turns a row with no allowed key into NaN; open it to every key, then zero its
         # output in `attention` (pad queries must read 0, never NaN).
         dense = dense | ~has_key[:, None]
-        return AttentionMask(**common, dense_QK=dense, keep_Q=has_key)
+        return AttentionMask(**common, dense_TT=dense, keep_T=has_key)
     if name in ("flex", "flex_flash"):
         block_mask = masks.make_block_mask(q_lay.doc_ids_T, kv_doc, inner)
         options = {"BACKEND": "FLASH"} if name == "flex_flash" else None
@@ -267,7 +269,7 @@ def prepare_attention(
     docs = max(len(q_lay.cu_seqlens_K1), len(kv_lay.cu_seqlens_K1)) - 1
     seq = varlen_sequences(q_lay, kv_lay, docs, static=kernel == "fa4")
     keep = None if kernel == "fa4" else q_lay.doc_ids_T >= 0
-    return AttentionMask(**common, keep_Q=keep, **seq)
+    return AttentionMask(**common, keep_T=keep, **seq)
 
 
 def varlen_sequences(
@@ -345,7 +347,7 @@ def varlen_sequences(
 
 
 def _bucket(longest: int, padded: int) -> int:
-    return min(-(-longest // _MAX_SEQLEN_BUCKET) * _MAX_SEQLEN_BUCKET, max(padded, 1))
+    return min(round_up(longest, _MAX_SEQLEN_BUCKET), max(padded, 1))
 
 
 _MAX_SEQLEN_BUCKET = 256
@@ -395,11 +397,11 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask) -> None:
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:
-    assert mask.dense_QK is not None and mask.keep_Q is not None
+    assert mask.dense_TT is not None and mask.keep_T is not None
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask.dense_QK, scale=scale
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask.dense_TT, scale=scale
     ).transpose(0, 1)
-    return torch.where(mask.keep_Q[:, None, None], out, 0.0)
+    return torch.where(mask.keep_T[:, None, None], out, 0.0)
 
 
 # FlexAttention on CUDA runs compiled (eager flex materialises the scores). Every shape gets
@@ -533,8 +535,8 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float |
         k, v = _ZeroGradFrom.apply(k, mask.kv_used), _ZeroGradFrom.apply(v, mask.kv_used)
         res = varlen_attn(q, k, v, mask.cu_q, mask.cu_kv, mask.max_q, mask.max_kv, scale=scale)
         out = res[0] if isinstance(res, tuple) else res  # (out, lse) only when asked for lse
-    if mask.keep_Q is not None:  # torch's kernel: padding queries read 0
-        out = torch.where(mask.keep_Q[:, None, None], out, 0.0)
+    if mask.keep_T is not None:  # torch's kernel: padding queries read 0
+        out = torch.where(mask.keep_T[:, None, None], out, 0.0)
     return out
 
 

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from packing.layout_math import ceil_div
+
 __all__ = [
     "best_fit_decreasing",
     "best_fit_decreasing_reference",
@@ -33,6 +35,7 @@ __all__ = [
     "first_fit_decreasing",
     "lookahead",
     "next_fit",
+    "opener_index",
     "stable_argsort",
 ]
 
@@ -127,7 +130,7 @@ def best_fit_decreasing(
             bins = bins_at[r]
             if max_docs is None:  # plain ints: most levels hold a handful of bins
                 per = r // L
-                m = min(len(bins), -(-c // per))
+                m = min(len(bins), ceil_div(c, per))
                 used = bins[len(bins) - m :]
                 last = min(per, c - per * (m - 1))
                 _assign(bin_sorted, pos, used, per, last)
@@ -159,7 +162,7 @@ def best_fit_decreasing(
             per = budget // L
             if max_docs is not None:
                 per = min(per, max_docs)
-            need = -(-c // per)
+            need = ceil_div(c, per)
             last = c - per * (need - 1)
             _assign(bin_sorted, pos, range(n_bins, n_bins + need), per, last)
             docs[n_bins : n_bins + need - 1] = per
@@ -265,6 +268,18 @@ def next_fit(lengths: np.ndarray, budget: int, max_docs: int | None = None) -> n
     return bin_N
 
 
+def opener_index(n: int, longest: int, budget: int, quantile: float = 0.5) -> int:
+    """Which of ``n`` lengths left (ascending, the last is ``longest``) opens the next pack.
+
+    The longest when it is over half the budget (no two such items share a pack anyway), else
+    the one at ``quantile`` (0.5: the middle), so the short items are not all spent as fillers
+    of the first packs. Budget 8: lengths ``[1, 2, 3, 5]`` -> 3 (5 > 4); ``[1, 2, 3, 4]`` -> 2.
+    The opener of ``best_fit_lookahead`` (over distinct lengths) and of
+    ``packing.online.BufferedPacker`` (over buffered episodes).
+    """
+    return n - 1 if 2 * longest > budget else min(int(quantile * n), n - 1)
+
+
 def best_fit_lookahead(
     lengths: np.ndarray, budget: int, max_docs: int | None = None, *, opener: float = 0.5
 ) -> np.ndarray:
@@ -299,10 +314,9 @@ def best_fit_lookahead(
     blocks: list[tuple[int, int, int, int]] = []  # repeated packs: first position, items, bin, m
 
     while vals:
-        # Open with the longest item if it is over half the budget (no two such items can share
-        # a pack anyway), else with the middle one of the distinct lengths left: opening with
-        # the longest would use up the short items as fillers and leave only mid-size ones.
-        j = len(vals) - 1 if 2 * vals[-1] > budget else min(int(opener * len(vals)), len(vals) - 1)
+        # Open over the distinct lengths left (the longest if over half the budget, else the
+        # middle one): opening with the longest would use up the short items as fillers.
+        j = opener_index(len(vals), vals[-1], budget, opener)
         pattern: list[int] = []
         room = budget
         while True:

@@ -1,10 +1,11 @@
 """Block classification from document boundaries: which (q block, kv block) tiles may attend.
 
-FlexAttention cuts the ``(T_q, T_kv)`` mask into tiles of ``Bq x Bkv`` and wants to know, for
-every tile, whether it is *empty* (skip it), *full* (every pair attends: skip the mask_mod) or
-*partial* (evaluate the mask_mod pair by pair). ``torch``'s ``create_block_mask`` finds out by
-evaluating the mask_mod on all ``T_q x T_kv`` pairs. Here the answer comes from the document
-boundaries alone, in ``O(T + #q blocks x #kv blocks)`` tensor work with no host-device sync:
+FlexAttention cuts the ``(T_q, T_kv)`` mask into tiles of ``q_block x kv_block`` tokens and
+wants to know, for every tile, whether it is *empty* (skip it), *full* (every pair attends: skip
+the mask_mod) or *partial* (evaluate the mask_mod pair by pair). ``torch``'s
+``create_block_mask`` finds out by evaluating the mask_mod on all ``T_q x T_kv`` pairs. Here the
+answer comes from the document boundaries alone, in ``O(T + R x C)`` tensor work (R q tiles, C
+kv tiles) with no host-device sync:
 
 * documents are contiguous runs in increasing id order, so a q tile and a kv tile share at most
   two *boundary* documents (the largest of their first ids, ``lo``, and the smallest of their
@@ -21,7 +22,11 @@ Three episodes of lengths ``[5, 2, 4]`` + 1 pad, self-attention, tiles of 4 (``#
                                                    1     +  +  +
                                                    2     .  +  +
 
-Legend: ``Q``/``K`` number of q/kv tiles; ``_T`` per token, ``_Q``/``_K``/``_QK`` per tile.
+Legend (``docs/index.md`` has the package's whole table)::
+
+    T_q, T_kv  tokens on the query / key side       K   documents (doc ids 0..K-1, -1 padding)
+    R, C       q tiles (rows), kv tiles (columns)    B   tiles of one side (R or C)
+    _T per token, _B per tile of one side, _RC per (q tile, kv tile) pair
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from packing.layout_math import ceil_div
+
 __all__ = [
     "BlockRule",
     "BlockTables",
@@ -42,7 +49,6 @@ __all__ = [
     "doc_side",
     "document_rule",
     "evaluate_tiles",
-    "local_positions",
     "tables_from_flags",
     "unknown_rule",
 ]
@@ -61,31 +67,31 @@ class DocSide:
 
     doc_T: Tensor  # int64 (T,), -1 on padding
     block: int
-    first_Q: Tensor  # int64 (Q,), smallest document id in the tile, _NO_DOC if none
-    last_Q: Tensor  # int64 (Q,), largest document id in the tile, -1 if none
-    all_real_Q: Tensor  # bool (Q,), every slot of the Bq-wide tile holds a real token
-    start_Q: Tensor  # int64 (Q,), first token of the tile
-    stop_Q: Tensor  # int64 (Q,), one past the last token of the tile (clipped to T)
+    first_B: Tensor  # int64 (B,), smallest document id in the tile, _NO_DOC if none
+    last_B: Tensor  # int64 (B,), largest document id in the tile, -1 if none
+    all_real_B: Tensor  # bool (B,), every slot of the block-wide tile holds a real token
+    start_B: Tensor  # int64 (B,), first token of the tile
+    stop_B: Tensor  # int64 (B,), one past the last token of the tile (clipped to T)
 
 
 def doc_side(doc_ids_T: Tensor, block: int) -> DocSide:
     """Describe one side of the attention; ``doc_ids_T`` is int (T,) with -1 on padding."""
     doc_T = doc_ids_T.to(torch.int64)
     T = doc_T.shape[0]
-    n = -(-T // block)
+    n = ceil_div(T, block)
     # Pad to whole tiles with -1: slots past T are never real, so the last ragged tile is never
     # full (the same convention as create_block_mask, which pads its dense mask with False).
     tiles = torch.nn.functional.pad(doc_T, (0, n * block - T), value=-1).view(n, block)
     real = tiles >= 0
-    start_Q = torch.arange(n, device=doc_T.device, dtype=torch.int64) * block
+    start_B = torch.arange(n, device=doc_T.device, dtype=torch.int64) * block
     return DocSide(
         doc_T=doc_T,
         block=block,
-        first_Q=torch.where(real, tiles, _NO_DOC).amin(1),
-        last_Q=tiles.amax(1),
-        all_real_Q=real.all(1),
-        start_Q=start_Q,
-        stop_Q=(start_Q + block).clamp_max(T),
+        first_B=torch.where(real, tiles, _NO_DOC).amin(1),
+        last_B=tiles.amax(1),
+        all_real_B=real.all(1),
+        start_B=start_B,
+        stop_B=(start_B + block).clamp_max(T),
     )
 
 
@@ -109,19 +115,6 @@ class _Spans:
         return start, stop
 
 
-def local_positions(doc_ids_T: Tensor) -> Tensor:
-    """int32 (T,) position of each token inside its document, 0 on padding.
-
-    ``doc_ids [0 0 1 1 1 -1]`` -> ``[0 1 0 1 2 0]``. Documents are contiguous runs, so a
-    token's document starts at the last run start at or before it (a running max).
-    """
-    doc_T = doc_ids_T.to(torch.int64)
-    t = torch.arange(doc_T.shape[0], device=doc_T.device)
-    prev = torch.nn.functional.pad(doc_T[:-1], (1, 0), value=-2)
-    run_start = torch.where(doc_T != prev, t, 0).cummax(0).values
-    return torch.where(doc_T >= 0, t - run_start, 0).to(torch.int32)
-
-
 def document_rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     """The document mask alone: inside one document every pair attends."""
     true = torch.ones_like(a, dtype=torch.bool)
@@ -129,20 +122,20 @@ def document_rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, T
 
 
 def classify_blocks(q: DocSide, kv: DocSide, rule: BlockRule) -> tuple[Tensor, Tensor]:
-    """``(any_QK, all_QK)`` bool: does the tile hold a true pair / are all its pairs true.
+    """``(any_RC, all_RC)`` bool: does the tile hold a true pair / are all its pairs true.
 
     With an exact ``rule`` the tiles are exact (the same as ``create_block_mask``'s); a looser
     ``any`` only lists tiles that turn out empty and a stricter ``all`` only leaves full tiles
     partial, so the attention stays exact either way. Padding attends to nothing, so a tile
     of padding alone is never listed.
     """
-    q_first, q_last = q.first_Q[:, None], q.last_Q[:, None]
-    k_first, k_last = kv.first_Q[None, :], kv.last_Q[None, :]
+    q_first, q_last = q.first_B[:, None], q.last_B[:, None]
+    k_first, k_last = kv.first_B[None, :], kv.last_B[None, :]
     lo = torch.maximum(q_first, k_first)  # the shared documents are ids lo..hi (if lo <= hi)
     hi = torch.minimum(q_last, k_last)
     shared = lo <= hi
-    one_doc_q = q.all_real_Q & (q.first_Q == q.last_Q)
-    one_doc_k = kv.all_real_Q & (kv.first_Q == kv.last_Q)
+    one_doc_q = q.all_real_B & (q.first_B == q.last_B)
+    one_doc_k = kv.all_real_B & (kv.first_B == kv.last_B)
     same_one_doc = one_doc_q[:, None] & one_doc_k[None, :] & (q_first == k_first)
     if rule is document_rule:
         # Each tile holds every document between its first and last id, so lo (when <= hi)
@@ -156,21 +149,21 @@ def classify_blocks(q: DocSide, kv: DocSide, rule: BlockRule) -> tuple[Tensor, T
     d = torch.stack([lo, hi])
     qs, qe = q_span(d)
     ks, ke = kv_span(d)
-    a = torch.maximum(qs, q.start_Q[:, None]) - qs
-    b = torch.minimum(qe, q.stop_Q[:, None]) - 1 - qs
-    c = torch.maximum(ks, kv.start_Q[None, :]) - ks
-    e = torch.minimum(ke, kv.stop_Q[None, :]) - 1 - ks
+    a = torch.maximum(qs, q.start_B[:, None]) - qs
+    b = torch.minimum(qe, q.stop_B[:, None]) - 1 - qs
+    c = torch.maximum(ks, kv.start_B[None, :]) - ks
+    e = torch.minimum(ke, kv.stop_B[None, :]) - 1 - ks
     r_any, r_all = rule(a, b, c, e)
     hit = (a <= b) & (c <= e) & r_any
-    any_QK = shared & (hit[0] | hit[1])
+    any_RC = shared & (hit[0] | hit[1])
 
     # Documents strictly between lo and hi lie whole in both tiles: count those with a true
     # pair through a prefix sum over their first q tokens.
     qe_lo, qs_hi = qe[0], qs[1]
     count_T1 = _prefix(_first_token_nonempty(q.doc_T, q_span, kv_span, rule))
     inner_any = (lo < hi) & (count_T1[qs_hi] > count_T1[torch.minimum(qe_lo, qs_hi)])
-    any_QK = any_QK | inner_any
-    return any_QK, same_one_doc & r_all[0] & any_QK
+    any_RC = any_RC | inner_any
+    return any_RC, same_one_doc & r_all[0] & any_RC
 
 
 def _first_token_nonempty(
@@ -220,13 +213,13 @@ def block_tables(
     """Doc ids -> BlockMask tensors. Pure tensor code with static shapes: safe to compile."""
     q = doc_side(q_doc_T, q_block)
     kv = q if self_attention and q_block == kv_block else doc_side(kv_doc_T, kv_block)
-    any_QK, all_QK = classify_blocks(q, kv, rule)
-    return tables_from_flags(any_QK, all_QK)
+    any_RC, all_RC = classify_blocks(q, kv, rule)
+    return tables_from_flags(any_RC, all_RC)
 
 
-def tables_from_flags(any_QK: Tensor, all_QK: Tensor) -> BlockTables:
+def tables_from_flags(any_RC: Tensor, all_RC: Tensor) -> BlockTables:
     """Tile flags -> the eight BlockMask tensors (partial = any and not all)."""
-    flags = torch.stack([any_QK & ~all_QK, all_QK])  # (2, Q, K): partial, full
+    flags = torch.stack([any_RC & ~all_RC, all_RC])  # (2, R, C): partial, full
     kv_num, kv_idx = _ordered(flags)
     # Contiguous, not a transposed view: Flex's backward kernel indexes q_indices as if
     # contiguous (its template says so); a view would walk the wrong tiles and give right
@@ -248,17 +241,17 @@ def _ordered(flags_RC: Tensor) -> tuple[Tensor, Tensor]:
 
 def evaluate_tiles(
     mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
-    candidate_QK: Tensor,
+    candidate_RC: Tensor,
     T_q: int,
     T_kv: int,
     bq: int,
     bkv: int,
 ) -> tuple[Tensor, Tensor]:
     """Evaluate ``mask_mod`` on every pair of the candidate tiles (this is the sync)."""
-    dev = candidate_QK.device
-    tiles = candidate_QK.nonzero()  # host-device sync: the number of candidates
-    any_QK = torch.zeros_like(candidate_QK)
-    all_QK = torch.zeros_like(candidate_QK)
+    dev = candidate_RC.device
+    tiles = candidate_RC.nonzero()  # host-device sync: the number of candidates
+    any_RC = torch.zeros_like(candidate_RC)
+    all_RC = torch.zeros_like(candidate_RC)
     rq = torch.arange(bq, device=dev)
     rk = torch.arange(bkv, device=dev)
     zero = torch.zeros((), dtype=torch.int64, device=dev)
@@ -269,11 +262,29 @@ def evaluate_tiles(
         kv = (j[:, None] * bkv + rk)[:, None, :]  # (n, 1, bkv)
         inside = (q < T_q) & (kv < T_kv)
         pairs = mask_mod(zero, zero, q.clamp_max(T_q - 1), kv.clamp_max(T_kv - 1)) & inside
-        any_QK[i, j] = pairs.flatten(1).any(1)
-        all_QK[i, j] = pairs.flatten(1).all(1)  # slots past T count as False: never full
-    return any_QK, all_QK
+        any_RC[i, j] = pairs.flatten(1).any(1)
+        all_RC[i, j] = pairs.flatten(1).all(1)  # slots past T count as False: never full
+    return any_RC, all_RC
 
 
 def unknown_rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     """No knowledge of the inner mask: any pair may be true, none is known to be."""
     return torch.ones_like(a, dtype=torch.bool), torch.zeros_like(a, dtype=torch.bool)
+
+
+def __getattr__(name: str) -> Callable[[Tensor], Tensor]:
+    # `local_positions` moved to packing.layout_math (one home for layout arithmetic); the old
+    # import path keeps working, with a warning, for one release.
+    if name == "local_positions":
+        import warnings
+
+        from packing.layout_math import local_positions
+
+        warnings.warn(
+            "packing.block_mask.local_positions moved to packing.layout_math.local_positions; "
+            "import it from there (the old path goes away in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return local_positions
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,6 +25,7 @@ import torch
 
 from packing.joint import JointLayout, joint_layout
 from packing.layout import PackedBatch, StreamLayout, layout_from_lengths
+from packing.layout_math import padded_length
 
 __all__ = [
     "JointLayout",
@@ -278,7 +279,7 @@ class PackedCollator:
         if s.budget is not None:
             return s.budget
         m = math.lcm(self.pad_to_multiple, s.tokens_per_step)
-        return max(1, -(-tokens // m)) * m
+        return padded_length(tokens, m)
 
     def _pack_stream(
         self, s: Stream, episodes: Sequence[Mapping[str, Any]]

@@ -7,6 +7,7 @@ episode's tokens side by side, and back.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from packing.layout import PackedBatch, StreamLayout, layout_from_lengths
+from packing.layout_math import positions_from_lengths
 
 __all__ = ["JointLayout", "joint_layout"]
 
@@ -33,15 +35,27 @@ class JointLayout:
     """
 
     streams: tuple[str, ...]
-    lengths: tuple[int, ...]  # padded token length of each stream
+    padded_lens: tuple[int, ...]  # each stream's padded_len (tokens, padding included)
     src_index_J: torch.Tensor  # joint position -> position in cat(streams)
     dest_index: dict[str, torch.Tensor]  # stream token -> joint position
     stream_ids_J: torch.Tensor
     layout: StreamLayout
 
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Deprecated name of `padded_lens` (every other ``lengths`` counts real tokens per
+        document); it goes away in the next release."""
+        warnings.warn(
+            "JointLayout.lengths is renamed JointLayout.padded_lens (each stream's padded "
+            "length, not per-document lengths)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.padded_lens
+
     def join(self, xs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``{"latents": (T_v, ...), "action": (T_a, ...)}`` -> ``(T_v + T_a, ...)``."""
-        for name, n in zip(self.streams, self.lengths, strict=True):
+        for name, n in zip(self.streams, self.padded_lens, strict=True):
             if name not in xs:
                 raise KeyError(f"join needs stream {name!r}; got {sorted(xs)}")
             if xs[name].shape[0] != n:
@@ -59,7 +73,7 @@ class JointLayout:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JointLayout:
         return JointLayout(
             streams=self.streams,
-            lengths=self.lengths,
+            padded_lens=self.padded_lens,
             src_index_J=self.src_index_J.to(device, non_blocking=non_blocking),
             dest_index={
                 k: v.to(device, non_blocking=non_blocking) for k, v in self.dest_index.items()
@@ -98,7 +112,7 @@ def joint_layout(batch: PackedBatch, streams: Sequence[str]) -> JointLayout:
     for s, n in enumerate(names):
         lens = per_doc[s]
         offs = doc_start[:-1] + before  # where this stream's part of each doc starts
-        local = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
+        local = positions_from_lengths(lens.tolist())
         real_dest = np.repeat(offs, lens) + local
         pad_dest = real + pad_before + np.arange(pads[s])
         dest_parts[n] = np.concatenate([real_dest, pad_dest])
@@ -120,7 +134,7 @@ def joint_layout(batch: PackedBatch, streams: Sequence[str]) -> JointLayout:
     )
     joint = JointLayout(
         streams=names,
-        lengths=tuple(lay.padded_len for lay in lays),
+        padded_lens=tuple(lay.padded_len for lay in lays),
         src_index_J=torch.from_numpy(src).to(device, non_blocking=True),
         dest_index={
             n: torch.from_numpy(d).to(device, non_blocking=True) for n, d in dest_parts.items()

@@ -1,9 +1,10 @@
 """The packed layout: one type, `PackedBatch`, that flows from collate to mask to loss.
 
-Legend (used in names across the package)::
+Legend (used in names across the package; ``docs/index.md`` has the whole table)::
 
     K   documents (episodes) in a pack        T   tokens of a stream, padded (tail only)
     S   steps of a stream (frames, actions)   K1  K + 1 (boundaries)
+    J   tokens of a joint sequence            N   items to plan, P packs
     doc_ids_T       int32 (T,)   document of each token, -1 on padding
     position_ids_T  int32 (T,)   token position inside its document, 0 on padding
     thw_T3          int32 (T,3)  (t, h, w) inside the document, for 3D RoPE (grid streams)
@@ -30,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from packing.layout_math import positions_from_lengths, thw_from_lengths
 
 __all__ = ["PackedBatch", "StreamLayout", "layout_from_lengths"]
 
@@ -262,9 +265,8 @@ def layout_from_lengths(
     ``cu_seqlens`` is ``[0, 2, 6, 9, 9, 9]`` (empty documents at the end keep its shape).
 
     Runs in the collate of every step, so it costs a few numpy calls, not a few per document
-    or per token: a document's positions (and ``thw``) are the first ``n`` rows of one
-    template that counts up from 0, so the stream's rows are K template slices joined by one
-    ``np.concatenate`` (a memcpy); doc ids are one ``np.repeat``.
+    or per token: positions (and ``thw``) come from `packing.layout_math`, K slices of one
+    cached template joined by one ``np.concatenate`` (a memcpy); doc ids are one ``np.repeat``.
     """
     k = len(lengths)
     total = sum(lengths)
@@ -276,20 +278,17 @@ def layout_from_lengths(
     cu = np.full(max(k, max_docs or 0) + 1, total, dtype=np.int32)
     cu[0] = 0
     cu[1 : k + 1] = list(accumulate(lengths))  # for a handful of documents, faster than numpy
-    tpl = _template(max(k, *lengths) if k else 0, grid)
     doc_ids = np.empty(padded, dtype=np.int32)
-    doc_ids[:total] = np.repeat(tpl.pos[:k], lengths)
+    doc_ids[:total] = np.repeat(np.arange(k, dtype=np.int32), lengths)
     doc_ids[total:] = -1
     pos = np.empty(padded, dtype=np.int32)
     pos[total:] = 0
+    positions_from_lengths(lengths, out=pos[:total])
     thw = None
-    if k:
-        np.concatenate([tpl.pos[:n] for n in lengths], out=pos[:total])
     if grid is not None:
         thw = np.empty((padded, 3), dtype=np.int32)
         thw[total:] = 0
-        if k:
-            np.concatenate([tpl.thw[:n] for n in lengths], out=thw[:total])
+        thw_from_lengths(lengths, grid, out=thw[:total])
     return StreamLayout(
         doc_ids_T=torch.from_numpy(doc_ids),
         position_ids_T=torch.from_numpy(pos),
@@ -301,33 +300,3 @@ def layout_from_lengths(
         grid=grid,
         thw_T3=None if thw is None else torch.from_numpy(thw),
     )
-
-
-@dataclass(frozen=True)
-class _Template:
-    """``pos = [0, 1, 2, ...]`` and, for a grid, ``thw`` = (t, h, w) of the same tokens."""
-
-    pos: np.ndarray
-    thw: np.ndarray
-
-
-_TEMPLATES: dict[tuple[int, int] | None, _Template] = {}
-
-
-def _template(n: int, grid: tuple[int, int] | None) -> _Template:
-    """The layout of one document of at least ``n`` tokens, built once per grid and grown by
-    doubling; every document's positions are a prefix of it (read-only, never handed out)."""
-    tpl = _TEMPLATES.get(grid)
-    if tpl is not None and len(tpl.pos) >= n:
-        return tpl
-    size = max(n, 2 * len(tpl.pos) if tpl is not None else 4096)
-    pos = np.arange(size, dtype=np.int32)
-    thw: np.ndarray = np.zeros((0, 3), dtype=np.int32)
-    if grid is not None:
-        h, w = grid
-        thw = np.stack([pos // (h * w), (pos % (h * w)) // w, pos % w], axis=1)
-    pos.flags.writeable = False
-    thw.flags.writeable = False
-    tpl = _Template(pos, thw)
-    _TEMPLATES[grid] = tpl
-    return tpl

@@ -62,6 +62,7 @@ from typing import Literal
 import torch
 
 from packing.layout import StreamLayout
+from packing.layout_math import ceil_div, doc_starts
 
 __all__ = [
     "LossNormalizer",
@@ -144,14 +145,12 @@ def _bucket_mass(
     """(bucket of each token, mass of each bucket): an episode, or one step of an episode.
 
     A bucket is named by the index of its first token, found without a sync: a document
-    starts where the doc id changes (``cummax`` carries the start forward), and a step starts
-    every ``tps`` tokens from there.
+    starts at `doc_starts` (where the doc id changes), and a step starts every ``tps`` tokens
+    from there.
     """
     T = doc_ids_T.shape[0]
     idx = torch.arange(T, device=doc_ids_T.device)
-    new = torch.ones(T, dtype=torch.bool, device=doc_ids_T.device)
-    new[1:] = doc_ids_T[1:] != doc_ids_T[:-1]
-    start = torch.cummax(torch.where(new, idx, 0), dim=0).values
+    start = doc_starts(doc_ids_T)
     bucket = start if reduction == "episode" else idx - (idx - start) % tps
     mass = torch.zeros(T, dtype=m.dtype, device=m.device).index_add_(0, bucket, m)
     return bucket, mass
@@ -205,7 +204,7 @@ def _one_denominator(
         elif red == "episode":
             n = sum(1 for x in lengths if x > 0)
         else:
-            n = sum(-(-x // tps) for x in lengths)
+            n = sum(ceil_div(x, tps) for x in lengths)
         return torch.full((), float(n), dtype=torch.float64, device=device)
     ids = _doc_ids(layout)
     m = _mask(ids, loss_mask, torch.float64)

@@ -46,10 +46,10 @@ from packing.block_mask import (
     doc_side,
     document_rule,
     evaluate_tiles,
-    local_positions,
     tables_from_flags,
     unknown_rule,
 )
+from packing.layout_math import ceil_div, local_positions
 
 __all__ = [
     "InnerMask",
@@ -247,9 +247,9 @@ def make_block_mask(
     """FlexAttention ``BlockMask`` for ``document_mask_mod(doc_ids, kv_doc_ids, inner)``.
 
     Built from the document boundaries on the tensors' device, never from the ``T x T`` pairs:
-    ``O(T + #q tiles x #kv tiles)`` tensor work, no host-device sync, output shapes fixed by
-    ``(T_q, T_kv, block_size)`` alone (not by the number of episodes), so a compiled model sees
-    the same shapes every step. Tiles where every pair attends are listed as *full* (Flex skips
+    ``O(T + R x C)`` tensor work (R q tiles, C kv tiles), no host-device sync, output shapes
+    fixed by ``(T_q, T_kv, block_size)`` alone (not by the number of episodes), so a compiled
+    model sees the same shapes every step. Tiles where every pair attends are listed as *full* (Flex skips
     the mask_mod there), tiles without a true pair are not listed, the rest are *partial*; a
     tile that spans several episodes is partial when any of them attends. The last ragged tile
     (T not a multiple of the block) is never full, as with ``create_block_mask``.
@@ -269,7 +269,7 @@ def make_block_mask(
 
     * ``"evaluate"`` (default): evaluate the full mask_mod on the pairs of the *candidate* tiles
       only (those the documents allow). Exact tiles, but one host-device sync (to gather the
-      candidates) and ``O(#candidates x Bq x Bkv)`` work.
+      candidates) and ``O(#candidates x q_block x kv_block)`` work.
     * ``"partial"``: list every candidate tile as partial. No sync, exact attention, but no
       full tiles and no sparsity from the inner mask.
     * ``"error"``: raise, for hot paths that must stay sync-free.
@@ -301,11 +301,11 @@ def make_block_mask(
     else:
         q_side = doc_side(q_doc, bq)
         kv_side = doc_side(kv_doc, bkv)
-        any_QK, all_QK = classify_blocks(q_side, kv_side, unknown_rule)
+        any_RC, all_RC = classify_blocks(q_side, kv_side, unknown_rule)
         if inner_fallback == "evaluate":
             T_q, T_kv = q_doc.shape[0], kv_doc.shape[0]
-            any_QK, all_QK = evaluate_tiles(mask_mod, any_QK, T_q, T_kv, bq, bkv)
-        tables = tables_from_flags(any_QK, all_QK)
+            any_RC, all_RC = evaluate_tiles(mask_mod, any_RC, T_q, T_kv, bq, bkv)
+        tables = tables_from_flags(any_RC, all_RC)
 
     # The constructor, not from_kv_blocks: the q-side tables are already built (from the
     # transposed tile flags), which saves a scatter and two vmaps per call.
@@ -318,13 +318,13 @@ def make_block_mask(
 
 
 # Tiles classified per chunk on the eager path. Unchunked, the classification holds about a
-# dozen int64 (Q, K) intermediates at once: 13.8 GB of host memory at 1M tokens (8,192 x 8,192
+# dozen int64 (R, C) intermediates at once: 13.8 GB of host memory at 1M tokens (8,192 x 8,192
 # tiles), 13x the tables themselves (1.07 GB); a chunk of 1M tiles needs ~200 MB.
 _CHUNK_TILES = 1 << 20
 
 
 def _num_tiles(q_doc: Tensor, kv_doc: Tensor, bq: int, bkv: int) -> int:
-    return -(-q_doc.shape[0] // bq) * -(-kv_doc.shape[0] // bkv)
+    return ceil_div(q_doc.shape[0], bq) * ceil_div(kv_doc.shape[0], bkv)
 
 
 def _chunked_block_tables(
@@ -341,23 +341,23 @@ def _chunked_block_tables(
     ordered chunk by chunk (kv side over q-tile rows, q side over kv-tile rows)."""
     q = doc_side(q_doc_T, bq)
     kv = q if self_attention and bq == bkv else doc_side(kv_doc_T, bkv)
-    Q, K = q.first_Q.shape[0], kv.first_Q.shape[0]
-    any_QK = torch.empty((Q, K), dtype=torch.bool, device=q_doc_T.device)
-    all_QK = torch.empty_like(any_QK)
-    rows = max(1, _CHUNK_TILES // max(K, 1))
-    for lo in range(0, Q, rows):
+    R, C = q.first_B.shape[0], kv.first_B.shape[0]
+    any_RC = torch.empty((R, C), dtype=torch.bool, device=q_doc_T.device)
+    all_RC = torch.empty_like(any_RC)
+    rows = max(1, _CHUNK_TILES // max(C, 1))
+    for lo in range(0, R, rows):
         part = dataclasses.replace(
             q,
-            first_Q=q.first_Q[lo : lo + rows],
-            last_Q=q.last_Q[lo : lo + rows],
-            all_real_Q=q.all_real_Q[lo : lo + rows],
-            start_Q=q.start_Q[lo : lo + rows],
-            stop_Q=q.stop_Q[lo : lo + rows],
+            first_B=q.first_B[lo : lo + rows],
+            last_B=q.last_B[lo : lo + rows],
+            all_real_B=q.all_real_B[lo : lo + rows],
+            start_B=q.start_B[lo : lo + rows],
+            stop_B=q.stop_B[lo : lo + rows],
         )
-        any_QK[lo : lo + rows], all_QK[lo : lo + rows] = classify_blocks(part, kv, rule)
-    kv_num, kv_idx, full_kv_num, full_kv_idx = _side_tables(any_QK, all_QK)
+        any_RC[lo : lo + rows], all_RC[lo : lo + rows] = classify_blocks(part, kv, rule)
+    kv_num, kv_idx, full_kv_num, full_kv_idx = _side_tables(any_RC, all_RC)
     q_num, q_idx, full_q_num, full_q_idx = _side_tables(
-        any_QK.t().contiguous(), all_QK.t().contiguous()
+        any_RC.t().contiguous(), all_RC.t().contiguous()
     )
     return BlockTables(
         kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx

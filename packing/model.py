@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from packing.attention import AttentionMask, Backend, attention, prepare_attention
-from packing.collate import Stream
+from packing.collate import PackedCollator, Stream
 from packing.conditioning import (
     broadcast_to_tokens,
     episode_timesteps,
@@ -195,17 +195,13 @@ def pack_text(
 ) -> tuple[Tensor, StreamLayout]:
     """Pack the K episodes' task texts as a stream: tokens ``(T_txt,)`` and their layout.
 
-    The same result as a ``"text"`` stream of ``text_tokens`` through `PackedCollator` with
-    ``pad_to_multiple``; padding tokens are 0. Host work only (K short strings).
+    A ``"text"`` stream of ``text_tokens`` through `PackedCollator` with ``pad_to_multiple``
+    (padding tokens are 0; no task gives one all-padding block). Host work only.
     """
-    toks = [text_tokens(t, text_len) for t in tasks]
-    lengths = [int(t.shape[0]) for t in toks]
-    total = sum(lengths)
-    padded = max(1, -(-total // pad_to_multiple)) * pad_to_multiple
-    out = torch.zeros(padded, dtype=torch.int64)
-    if toks:
-        out[:total] = torch.cat(toks)
-    return out, layout_from_lengths(lengths, lengths, padded)
+    text = Stream("text", step_shape=(), dtype=torch.int64)
+    collate = PackedCollator([text], pad_to_multiple=pad_to_multiple)
+    batch = collate([{"text": text_tokens(t, text_len)} for t in tasks])
+    return batch.streams["text"], batch.layout("text")
 
 
 def _one_document(lay: StreamLayout) -> StreamLayout:

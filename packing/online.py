@@ -23,6 +23,7 @@ from bisect import bisect_right, insort
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, Literal, TypeVar
 
+from packing.binpack import opener_index
 from packing.plan import plan_packs
 
 __all__ = ["BufferedPacker"]
@@ -81,7 +82,7 @@ class BufferedPacker(Generic[T]):
     def _fill(self, buf: list[tuple[int, int, T]]) -> list[tuple[int, int, T]]:
         # Same opener as plan_packs' "lookahead": the longest if over half the budget, else the
         # middle of the buffer, so short episodes are not all spent as fillers.
-        pack = [buf.pop() if 2 * buf[-1][0] > self.token_budget else buf.pop(len(buf) // 2)]
+        pack = [buf.pop(opener_index(len(buf), buf[-1][0], self.token_budget))]
         room = self.token_budget - pack[0][0]
         while buf and (self.max_docs is None or len(pack) < self.max_docs):
             j = bisect_right(buf, room, key=lambda x: x[0]) - 1  # best fit: largest that fits

@@ -17,6 +17,8 @@ already trained on). Without ``"split"``, item ``i`` is episode ``i``.
 
 Plans are deterministic: the same lengths and arguments give the same packs; randomness (pack
 order per epoch) belongs to the sampler.
+
+Legend (``docs/index.md``): ``N`` items to plan, ``P`` packs, ``P1`` = P + 1 offsets.
 """
 
 from __future__ import annotations
@@ -389,10 +391,10 @@ def plan_packs(
         keep = np.arange(len(pieces_I4))
     elif oversize not in ("error", "drop"):
         raise ValueError(f"oversize={oversize!r}; choose 'error', 'split' or 'drop'")
-    bin_K = _without_gc(_ALGORITHMS[algorithm], item_lengths[keep], token_budget, max_docs)
+    bin_N = _without_gc(_ALGORITHMS[algorithm], item_lengths[keep], token_budget, max_docs)
     # Group items by bin: a stable sort keeps each pack's items in their input order.
-    order = stable_argsort(bin_K)
-    counts = np.bincount(bin_K, minlength=int(bin_K.max()) + 1 if len(bin_K) else 0)
+    order = stable_argsort(bin_N)
+    counts = np.bincount(bin_N, minlength=int(bin_N.max()) + 1 if len(bin_N) else 0)
     return PackPlan(
         items_N=keep[order].astype(np.int64),
         offsets_P1=np.concatenate(([0], np.cumsum(counts))).astype(np.int64),

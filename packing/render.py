@@ -34,7 +34,8 @@ _TILE_CHAR = {EMPTY: ".", PARTIAL: "+", FULL: "#"}
 
 
 def block_classes(block_mask: BlockMask) -> Tensor:
-    """int8 ``(Q, K)`` tile classes of a BlockMask's first batch row and head: EMPTY/PARTIAL/FULL.
+    """int8 ``(R, C)`` tile classes (R q tiles x C kv tiles) of a BlockMask's first batch row
+    and head: EMPTY/PARTIAL/FULL.
 
     Read from ``kv_num_blocks``/``kv_indices`` (and the ``full_`` pair): the first
     ``num[i]`` entries of ``indices[i]`` are the listed tiles of q tile ``i``.
@@ -47,13 +48,13 @@ def block_classes(block_mask: BlockMask) -> Tensor:
 
 
 def _listed(num: Tensor, indices: Tensor) -> Tensor:
-    num_Q, idx_QK = num[0, 0].long(), indices[0, 0].long()
-    K = idx_QK.shape[-1]
-    listed = torch.arange(K, device=idx_QK.device) < num_Q[:, None]
-    dense = torch.zeros(idx_QK.shape[0], K + 1, dtype=torch.int64, device=idx_QK.device)
+    num_R, idx_RC = num[0, 0].long(), indices[0, 0].long()
+    C = idx_RC.shape[-1]
+    listed = torch.arange(C, device=idx_RC.device) < num_R[:, None]
+    dense = torch.zeros(idx_RC.shape[0], C + 1, dtype=torch.int64, device=idx_RC.device)
     # Unlisted slots write to a spare last column, dropped below.
-    dense.scatter_(1, torch.where(listed, idx_QK, K), 1)
-    return dense[:, :K]
+    dense.scatter_(1, torch.where(listed, idx_RC, C), 1)
+    return dense[:, :C]
 
 
 def ascii_blocks(block_mask: BlockMask, sep: str = " ") -> str:

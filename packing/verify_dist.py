@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from packing.layout import PackedBatch
+from packing.layout_math import round_up
 from packing.losses import LossNormalizer, local_denominator
 from packing.verify import (
     DEFAULT_MODEL,
@@ -290,7 +291,7 @@ def _verify(
     singles = [unpacked([ep]) for ep in episodes]
     lengths = [b.layout(streams[0].name).num_tokens for b in singles]
     tps = streams[0].tokens_per_step  # a pack holds whole steps (frames) of the primary
-    budget = config.token_budget or -(-default_token_budget(lengths) // tps) * tps
+    budget = config.token_budget or round_up(default_token_budget(lengths), tps)
     plan = _packs_by_rank(lengths, budget, config.seed, world)
     collate = PackedCollator(streams, token_budget=budget)
     mine = [collate([episodes[i] for i in p]) for p in plan[rank]]

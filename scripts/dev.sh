@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The two commands of the README, on a fresh machine:
 #   scripts/dev.sh verify [packing verify options]   packed vs unpacked loss and gradients
-#   scripts/dev.sh test   [pytest options]           lint, type-check, the whole test suite
+#   scripts/dev.sh test   [pytest options]           lint, type-check, the suite but `slow` (CI)
+# and the rest of the suite:
+#   scripts/dev.sh test-slow [pytest options]        the `slow` tests: verify --compile, the
+#                                                    benchmark scripts' smoke runs, FSDP variants
 # Both create .venv with the Python of .python-version (found through pyenv) and install
 # the package with its lerobot/hf/dev/diffusers extras; the install is redone when pyproject.toml,
 # constraints.txt or this script change.
@@ -49,10 +52,13 @@ case "$cmd" in
     "$venv/bin/ruff" check packing tests benchmarks
     "$venv/bin/ruff" format --check packing tests benchmarks
     "$venv/bin/mypy" packing
-    exec "$venv/bin/python" -m pytest -n 2 -q "$@"
+    exec "$venv/bin/python" -m pytest -n 2 -q -m "not slow" "$@"
+    ;;
+  test-slow)
+    exec "$venv/bin/python" -m pytest -n 2 -q -m slow "$@"
     ;;
   *)
-    echo "usage: scripts/dev.sh {verify|test} [options]" >&2
+    echo "usage: scripts/dev.sh {verify|test|test-slow} [options]" >&2
     exit 2
     ;;
 esac

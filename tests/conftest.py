@@ -11,7 +11,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import settings
+
+# Under pytest-xdist each worker is a process of its own (CI: `-n 2` on 2 cores): torch's
+# default of one intra-op thread per core would put 2 x 2 threads on 2 cores, and the tests'
+# tensors are small. One thread each, as `packing verify` defaults to (docs/verify.md measured
+# ~10x slower with a thread per core on a busy 2-core machine).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("explore", deadline=None, print_blob=True)

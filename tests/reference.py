@@ -42,6 +42,12 @@ def per_episode(
     return out
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative difference ``max|a - b| / max|b|``, in fp32 (the verify harness's measure)."""
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
 def layout_from_lengths(
     lengths: list[int],
     steps: list[int],

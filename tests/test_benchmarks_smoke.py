@@ -1,7 +1,8 @@
 """Every benchmark script runs with --quick on the CPU, prints one table and writes its JSON.
 
 The scripts are plain programs run on the GPU by hand (benchmarks/gpu_all.sh); this keeps them
-from rotting as the library changes. Tiny sizes: the numbers mean nothing here.
+from rotting as the library changes. Tiny sizes and one regime each where the script has two:
+the numbers mean nothing here. All are ``slow`` (``scripts/dev.sh test-slow``), not in CI.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ SCRIPTS = [
     ("bench_collate.py", []),
     ("bench_collate_worker.py", []),
     ("bench_block_mask.py", []),
-    ("bench_attention.py", []),
+    ("bench_attention.py", ["--regimes", "seed"]),
     (
         "bench_step.py",
         ["--regimes", "seed", "--variants", "unpacked,packed,per_token,cudagraphs", "--profile"],
     ),
     ("find_token_budget.py", []),
-    ("bench_diffusers_wan.py", []),
+    ("bench_diffusers_wan.py", ["--regimes", "seed"]),
 ]
 
 

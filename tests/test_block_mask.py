@@ -28,7 +28,8 @@ from torch.nn.attention.flex_attention import (
     or_masks,
 )
 
-from packing.block_mask import block_tables, local_positions
+from packing.block_mask import block_tables
+from packing.layout_math import local_positions
 from packing.masks import (
     causal,
     dense_mask,
@@ -351,7 +352,6 @@ def test_the_builder_compiles_as_one_graph_reused_across_layouts():
     assert compiles.frame_count == 1
 
 
-@pytest.mark.slow
 def test_the_builder_compiled_by_inductor_equals_eager_and_never_recompiles():
     """make_block_mask(compile=True) through the real Inductor backend (CPU here; the same
     graph failed to lower on CUDA before the document-only path stopped needing spans): the

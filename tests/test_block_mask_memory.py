@@ -1,7 +1,7 @@
 """make_block_mask's eager path at long sequences: tile classification in row chunks.
 
 Unchunked, classifying 8,192 x 8,192 tiles (1M tokens, blocks of 128) held about a dozen
-int64 (Q, K) intermediates: 13.8 GB of host memory for 1.07 GB of tables. In chunks the
+int64 (R, C) tile intermediates: 13.8 GB of host memory for 1.07 GB of tables. In chunks the
 peak is the tables plus ~200 MB; the chunked tables are the unchunked ones, bit for bit.
 """
 
@@ -51,6 +51,7 @@ def test_chunked_tables_equal_unchunked_on_random_layouts(monkeypatch: pytest.Mo
     assert min(seen.values()) >= 20, seen
 
 
+@pytest.mark.slow
 def test_host_memory_at_512k_tokens_stays_near_the_tables() -> None:
     """512K tokens, causal: peak growth was 12x the tables (3.2 GB for 269 MB); now < 3x."""
     code = textwrap.dedent(

@@ -171,6 +171,9 @@ def test_joint_layout_puts_each_episodes_tokens_side_by_side_and_back():
     back = j.split(x)
     assert torch.equal(back["latents"], xv) and torch.equal(back["action"], xa)
     assert joint_layout(b, ("latents", "action")) is j, "cached on the batch"
+    assert j.padded_lens == (v.padded_len, a.padded_len)
+    with pytest.warns(DeprecationWarning, match="padded_lens"):
+        assert j.lengths == j.padded_lens  # the old name, for one release
 
 
 @SETTINGS
@@ -183,9 +186,13 @@ def test_joint_tokens_keep_their_episode(frames, mult):
     docs = {n: b.layout(n).doc_ids_T for n in ("latents", "action")}
     joined = j.join(docs)
     assert torch.equal(joined, j.layout.doc_ids_T), "every token stays in its document"
-    assert torch.equal(
-        j.join({n: b.layout(n).position_ids_T for n in docs}).ne(-99), joined.ne(-99)
-    )
+    # ... and in its place: inside a document, each stream's tokens keep their order, so the
+    # joined stream positions count up from 0, as many as the stream has in that episode.
+    pos = j.join({n: b.layout(n).position_ids_T for n in docs})
+    for s, name in enumerate(docs):
+        for k, n in enumerate(b.layout(name).lengths_K):
+            here = (j.stream_ids_J == s) & (joined == k)
+            assert pos[here].tolist() == list(range(n))
 
 
 def test_joint_layout_can_be_built_in_the_worker_and_moves_with_the_batch():

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.ddp, pytest.mark.slow]
+# Not `slow`: CI runs this one real torchrun (one launch, shared by every test here).
+pytestmark = pytest.mark.ddp
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 

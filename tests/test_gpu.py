@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import per_episode
+from reference import per_episode, rel
 
 from packing.attention import attention, fa4_available, prepare_attention
 from packing.layout import StreamLayout, layout_from_lengths
@@ -42,11 +42,6 @@ def qkv(tq: int, tkv: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Ten
         torch.randn(s, generator=g, device=DEV, dtype=torch.float32).to(dtype).requires_grad_()
         for s in shapes
     )
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

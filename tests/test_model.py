@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference import rel
 
 from packing.collate import PackedCollator, Stream
 from packing.layout import PackedBatch
@@ -48,11 +49,6 @@ def collate(model: DiT, eps: list[dict[str, Any]], **kw: Any) -> PackedBatch:
     batch = PackedCollator(model.streams, **kw)(eps)
     batch.extras.update(seed=SEED, step=STEP)
     return batch
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach(), b.detach()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def doc_rows(batch: PackedBatch, stream: str, k: int) -> slice:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 import warnings
 
 import numpy as np
@@ -283,8 +284,22 @@ def test_plan_round_trips_through_arrow(tmp_path):
 
 
 def test_import_needs_only_numpy_and_torch():
-    code = "import sys, packing.plan, packing.sampler, packing.online; assert 'datasets' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    """Planning, sampling and stream packing import no third-party package beyond what
+    ``import numpy, torch`` itself loads (no datasets, pyarrow, lerobot, einops...)."""
+    code = textwrap.dedent(
+        """
+        import sys
+        def third_party():
+            std = sys.stdlib_module_names
+            return {m.split(".")[0] for m in sys.modules} - std - {"packing", "__main__"}
+        import numpy, torch
+        before = third_party()
+        import packing.plan, packing.sampler, packing.online
+        print(sorted(third_party() - before))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr[-2000:]
 
 
 # ---- the stream packer -------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from einops import rearrange
 from torch import Tensor
 
 from packing.layout import StreamLayout, layout_from_lengths
+from packing.layout_math import padded_length
 
 __all__ = ["pack_text_embeddings", "patchify", "unpatchify"]
 
@@ -70,7 +71,7 @@ def pack_text_embeddings(
     lengths = [int(e.shape[0]) for e in embeddings]
     total = sum(lengths)
     if padded_len is None:
-        padded_len = max(1, -(-total // pad_to_multiple)) * pad_to_multiple
+        padded_len = padded_length(total, pad_to_multiple)
     if total > padded_len:
         raise ValueError(f"text embeddings have {total} tokens > padded_len={padded_len}")
     out = embeddings[0].new_zeros((padded_len, embeddings[0].shape[1]))

@@ -1,0 +1,146 @@
+"""Layout arithmetic, one home each: rounding up, and positions inside documents.
+
+Legend (the package's shape letters; ``docs/index.md`` has the whole table)::
+
+    T   tokens of a stream, padding included     K   documents (episodes) in a pack
+    K1  K + 1 document boundaries                 S   steps of a stream (frames, actions)
+
+Three documents of lengths ``[2, 4, 3]`` padded to ``T = 12``::
+
+    lengths_K           [2, 4, 3]
+    doc_ids_T           0 0 1 1 1 1 2 2 2 -1 -1 -1
+    doc_starts(doc_ids) 0 0 2 2 2 2 6 6 6  9  9  9     (padding runs start too)
+    local_positions     0 1 0 1 2 3 0 1 2  0  0  0     (0 on padding)
+    positions_from_lengths([2, 4, 3])  ->  0 1 0 1 2 3 0 1 2     (real tokens only)
+
+Two ways in, because the inputs live in two places: the collate knows the lengths as host
+ints (`positions_from_lengths`, numpy, no per-token Python); masks and losses see only the
+doc ids on the device (`doc_starts`, `local_positions`, torch, no host-device sync). Tests
+check both against a per-document ``arange``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ceil_div",
+    "doc_starts",
+    "local_positions",
+    "padded_length",
+    "positions_from_lengths",
+    "round_up",
+    "thw_from_lengths",
+]
+
+
+def ceil_div(n: int, d: int) -> int:
+    """``ceil(n / d)`` in integers (no float rounding at any size): ``ceil_div(9, 4) == 3``."""
+    return -(-n // d)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is ``>= n``: ``round_up(9, 4) == 12``."""
+    return ceil_div(n, multiple) * multiple
+
+
+def padded_length(tokens: int, multiple: int) -> int:
+    """A stream's padded length without a budget: ``tokens`` rounded up to ``multiple``, and
+    at least one ``multiple`` so an empty pack still has a (padding) row to compute on.
+
+    ``padded_length(9, 4) == 12``, ``padded_length(0, 4) == 4``. `PackedCollator` pads every
+    stream without a budget this way; ``pack_text`` and ``pack_text_embeddings`` go through it.
+    """
+    return max(1, ceil_div(tokens, multiple)) * multiple
+
+
+def positions_from_lengths(lengths_K: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
+    """int32 ``(sum(lengths_K),)``: each token's position inside its document.
+
+    ``[2, 4, 3] -> [0 1 0 1 2 3 0 1 2]``. Each document's positions are the first ``n`` rows
+    of one cached ``arange``, joined by one ``np.concatenate`` (written into ``out`` when
+    given), so this costs a few numpy calls however many tokens there are.
+    """
+    tpl = _template(max(lengths_K, default=0), None)
+    return _join([tpl.pos[:n] for n in lengths_K], (0,), out)
+
+
+def thw_from_lengths(
+    lengths_K: Sequence[int], grid: tuple[int, int], out: np.ndarray | None = None
+) -> np.ndarray:
+    """int32 ``(sum(lengths_K), 3)``: each token's ``(t, h, w)`` inside its document, for a
+    stream of ``grid = (h, w)`` tokens per step in row-major order.
+
+    ``grid=(1, 2)``, lengths ``[4, 2]`` -> ``(0,0,0) (0,0,1) (1,0,0) (1,0,1) | (0,0,0) (0,0,1)``.
+    """
+    tpl = _template(max(lengths_K, default=0), grid)
+    return _join([tpl.thw[:n] for n in lengths_K], (0, 3), out)
+
+
+def _join(parts: list[np.ndarray], empty: tuple[int, ...], out: np.ndarray | None) -> np.ndarray:
+    if not parts:
+        return np.zeros(empty, dtype=np.int32) if out is None else out
+    if out is None:
+        return np.concatenate(parts)
+    return np.concatenate(parts, out=out)
+
+
+def doc_starts(doc_ids_T: Tensor) -> Tensor:
+    """int64 ``(T,)``: the index of the first token of each token's run of equal doc ids.
+
+    ``doc_ids [0 0 1 1 1 -1 -1] -> [0 0 2 2 2 5 5]``. Documents are contiguous runs, so a
+    token's document starts at the last run start at or before it: a running max, with no
+    host-device sync. A run of padding (-1) has a start too; callers mask it.
+    """
+    doc_T = doc_ids_T.to(torch.int64)
+    t_T = torch.arange(doc_T.shape[0], device=doc_T.device)
+    new_T = torch.ones_like(doc_T, dtype=torch.bool)  # a run starts here
+    new_T[1:] = doc_T[1:] != doc_T[:-1]
+    return torch.where(new_T, t_T, 0).cummax(0).values
+
+
+def local_positions(doc_ids_T: Tensor) -> Tensor:
+    """int32 ``(T,)`` position of each token inside its document, 0 on padding.
+
+    ``doc_ids [0 0 1 1 1 -1] -> [0 1 0 1 2 0]``: ``t - doc_starts(doc_ids)[t]``. What inner
+    masks (causal, frame-causal, window) see as ``q`` and ``kv``; the same values as a
+    layout's ``position_ids_T``, which the collate built from the lengths.
+    """
+    doc_T = doc_ids_T.to(torch.int64)
+    t_T = torch.arange(doc_T.shape[0], device=doc_T.device)
+    return torch.where(doc_T >= 0, t_T - doc_starts(doc_T), 0).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class _Template:
+    """``pos = [0, 1, 2, ...]`` and, for a grid, ``thw`` = (t, h, w) of the same tokens."""
+
+    pos: np.ndarray
+    thw: np.ndarray
+
+
+_TEMPLATES: dict[tuple[int, int] | None, _Template] = {}
+
+
+def _template(n: int, grid: tuple[int, int] | None) -> _Template:
+    """The layout of one document of at least ``n`` tokens, built once per grid and grown by
+    doubling; every document's positions are a prefix of it (read-only, never handed out)."""
+    tpl = _TEMPLATES.get(grid)
+    if tpl is not None and len(tpl.pos) >= n:
+        return tpl
+    size = max(n, 2 * len(tpl.pos) if tpl is not None else 4096)
+    pos = np.arange(size, dtype=np.int32)
+    thw: np.ndarray = np.zeros((0, 3), dtype=np.int32)
+    if grid is not None:
+        h, w = grid
+        thw = np.stack([pos // (h * w), (pos % (h * w)) // w, pos % w], axis=1)
+    pos.flags.writeable = False
+    thw.flags.writeable = False
+    tpl = _Template(pos, thw)
+    _TEMPLATES[grid] = tpl
+    return tpl
