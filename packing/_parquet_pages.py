@@ -4,7 +4,8 @@ pyarrow rebuilds every nesting level of a column like lerobot's ``latents`` (a l
 lists of float16, ``Array3D(48, 8, 16)``): it decodes a repetition and a definition level per
 float16 value, then gathers the dictionary-encoded values one by one (~80 MB/s on one core).
 A fixed-shape feature needs neither: with no nulls the levels carry no information, so this
-module skips them and decodes only the values, in a few vectorised numpy passes per page::
+module skips them and decodes only the values, each page straight into its place in one
+output array, in a few vectorised passes::
 
     column chunk   [dictionary page: PLAIN values] [data page] [data page] ...
     data page v1   [4-byte len | rep levels] [4-byte len | def levels] [values]
@@ -13,19 +14,19 @@ module skips them and decodes only the values, in a few vectorised numpy passes 
                    each bit-packed (8 indices per bit-width bytes) or one repeated value
 
 Anything else (nulls, data page v2 with compressed levels, another encoding or codec, a
-count that does not match ``rows * prod(shape)``) returns ``None``, and the caller reads the
-column with pyarrow: this path is an optimisation, never the only way to read a file.
+count that does not match ``rows * prod(shape)``) raises `Unsupported` saying why
+(`read_fixed_column` returns ``None``), and the caller reads the column with pyarrow and says
+so: this path is an optimisation, never the only way to read a file.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["fixed_shape", "read_fixed_column"]
+__all__ = ["Unsupported", "decode_fixed_column", "fixed_shape", "read_fixed_column"]
 
 _CODECS = {"SNAPPY": "snappy", "ZSTD": "zstd", "GZIP": "gzip", "BROTLI": "brotli"}
 _PLAIN_DTYPES = {"FLOAT": np.float32, "DOUBLE": np.float64, "INT32": np.int32, "INT64": np.int64}
@@ -33,8 +34,9 @@ _PLAIN, _PLAIN_DICTIONARY, _RLE_DICTIONARY = 0, 2, 8
 _DATA_PAGE, _DICTIONARY_PAGE = 0, 2
 
 
-class _Unsupported(Exception):
-    """A page this decoder does not handle: the caller falls back to pyarrow."""
+class Unsupported(Exception):
+    """A page this decoder does not handle (the message says why): the caller falls back to
+    pyarrow, and says so."""
 
 
 # -- Thrift compact protocol: just enough to read a PageHeader ------------------------------
@@ -92,62 +94,69 @@ def _value(buf: memoryview, pos: int, kind: int) -> tuple[Any, int]:
         return None, pos
     if kind == 12:
         return _struct(buf, pos)
-    raise _Unsupported(f"thrift type {kind}")
+    raise Unsupported(f"thrift type {kind}")
 
 
 # -- values ---------------------------------------------------------------------------------
-def _unpack(groups: np.ndarray, bw: int) -> np.ndarray:
-    """Little-endian bit-packed unsigned ints of ``bw`` <= 16 bits, ``groups`` shaped
-    ``(..., bw)``: each row holds 8 values.
+def _unpack(data: np.ndarray, offset: int, runs: int, groups: int, stride: int, bw: int,
+            out: np.ndarray) -> None:  # fmt: skip
+    """Little-endian bit-packed unsigned ints of ``bw`` <= 24 bits into ``out`` (uint32,
+    ``runs * groups * 8``): ``runs`` runs ``stride`` bytes apart from ``offset``, each holding
+    ``groups`` groups of 8 values in ``bw`` bytes.
 
-    Each row is copied into a 16-byte slot (the one copy), read as two uint64 words, and value
-    ``j`` is bits ``[j * bw, (j + 1) * bw)`` of the 128: a shift of one word, or of both where
-    it straddles them. Slot bytes past ``bw`` are never unmasked, so they stay uninitialised.
+    No byte is copied first: value ``j`` of every group starts at bit ``j * bw`` of it, so it
+    is the little-endian uint32 at byte ``j * bw // 8`` shifted right by ``j * bw % 8`` (at
+    most 7 + 24 bits, inside the 32 read) and masked. Those uint32s are an unaligned strided
+    view of ``data``, one per ``j``: 8 shifts over ``runs * groups`` values and one mask over
+    all of them. The last group's view reads up to 3 bytes past its end (``bw=15``: bytes 13
+    to 16 for ``j=7``); the caller leaves them in ``data``.
     """
-    n = math.prod(groups.shape[:-1])
-    slots = np.empty((*groups.shape[:-1], 16), dtype=np.uint8)
-    slots[..., :bw] = groups
-    words = slots.reshape(n, 16).view("<u8")
-    w0, w1 = words[:, 0], words[:, 1]
-    out = np.empty((n, 8), dtype=np.uint32)
-    mask = np.uint64((1 << bw) - 1)
+    out3 = out.reshape(runs, groups, 8)
     for j in range(8):
-        s = j * bw
-        if s + bw <= 64:
-            out[:, j] = (w0 >> np.uint64(s)) & mask
-        elif s >= 64:
-            out[:, j] = (w1 >> np.uint64(s - 64)) & mask
-        else:
-            out[:, j] = ((w0 >> np.uint64(s)) | (w1 << np.uint64(64 - s))) & mask
-    return out.reshape(-1)
+        byte, shift = divmod(j * bw, 8)
+        src = np.ndarray((runs, groups), dtype="<u4", buffer=data, offset=offset + byte,
+                         strides=(stride, bw))  # fmt: skip
+        np.right_shift(src, shift, out=out3[:, :, j])
+    np.bitwise_and(out, np.uint32((1 << bw) - 1), out=out)
+
+
+def _overrun(bw: int) -> int:
+    """Bytes `_unpack` reads past the end of the last group: the last value's uint32 ends at
+    byte ``7 * bw // 8 + 4`` of a ``bw``-byte group."""
+    return max(0, 7 * bw // 8 + 4 - bw)
 
 
 def _hybrid(data: np.ndarray, bw: int, count: int) -> np.ndarray:
-    """RLE / bit-packed hybrid indices, ``count`` of them.
+    """RLE / bit-packed hybrid indices, ``count`` of them, as uint32.
 
     Arrow's writer emits, for values that do not repeat, bit-packed runs of one size (63
-    groups of 8): when the stream starts with k such runs, their headers are checked in one
-    numpy comparison and their bytes unpacked as one block; the rest is parsed run by run.
+    groups of 8, a 1-byte header): when the stream starts with k such runs, their headers are
+    checked in one numpy comparison and all their values unpacked in place (`_unpack`); the
+    rest is parsed run by run.
     """
     head, hlen = _varint(memoryview(data[:10]), 0)
     if head & 1:
-        per_run = (head >> 1) * 8
-        stride = hlen + (head >> 1) * bw
+        groups = head >> 1
+        per_run, stride = groups * 8, hlen + groups * bw
         k = min(count // per_run, len(data) // stride)
+        if k and k * stride + _overrun(bw) > len(data):
+            k -= 1  # the last run's overrun would leave the page: parse it with the rest
         if k:
             runs = data[: k * stride].reshape(k, stride)
             if (runs[:, :hlen] == data[:hlen]).all():
-                first = _unpack(runs[:, hlen:].reshape(k, -1, bw), bw)
-                if k * per_run >= count:
-                    return first[:count]
-                rest = _hybrid_runs(data[k * stride :], bw, count - k * per_run)
-                return np.concatenate([first, rest])
+                out = np.empty(max(count, k * per_run), dtype=np.uint32)
+                _unpack(data, hlen, k, groups, stride, bw, out[: k * per_run])
+                if k * per_run < count:
+                    rest = _hybrid_runs(data[k * stride :], bw, count - k * per_run)
+                    out[k * per_run :] = rest
+                return out[:count]
     return _hybrid_runs(data, bw, count)
 
 
 def _hybrid_runs(data: np.ndarray, bw: int, count: int) -> np.ndarray:
     """The hybrid stream run by run: headers in Python, the bit-packed runs' bytes joined
-    (whole groups, so alignment holds) and unpacked in one pass."""
+    (whole groups, so alignment holds, and zero bytes for `_unpack`'s overrun) and unpacked in
+    one pass."""
     buf = memoryview(data)
     pos, n = 0, len(data)
     width = (bw + 7) // 8
@@ -168,14 +177,17 @@ def _hybrid_runs(data: np.ndarray, bw: int, count: int) -> np.ndarray:
             pieces.append((1, run, value))
             pos += width
             total += run
-    if total < count:
-        raise _Unsupported("page ends before its values")
-    if all(kind == 0 for kind, _, _ in pieces):
-        packed = np.concatenate([data[a:b] for a, b in spans]) if spans else data[:0]
-        return _unpack(packed.reshape(-1, bw), bw)[:count]
+    if total < count or pos > n:
+        raise Unsupported("page ends before its values")
+    packed = None
+    if spans:
+        joined = np.concatenate([*(data[a:b] for a, b in spans), np.zeros(4, np.uint8)])
+        ngroups = (len(joined) - 4) // bw
+        packed = np.empty(ngroups * 8, dtype=np.uint32)
+        _unpack(joined, 0, 1, ngroups, 0, bw, packed)
+        if len(pieces) == len(spans):  # bit-packed runs only
+            return packed[:count]
     out = np.empty(total, dtype=np.uint32)
-    joined = np.concatenate([data[a:b] for a, b in spans]) if spans else None
-    packed = None if joined is None else _unpack(joined.reshape(-1, bw), bw)
     at = taken = 0
     for kind, c, value in pieces:
         if kind == 0:
@@ -188,33 +200,41 @@ def _hybrid_runs(data: np.ndarray, bw: int, count: int) -> np.ndarray:
     return out[:count]
 
 
-def _gather(dictionary: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """``dictionary[indices]``; torch's ``index_select`` takes int32 indices as they are
-    (numpy widens them to int64 first) and is ~1.5x faster here."""
-    table = torch.from_numpy(np.array(dictionary))  # a writable copy: a few KB
-    return torch.index_select(table, 0, torch.from_numpy(indices.view(np.int32))).numpy()
+def _page_values(page: np.ndarray, head: dict[int, Any], table: torch.Tensor | None,
+                 levels: int, out: np.ndarray) -> int:  # fmt: skip
+    """Decode one data page v1 into the front of ``out``; the number of values written.
 
-
-def _page_values(
-    page: np.ndarray, head: dict[int, Any], dictionary: np.ndarray | None, levels: int, dtype: Any
-) -> np.ndarray:
+    ``table`` is the column chunk's dictionary as a tensor; a dictionary page's indices go
+    through ``torch.index_select``, which takes int32 indices as they are (numpy's ``take``
+    widens them to int64 first, ~1.5x slower here) and writes straight into ``out``.
+    """
     header = head.get(5)
     if header is None:  # data page v2 (or another page type): leave it to pyarrow
-        raise _Unsupported("not a data page v1")
+        raise Unsupported("data page v2")
     count, encoding = header[1], header[2]
+    if count > len(out):
+        raise Unsupported(f"a page of {count} values past the {len(out)} expected")
     pos = 0
     for _ in range(levels):  # repetition and/or definition levels, each length-prefixed
         pos += 4 + int.from_bytes(page[pos : pos + 4].tobytes(), "little")
     if encoding == _PLAIN:
-        return page[pos:].view(dtype)[:count]
-    if encoding in (_RLE_DICTIONARY, _PLAIN_DICTIONARY) and dictionary is not None:
+        nbytes = count * out.itemsize
+        if pos + nbytes > len(page):
+            raise Unsupported("page ends before its values")
+        out[:count] = page[pos : pos + nbytes].view(out.dtype)
+        return count
+    if encoding in (_RLE_DICTIONARY, _PLAIN_DICTIONARY) and table is not None:
         bw = int(page[pos])
+        if bw > 24:
+            raise Unsupported(f"dictionary indices of bit width {bw}")
+        target = torch.from_numpy(out[:count])
         if bw == 0:  # a one-entry dictionary
-            return np.repeat(dictionary[:1], count)
-        if bw > 16:
-            raise _Unsupported(f"bit width {bw}")
-        return _gather(dictionary, _hybrid(page[pos + 1 :], bw, count))
-    raise _Unsupported(f"encoding {encoding}")
+            target.copy_(table[:1].expand(count))
+        else:
+            idx = torch.from_numpy(_hybrid(page[pos + 1 :], bw, count).view(np.int32))
+            torch.index_select(table, 0, idx, out=target)
+        return count
+    raise Unsupported(f"encoding {encoding}")
 
 
 def fixed_shape(field: Any) -> tuple[int, ...] | None:
@@ -250,8 +270,19 @@ def fixed_shape(field: Any) -> tuple[int, ...] | None:
 def read_fixed_column(
     source: Any, metadata: Any, row_groups: list[int], column: int, dtype: Any, per_row: int
 ) -> np.ndarray | None:
-    """Values of leaf ``column`` over ``row_groups`` as a flat numpy array of ``dtype``, or
-    ``None`` where this decoder does not apply (see the module docstring).
+    """`decode_fixed_column`, or ``None`` where this decoder does not apply."""
+    try:
+        return decode_fixed_column(source, metadata, row_groups, column, dtype, per_row)
+    except Unsupported:
+        return None
+
+
+def decode_fixed_column(
+    source: Any, metadata: Any, row_groups: list[int], column: int, dtype: Any, per_row: int
+) -> np.ndarray:
+    """Values of leaf ``column`` over ``row_groups`` as one flat, writable numpy array of
+    ``dtype``, each page decoded straight into its place in it; `Unsupported` (saying why)
+    where this decoder does not apply (see the module docstring).
 
     ``source`` is a pyarrow buffer of the whole file (e.g. ``pa.memory_map(path).read_buffer()``,
     zero-copy), ``metadata`` its ``FileMetaData``, ``per_row`` the values per row
@@ -262,26 +293,28 @@ def read_fixed_column(
     desc = metadata.schema.column(column)
     levels = int(desc.max_repetition_level > 0) + int(desc.max_definition_level > 0)
     file = np.frombuffer(source, dtype=np.uint8)
-    out = []
+    groups = [metadata.row_group(g) for g in row_groups]
+    out = np.empty(sum(g.num_rows for g in groups) * per_row, dtype=dtype)
+    at = 0
     try:
-        for g in row_groups:
-            cc = metadata.row_group(g).column(column)
+        for group in groups:
+            cc = group.column(column)
             codec = cc.compression
             if codec != "UNCOMPRESSED" and codec not in _CODECS:
-                return None
+                raise Unsupported(f"codec {codec}")
             stats = cc.statistics
             if stats is None or not stats.has_null_count or stats.null_count:
-                return None
+                raise Unsupported("nulls, or no null count in the statistics")
             start = cc.dictionary_page_offset or cc.data_page_offset
             if cc.dictionary_page_offset is not None:
                 start = min(start, cc.data_page_offset)
             chunk = file[start : start + cc.total_compressed_size]
-            want = metadata.row_group(g).num_rows * per_row
-            got, dictionary, pos = 0, None, 0
-            while got < want and pos < len(chunk):
+            end = at + group.num_rows * per_row
+            table, pos = None, 0
+            while at < end and pos < len(chunk):
                 head, body = _struct(memoryview(chunk), pos)
                 if head[1] not in (_DATA_PAGE, _DICTIONARY_PAGE):
-                    return None  # v2 data pages keep their levels uncompressed: pyarrow
+                    raise Unsupported("data page v2")  # levels kept outside the values
                 size = head[3]
                 raw = chunk[body : body + size]
                 if codec != "UNCOMPRESSED":
@@ -291,13 +324,17 @@ def read_fixed_column(
                     )
                 pos = body + size
                 if head[1] == _DICTIONARY_PAGE:
-                    dictionary = raw.view(dtype)[: head[7][1]]
+                    n = head[7][1]
+                    # a writable copy (a few KB to 128 KB): torch wants one
+                    table = torch.from_numpy(raw[: n * out.itemsize].view(dtype).copy())
                     continue
-                values = _page_values(raw, head, dictionary, levels, dtype)
-                out.append(values)
-                got += len(values)
-            if got != want:
-                return None
-    except (_Unsupported, KeyError, IndexError, ValueError, OSError):
-        return None  # pyarrow's errors (a corrupt page) are ValueError/OSError subclasses
-    return np.concatenate(out) if len(out) != 1 else out[0]
+                at += _page_values(raw, head, table, levels, out[at:end])
+            if at != end:
+                raise Unsupported(f"{at} values where rows * per_row is {end}")
+    except Unsupported:
+        raise
+    except (KeyError, IndexError, ValueError, TypeError, RuntimeError, OSError) as e:
+        # pyarrow's errors (a corrupt page) are ValueError/OSError subclasses, torch's
+        # index_select out of range an IndexError; numpy's short buffer a TypeError
+        raise Unsupported(f"{type(e).__name__}: {e}") from e
+    return out
