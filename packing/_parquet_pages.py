@@ -114,7 +114,7 @@ def _unpack(data: np.ndarray, offset: int, runs: int, groups: int, stride: int, 
     out3 = out.reshape(runs, groups, 8)
     for j in range(8):
         byte, shift = divmod(j * bw, 8)
-        src = np.ndarray((runs, groups), dtype="<u4", buffer=data, offset=offset + byte,
+        src: np.ndarray = np.ndarray((runs, groups), dtype="<u4", buffer=data, offset=offset + byte,
                          strides=(stride, bw))  # fmt: skip
         np.right_shift(src, shift, out=out3[:, :, j])
     np.bitwise_and(out, np.uint32((1 << bw) - 1), out=out)

@@ -46,7 +46,7 @@ import torch
 from torch.utils.data import Dataset
 
 from packing._lazy import require
-from packing._parquet_pages import fixed_shape, read_fixed_column
+from packing._parquet_pages import Unsupported, decode_fixed_column, fixed_shape
 from packing.hf import plan_columns, table_to_episode
 
 __all__ = ["LeRobotEpisodes", "episode_lengths"]
@@ -254,6 +254,7 @@ class _ParquetEpisodes:
         # Columns decoded by packing._parquet_pages vs by pyarrow (when a file's pages are
         # not ones it handles): a fallback is slower, never different, and it is counted.
         self.decode_counts = {"direct": 0, "pyarrow": 0}
+        self._fell_back: set[str] = set()  # columns whose fallback was reported
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_open": OrderedDict()}
@@ -280,12 +281,14 @@ class _ParquetEpisodes:
         return self._open[path]
 
     def _direct_columns(self, path: Path, pf: Any) -> tuple[Any, dict[str, Any]]:
-        """The file as one zero-copy buffer, and the requested nested numeric columns that
-        `read_fixed_column` can decode: name -> (leaf index, numpy dtype, per-row shape).
+        """The file as one zero-copy buffer, and the requested numeric columns that
+        `decode_fixed_column` can decode: name -> (leaf index, numpy dtype, per-row shape).
 
-        The per-row shape is the one the file's own Arrow schema guarantees (`fixed_shape`);
-        a column without that guarantee is read by pyarrow. The declared shape is checked
-        against what was read later, as for any read."""
+        The per-row shape is the one the file's own Arrow schema guarantees (`fixed_shape`),
+        or ``()`` for a flat column; a column without that guarantee is read by pyarrow. The
+        declared shape is checked against what was read later, as for any read. Flat columns
+        are decoded too: when every requested column is, no pyarrow reader is built per read
+        (~1 ms each, more than decoding the two small columns)."""
         pa = require("pyarrow", extra=None)
         metadata = pf.metadata
         leaves: dict[str, list[int]] = {}
@@ -296,22 +299,28 @@ class _ParquetEpisodes:
             if len(leaves.get(name, ())) != 1:
                 continue
             leaf = metadata.schema.column(leaves[name][0])
-            if leaf.max_repetition_level == 0:  # flat columns: pyarrow is fast on those
-                continue
             dtype = _PHYSICAL_DTYPES.get(leaf.physical_type)
             if leaf.physical_type == "FIXED_LEN_BYTE_ARRAY" and str(leaf.logical_type) == "Float16":
                 dtype = np.float16
-            stored = fixed_shape(pf.schema_arrow.field(name))
+            if leaf.max_repetition_level == 0:  # flat: only where Arrow's type is ours
+                arrow = pf.schema_arrow.field(name).type
+                numeric = pa.types.is_integer(arrow) or pa.types.is_floating(arrow)
+                same = numeric and np.dtype(arrow.to_pandas_dtype()) == np.dtype(dtype)
+                stored: tuple[int, ...] | None = () if dtype is not None and same else None
+            else:
+                stored = fixed_shape(pf.schema_arrow.field(name))
             if dtype is not None and stored is not None:
                 found[name] = (leaves[name][0], dtype, stored)
         buffer = pa.memory_map(str(path), "r").read_buffer() if found else None
         return buffer, found
 
-    def read(self, j: int, length: int, columns: list[str]) -> Any:
+    def read(self, j: int, length: int, columns: list[str]) -> tuple[Any, dict[str, np.ndarray]]:
+        """Episode ``j``'s rows: an Arrow table of the columns read by pyarrow (``None`` when
+        there are none) and ``{column: ndarray (length, *shape)}`` of those decoded directly."""
         source, rg, *direct = self._file(self.paths[j])
         r0 = int(self.row0[j])
         if rg is None:  # memory-mapped Arrow cache: a zero-copy slice
-            return source.slice(r0, length).select(columns)
+            return source.slice(r0, length).select(columns), {}
         # Only the row groups that overlap the episode are decoded (lerobot writes one per
         # episode). One thread: DataLoader workers are the parallelism.
         first = int(np.searchsorted(rg, r0, side="right")) - 1
@@ -320,43 +329,54 @@ class _ParquetEpisodes:
         path = self.paths[j]
 
         def read(_: Path) -> Any:
-            return self._read_groups(source, direct, groups, columns, r0 - int(rg[first]), length)
+            return self._read_groups(
+                path, source, direct, groups, columns, r0 - int(rg[first]), length
+            )
 
-        return _read_parquet(path, read)
+        return _read_parquet(path, read)  # type: ignore[no-any-return]
 
-    def _read_groups(self, source: Any, direct: Any, groups: list[int], columns: list[str],
-                     start: int, length: int) -> Any:  # fmt: skip
-        """Row groups ``groups``, fixed-shape columns decoded from their pages where the
-        file's schema guarantees the shape, the rest through pyarrow."""
+    def _read_groups(self, path: Path, source: Any, direct: Any, groups: list[int],
+                     columns: list[str], start: int, length: int) -> Any:  # fmt: skip
+        """Row groups ``groups``, fixed-shape columns decoded from their pages straight into
+        one array each (no Arrow round trip), the rest through pyarrow. A column that falls
+        back to pyarrow is counted and reported once, with the decoder's reason."""
         buffer, specs = direct[0]
-        decoded = {}
+        decoded: dict[str, np.ndarray] = {}
         for c in columns:
-            if c in specs:
-                leaf, dtype, shape = specs[c]
-                values = read_fixed_column(
-                    buffer, source.metadata, groups, leaf, dtype, math.prod(shape)
-                )
-                self.decode_counts["pyarrow" if values is None else "direct"] += 1
-                if values is not None:
-                    decoded[c] = _fixed_lists(values, shape)
+            if c not in specs:
+                continue
+            leaf, dtype, shape = specs[c]
+            per_row = math.prod(shape)
+            try:
+                values = decode_fixed_column(buffer, source.metadata, groups, leaf, dtype, per_row)
+            except Unsupported as e:
+                self.decode_counts["pyarrow"] += 1
+                self._report_fallback(path, c, str(e))
+                continue
+            self.decode_counts["direct"] += 1
+            decoded[c] = values[start * per_row : (start + length) * per_row].reshape(
+                length, *shape
+            )
         rest = [c for c in columns if c not in decoded]
+        if not rest:
+            return None, decoded
         table = source.read_row_groups(groups, columns=rest, use_threads=False)
-        for c, array in decoded.items():
-            table = table.append_column(c, array)
-        return table.slice(start, length).select(columns)
+        return table.slice(start, length), decoded
+
+    def _report_fallback(self, path: Path, column: str, why: str) -> None:
+        if column in self._fell_back:
+            return
+        self._fell_back.add(column)
+        warnings.warn(
+            f"{path}: column {column!r} is read by pyarrow, not decoded from its pages ({why}); "
+            "the values are the same, the reads several times slower (decode_counts counts "
+            "them). Rewriting the data with lerobot's writer (data page v1, no nulls) or "
+            "passing cache_dir= avoids it",
+            stacklevel=5,
+        )
 
 
 _PHYSICAL_DTYPES = {"FLOAT": np.float32, "DOUBLE": np.float64, "INT32": np.int32, "INT64": np.int64}
-
-
-def _fixed_lists(values: np.ndarray, shape: tuple[int, ...]) -> Any:
-    """Flat values -> an Arrow array of rows of ``shape`` (nested fixed-size lists over the
-    same memory, no copy)."""
-    pa = require("pyarrow", extra=None)
-    array = pa.array(values)
-    for dim in reversed(shape):
-        array = pa.FixedSizeListArray.from_arrays(array, dim)
-    return array
 
 
 def _arrow_cache(path: Path, columns: list[str], cache_dir: Path) -> Any:
@@ -392,12 +412,12 @@ class _InstanceEpisodes:
         self._rows = ds.hf_dataset.with_format("arrow")  # drops lerobot's to-torch transform
         self._selected: dict[tuple[str, ...], Any] = {}
 
-    def read(self, j: int, length: int, columns: list[str]) -> Any:
+    def read(self, j: int, length: int, columns: list[str]) -> tuple[Any, dict[str, np.ndarray]]:
         key = tuple(columns)
         if key not in self._selected:
             self._selected[key] = self._rows.select_columns(columns)
         r0 = int(self.row0[j])
-        return self._selected[key][r0 : r0 + length]
+        return self._selected[key][r0 : r0 + length], {}
 
 
 class LeRobotEpisodes(Dataset):
@@ -546,14 +566,29 @@ class LeRobotEpisodes(Dataset):
             raise IndexError(f"episode position {i} out of range for {len(self)} episodes")
         i = i % len(self)
         ep, length = int(self.episode_ids[i]), int(self.lengths[i])
-        table = self._reader.read(i, length, self._columns)
-        got = table.column("episode_index").to_numpy()
+        table, arrays = self._reader.read(i, length, self._columns)
+        column = arrays.get  # decoded from the pages, else read by pyarrow into `table`
+        got = column("episode_index")
+        if got is None:
+            got = table.column("episode_index").to_numpy()
         if len(got) != length or (got != ep).any():
             raise RuntimeError(
                 f"episode {ep}: the rows read from {self.root} belong to episodes "
                 f"{sorted(set(got.tolist()))[:5]}, not {ep}; meta/episodes and data/ disagree"
             )
-        item: dict[str, Any] = table_to_episode(table, self._plan)
+        rest = [p for p in self._plan if p[1] not in arrays]
+        by_arrow = table_to_episode(table, rest) if rest else {}
+        item: dict[str, Any] = {}
+        for name, col, invert in self._plan:
+            if col not in arrays:
+                item[name] = by_arrow[name]
+            else:  # numbers only: a boolean `_is_pad` column is read by pyarrow
+                if invert:
+                    raise TypeError(
+                        f"{col!r} is {arrays[col].dtype}, but a '_is_pad' column must be "
+                        f"boolean (True = padded frame) to become {name!r}"
+                    )
+                item[name] = torch.from_numpy(arrays[col])
         for name, want in self._dtypes.items():
             if item[name].dtype != want:  # stored type differs from the declared one
                 self._warn_lossy_cast(name, item[name].dtype, want)
@@ -565,7 +600,9 @@ class LeRobotEpisodes(Dataset):
                     f"but meta/info.json declares {shape or (1,)}"
                 )
         item["episode_index"] = ep
-        item["task"] = self.tasks[int(table.column("task_index")[0].as_py())]
+        task = column("task_index")
+        task = table.column("task_index")[0].as_py() if task is None else task[0]
+        item["task"] = self.tasks[int(task)]
         return item
 
     def _warn_lossy_cast(self, name: str, stored: torch.dtype, declared: torch.dtype) -> None:
