@@ -46,7 +46,7 @@ import torch
 from torch.utils.data import Dataset
 
 from packing._lazy import require
-from packing._parquet_pages import Unsupported, decode_fixed_column, fixed_shape
+from packing._parquet_pages import ColumnChunks, Unsupported, fixed_shape
 from packing.hf import plan_columns, table_to_episode
 
 __all__ = ["LeRobotEpisodes", "episode_lengths"]
@@ -281,8 +281,9 @@ class _ParquetEpisodes:
         return self._open[path]
 
     def _direct_columns(self, path: Path, pf: Any) -> tuple[Any, dict[str, Any]]:
-        """The file as one zero-copy buffer, and the requested numeric columns that
-        `decode_fixed_column` can decode: name -> (leaf index, numpy dtype, per-row shape).
+        """The file's bytes (memory-mapped, zero-copy), and the requested numeric columns
+        that `packing._parquet_pages` can decode: name -> (`ColumnChunks`, numpy dtype, per-row
+        shape).
 
         The per-row shape is the one the file's own Arrow schema guarantees (`fixed_shape`),
         or ``()`` for a flat column; a column without that guarantee is read by pyarrow. The
@@ -310,9 +311,9 @@ class _ParquetEpisodes:
             else:
                 stored = fixed_shape(pf.schema_arrow.field(name))
             if dtype is not None and stored is not None:
-                found[name] = (leaves[name][0], dtype, stored)
+                found[name] = (ColumnChunks(metadata, leaves[name][0]), dtype, stored)
         buffer = pa.memory_map(str(path), "r").read_buffer() if found else None
-        return buffer, found
+        return None if buffer is None else np.frombuffer(buffer, dtype=np.uint8), found
 
     def read(self, j: int, length: int, columns: list[str]) -> tuple[Any, dict[str, np.ndarray]]:
         """Episode ``j``'s rows: an Arrow table of the columns read by pyarrow (``None`` when
@@ -340,15 +341,15 @@ class _ParquetEpisodes:
         """Row groups ``groups``, fixed-shape columns decoded from their pages straight into
         one array each (no Arrow round trip), the rest through pyarrow. A column that falls
         back to pyarrow is counted and reported once, with the decoder's reason."""
-        buffer, specs = direct[0]
+        file, specs = direct[0]
         decoded: dict[str, np.ndarray] = {}
         for c in columns:
             if c not in specs:
                 continue
-            leaf, dtype, shape = specs[c]
+            chunks, dtype, shape = specs[c]
             per_row = math.prod(shape)
             try:
-                values = decode_fixed_column(buffer, source.metadata, groups, leaf, dtype, per_row)
+                values = chunks.decode(file, groups, dtype, per_row)
             except Unsupported as e:
                 self.decode_counts["pyarrow"] += 1
                 self._report_fallback(path, c, str(e))
