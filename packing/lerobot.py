@@ -373,7 +373,7 @@ class _ParquetEpisodes:
             "the values are the same, the reads several times slower (decode_counts counts "
             "them). Rewriting the data with lerobot's writer (data page v1, no nulls) or "
             "passing cache_dir= avoids it",
-            stacklevel=5,
+            stacklevel=7,  # the caller of dataset[i]
         )
 
 

@@ -137,6 +137,27 @@ def test_root_path_round_trips_every_episode(root: Path, reference: LeRobotDatas
     assert counts["direct"] >= 2 * len(LENGTHS) and counts["pyarrow"] == 0, counts
 
 
+def test_a_column_pyarrow_must_read_is_announced(root: Path, tmp_path: Path) -> None:
+    # Data page v2 is not decoded directly: the same values come through pyarrow, counted,
+    # with one warning per column that says why.
+    copy = tmp_path / "v2"
+    shutil.copytree(root, copy)
+    for f in sorted((copy / "data").glob("*/*.parquet")):
+        table = _pq().read_table(f)
+        _pq().write_table(table, f, data_page_version="2.0")
+    direct, v2 = LeRobotEpisodes(root, keys=KEYS), LeRobotEpisodes(copy, keys=KEYS)
+    with pytest.warns(UserWarning, match=r"'latents' is read by pyarrow.*data page v2") as seen:
+        items = [v2[i] for i in range(len(v2))]
+    assert sum("'latents'" in str(w.message) for w in seen) == 1  # once, not per read
+    for i, item in enumerate(items):
+        want = direct[i]
+        for key in KEYS:
+            assert item[key].dtype == want[key].dtype and item[key].equal(want[key]), key
+        assert item["task"] == want["task"]
+    assert v2._reader.decode_counts["direct"] == 0  # type: ignore[union-attr]
+    assert v2._reader.decode_counts["pyarrow"] >= len(LENGTHS)  # type: ignore[union-attr]
+
+
 def test_instance_round_trips_like_root(root: Path, reference: LeRobotDataset) -> None:
     by_root = LeRobotEpisodes(root, keys=KEYS)
     by_instance = LeRobotEpisodes(reference, keys=KEYS)

@@ -87,6 +87,68 @@ def test_dictionary_bit_widths_and_repeated_runs(tmp_path: Path, dtype, distinct
     assert got is not None and same_bits(got, expected(path, "a"))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.int64], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("rows", [1, 63, 505, 2001, 14_000])
+def test_wide_indices_and_page_ends(tmp_path: Path, dtype, rows: int) -> None:
+    # Row counts around Arrow's 504-value runs, and small data pages, end pages on partial and
+    # exact runs, where the unpacker (4 bytes read per value) must not read past the page.
+    # 14,000 rows (70,000 distinct values) need 17-bit indices: read by pyarrow before.
+    rng = np.random.default_rng(rows)
+    values = (rng.permutation(rows * 6) - 3 * rows).astype(dtype)
+    values[rows * 5 :] = values[rng.integers(0, rows * 5, rows)]  # repeats too
+    for compression in ("none", "snappy"):
+        path = write(tmp_path / f"{compression}.parquet", {"a": nested(values, (6,))}, rows,
+                     compression=compression, data_page_size=1500 if rows < 14_000 else None)  # fmt: skip
+        got = direct(path, "a", dtype, 6)
+        assert got is not None and same_bits(got, expected(path, "a"))
+    if rows == 14_000:  # against a vacuous pass: the indices really were wider than 16 bits
+        assert _max_bit_width(path) == 16 + 1
+
+
+def _max_bit_width(path: Path) -> int:
+    from packing._parquet_pages import _struct
+
+    md = pq.ParquetFile(path).metadata
+    file = np.frombuffer(pa.memory_map(str(path), "r").read_buffer(), dtype=np.uint8)
+    widths = [0]
+    for g in range(md.num_row_groups):
+        cc = md.row_group(g).column(0)
+        start = min(o for o in (cc.dictionary_page_offset, cc.data_page_offset) if o is not None)
+        chunk, pos = file[start : start + cc.total_compressed_size], 0
+        while pos < len(chunk):
+            head, body = _struct(memoryview(chunk), pos)
+            raw = chunk[body : body + head[3]]
+            if cc.compression != "UNCOMPRESSED":
+                raw = np.frombuffer(pa.decompress(raw, head[2], codec="snappy"), dtype=np.uint8)
+            pos = body + head[3]
+            if head[1] == 0:
+                at = 0
+                for _ in range(2):  # repetition and definition levels
+                    at += 4 + int.from_bytes(raw[at : at + 4].tobytes(), "little")
+                widths.append(int(raw[at]))
+    return max(widths)
+
+
+def test_one_wrong_bit_is_seen(tmp_path: Path) -> None:
+    # Against a vacuous comparison: flipping one bit of one packed index changes the decode.
+    rng = np.random.default_rng(1)
+    values = rng.standard_normal(600 * 8).astype(np.float16)
+    path = write(tmp_path / "x.parquet", {"a": nested(values, (8,))}, 600, compression="none")
+    good = direct(path, "a", np.float16, 8)
+    assert good is not None and same_bits(good, expected(path, "a"))
+    raw = bytearray(path.read_bytes())
+    md = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    at = (
+        md.data_page_offset
+        + (md.total_compressed_size - (md.data_page_offset - md.dictionary_page_offset)) // 2
+    )
+    raw[at] ^= 0x10
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(bytes(raw))
+    got = direct(bad, "a", np.float16, 8)
+    assert got is None or not same_bits(got, good)
+
+
 def test_columns_it_does_not_handle_return_none(tmp_path: Path) -> None:
     values = np.arange(60, dtype=np.float32)
     # Data page v2 keeps levels outside the compressed values: declined, read by pyarrow.
