@@ -301,10 +301,10 @@ def best_fit_lookahead(
     order, sorted_len = _decreasing(lengths)
     starts, stops = _runs(sorted_len)
     vals = [int(sorted_len[s]) for s in reversed(starts)]  # distinct lengths left, ascending
-    # Items of one length are interchangeable: keep the next and the stop sorted position per
-    # length (items of a length are taken in increasing order) instead of a list of item ids.
-    nxt = {int(sorted_len[s]): s for s in starts}
-    stop = {int(sorted_len[s]): e for s, e in zip(starts, stops, strict=False)}
+    # Items of one length are interchangeable: keep, per length, [next, stop) sorted positions
+    # (items of a length are taken in increasing order) instead of a list of item ids; one
+    # dict lookup per item gives both.
+    span = {int(sorted_len[s]): [s, e] for s, e in zip(starts, stops, strict=False)}
     cap = n if max_docs is None else max_docs
     b = 0
     one_pos: list[int] = []  # sorted positions of the items placed one at a time, pack by pack
@@ -312,44 +312,56 @@ def best_fit_lookahead(
     pack_ids: list[int] = []  # ... and each such pack's id and size
     pack_sizes: list[int] = []
     blocks: list[tuple[int, int, int, int]] = []  # repeated packs: first position, items, bin, m
+    half = 2 * vals[-1] > budget  # `opener_index`, inlined: the longest opens while over half
 
     while vals:
         # Open over the distinct lengths left (the longest if over half the budget, else the
         # middle one): opening with the longest would use up the short items as fillers.
-        j = opener_index(len(vals), vals[-1], budget, opener)
+        left = len(vals)
+        if half:
+            half = 2 * vals[-1] > budget
+        j = left - 1 if half else min(int(opener * left), left - 1)
         pattern: list[int] = []
-        room = budget
+        room, size = budget, 0
+        few = False  # some length of this pack has < 2 items left: the pack cannot repeat
         while True:
             v = vals[j]
-            p = nxt[v]
+            sp = span[v]
+            p = sp[0]
             take(p)
-            nxt[v] = p = p + 1
-            if p == stop[v]:
-                vals.pop(j)
+            sp[0] = p = p + 1
+            if sp[1] - p < 2:
+                few = True
+                if p == sp[1]:
+                    vals.pop(j)
             pattern.append(v)
             room -= v
-            if not vals or len(pattern) >= cap:
+            size += 1
+            if not vals or size >= cap:
                 break
             j = bisect_left(vals, room + 1) - 1  # largest length <= room
             if j < 0:
                 break
-            if vals[j] < room and len(pattern) + 1 < cap:
+            if vals[j] < room and size + 1 < cap:
                 k = bisect_left(vals, room - vals[0] + 1) - 1  # leaves room for the shortest
-                if k > 0 or (k == 0 and stop[vals[0]] - nxt[vals[0]] > 1):
+                if k > 0 or (k == 0 and span[vals[0]][1] - span[vals[0]][0] > 1):
                     j = k
         pack_ids.append(b)
-        pack_sizes.append(len(pattern))
+        pack_sizes.append(size)
         b += 1
+        if few:
+            continue
         # While every length of this pack is left at least twice over, the next packs see the
         # same choices (no length runs out, the shortest stays the shortest): repeat the pack
         # k - 2 times at once instead of one item at a time. A length's count before this pack
         # is what is left now plus what the pack took (m).
         mult = {v: pattern.count(v) for v in dict.fromkeys(pattern)}
-        reps = min((stop[v] - nxt[v] + m) // m for v, m in mult.items()) - 2
+        reps = min((span[v][1] - span[v][0] + m) // m for v, m in mult.items()) - 2
         if reps > 0:
             for v, m in mult.items():
-                blocks.append((nxt[v], m * reps, b, m))
-                nxt[v] += m * reps
+                sp = span[v]
+                blocks.append((sp[0], m * reps, b, m))
+                sp[0] += m * reps
             b += reps
     bin_sorted = np.empty(n, dtype=np.int64)
     bin_sorted[np.asarray(one_pos, dtype=np.int64)] = np.repeat(
