@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -146,9 +147,14 @@ def test_a_column_pyarrow_must_read_is_announced(root: Path, tmp_path: Path) -> 
         table = _pq().read_table(f)
         _pq().write_table(table, f, data_page_version="2.0")
     direct, v2 = LeRobotEpisodes(root, keys=KEYS), LeRobotEpisodes(copy, keys=KEYS)
-    with pytest.warns(UserWarning, match=r"'latents' is read by pyarrow.*data page v2") as seen:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         items = [v2[i] for i in range(len(v2))]
-    assert sum("'latents'" in str(w.message) for w in seen) == 1  # once, not per read
+    said = [str(w.message) for w in seen if "is read by pyarrow" in str(w.message)]
+    # once per column (not per read), each naming the reason; the warning points at the caller
+    for column in ("latents", "action", "episode_index", "task_index"):
+        assert sum(f"column {column!r}" in m and "(data page v2)" in m for m in said) == 1, said
+    assert all(w.filename == __file__ for w in seen if "is read by pyarrow" in str(w.message))
     for i, item in enumerate(items):
         want = direct[i]
         for key in KEYS:
