@@ -23,18 +23,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from packing.joint import JointLayout, joint_layout
+from packing._lazy import moved_names
+from packing.joint import joint_layout as _joint_layout
 from packing.layout import PackedBatch, StreamLayout, layout_from_lengths
 
-__all__ = [
-    "JointLayout",
-    "PackedCollator",
-    "Stream",
-    "check_batch",
-    "joint_layout",
-    "pack",
-    "unpack",
-]
+__all__ = ["PackedCollator", "Stream", "check_batch", "pack", "unpack"]
+
+__getattr__ = moved_names(
+    __name__,
+    {"JointLayout": "packing.joint:JointLayout", "joint_layout": "packing.joint:joint_layout"},
+)
 
 
 @dataclass(frozen=True)
@@ -143,7 +141,7 @@ class PackedCollator:
         max_docs: static number of documents: per-episode tensors and ``cu_seqlens`` are
             padded to it (episode_index with -1, numbers with 0, strings with "").
         joint: tuples of stream names to lay out as one attention sequence in the worker
-            (see `joint_layout`); the result is cached on the batch.
+            (see `packing.joint.joint_layout`); cached on the batch (`PackedBatch.joint_layouts`).
         pin_memory: allocate the output buffers in pinned memory.
     """
 
@@ -228,7 +226,7 @@ class PackedCollator:
             extras={"_kinds": kinds, "_episode_ids": tuple(int(i) for i in ids.tolist())},
         )
         for j in self.joint:
-            joint_layout(batch, j)  # cached on the batch
+            _joint_layout(batch, j)  # cached on the batch
         return batch
 
     # -- streams ----------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import reference
 import torch
 from hypothesis import given, settings
 
-from packing.collate import PackedCollator, Stream, joint_layout, pack, unpack
+from packing.collate import PackedCollator, Stream, pack, unpack
+from packing.joint import joint_layout
 from packing.layout import layout_from_lengths
 
 SETTINGS = settings(max_examples=150, deadline=None)

@@ -20,7 +20,8 @@ from packing.binpack import (
     next_fit,
 )
 from packing.online import BufferedPacker
-from packing.plan import PackPlan, frames_to_tokens, plan_packs, slice_piece, split_windows
+from packing.pieces import slice_piece, split_windows
+from packing.plan import PackPlan, frames_to_tokens, plan_packs
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ALGORITHMS = ["bfd", "ffd", "lookahead", "next_fit"]
