@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from packing.attention import AttentionMask, Backend, attention, prepare_attention
+from packing.attention import AttentionMask, Backend, packed_attention, prepare_attention
 from packing.collate import Stream
 from packing.conditioning import (
     broadcast_to_tokens,
@@ -222,7 +222,7 @@ class SelfAttention(nn.Module):
         q = apply_rope(self.norm_q(q).unflatten(-1, (self.heads, -1)), angles)
         k = apply_rope(self.norm_k(k).unflatten(-1, (self.heads, -1)), angles)
         v = v.unflatten(-1, (self.heads, -1))
-        return self.out(attention(q.to(v.dtype), k.to(v.dtype), v, mask).flatten(1))
+        return self.out(packed_attention(q.to(v.dtype), k.to(v.dtype), v, mask).flatten(1))
 
 
 class CrossAttention(nn.Module):
@@ -240,7 +240,7 @@ class CrossAttention(nn.Module):
         q = self.norm_q(self.q(x)).unflatten(-1, (self.heads, -1))
         k = self.norm_k(k).unflatten(-1, (self.heads, -1))
         v = v.unflatten(-1, (self.heads, -1))
-        return self.out(attention(q.to(v.dtype), k.to(v.dtype), v, mask).flatten(1))
+        return self.out(packed_attention(q.to(v.dtype), k.to(v.dtype), v, mask).flatten(1))
 
 
 class Block(nn.Module):

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from packing.attention import call_compiled
+from packing._compile import call_compiled
 from packing.layout import PackedBatch
 from packing.leak import LeakReport, find_leaks
 from packing.losses import LossNormalizer, reduce_loss

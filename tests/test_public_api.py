@@ -18,7 +18,7 @@ def test_submodules_are_not_shadowed_by_exported_names():
     import packing.attention as attention_module
 
     assert isinstance(attention_module, types.ModuleType)
-    assert callable(attention_module.attention)
+    assert callable(attention_module.packed_attention)
 
 
 def test_import_packing_needs_only_torch_numpy_einops():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from packing.attention import attention, prepare_attention
+from packing.attention import packed_attention, prepare_attention
 from packing.collate import PackedCollator, Stream
 from packing.conditioning import (
     broadcast_to_tokens,
@@ -92,7 +92,7 @@ class ToyActionModel(nn.Module):
                 backend="sdpa",
             )
         q, k, v = self.qkv(h).unflatten(-1, (3, 2, -1)).unbind(1)
-        h = h + attention(q, k, v, mask).flatten(1)
+        h = h + packed_attention(q, k, v, mask).flatten(1)
         loss = (self.out(h) - target).pow(2).mean(-1)
         return {"action": torch.where(lay.doc_ids_T >= 0, loss, 0.0)}
 
