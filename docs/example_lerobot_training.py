@@ -8,7 +8,7 @@
                                                              # (16, 8, 16) and action (7,)
 
 The model's two streams (``latents``, ``action``) are read from the dataset's features the way
-``packing verify --dataset`` reads them (`packing.verify.reference_streams`: a feature of that
+``packing verify --dataset`` reads them (`packing.verify_cli.reference_streams`: a feature of that
 name, else the only 3-D / 1-D float feature; ``--feature STREAM=FEATURE`` to choose), and the
 model is sized from their shapes.
 
@@ -36,7 +36,7 @@ from packing.masks import make_block_mask
 from packing.model import DiT, DiTConfig
 from packing.plan import plan_packs
 from packing.sampler import PackedBatchSampler
-from packing.verify import reference_streams
+from packing.verify_cli import reference_streams
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -219,7 +219,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from packing.verify import VerifyConfig, run_verify
+    from packing.verify_cli import VerifyConfig, run_verify
 
     config = VerifyConfig(
         device=args.device,

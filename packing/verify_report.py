@@ -1,12 +1,14 @@
-"""What `packing verify` measures and prints: relative differences, tolerances, the report.
+"""What `packing verify` measures, judges and prints: differences, tolerances, the report.
 
 Relative difference of a tensor, ``b`` the reference (the unpacked run)::
 
     rel(a, b) = max|a - b| / max|b|        a = [1.0, -4.0, 2.2], b = [1.0, -4.0, 2.0] -> 0.05
 
 One scale per tensor, so a tiny element of ``b`` cannot blow the ratio up the way an
-elementwise relative error would. ``VerifyReport.format()`` is the printed table,
-``to_json()`` the machine-readable report.
+elementwise relative error would. The gates (`record_grad_diffs`, `parameter_difference`,
+`judge` and the divergence verdicts) turn the measurements into failures against
+`Tolerances`; the single-process and the distributed harness share them.
+``VerifyReport.format()`` is the printed table, ``to_json()`` the machine-readable report.
 """
 
 from __future__ import annotations
@@ -14,22 +16,33 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from packing._lazy import moved_names
 from packing.leak import LeakReport
 
 __all__ = [
     "GradDiff",
-    "StepRecord",
+    "StepComparison",
     "Tolerances",
     "VerifyReport",
+    "both_diverged_at",
     "cosine_similarity",
+    "grad_badness",
+    "judge",
+    "nonfinite_tensors",
+    "parameter_difference",
+    "params_diverged",
+    "record_grad_diffs",
     "relative_difference",
 ]
+
+__getattr__ = moved_names(__name__, {"StepRecord": "packing.verify_report:StepComparison"})
 
 
 # -- metrics -----------------------------------------------------------------------------------
@@ -92,7 +105,9 @@ class Tolerances:
 
 # -- records -----------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
-class StepRecord:
+class StepComparison:
+    """One optimizer step of both runs: their losses, micro-steps and wall time."""
+
     step: int
     loss_unpacked: float
     loss_packed: float
@@ -121,7 +136,7 @@ class VerifyReport:
 
     config: dict[str, Any]
     tolerances: Tolerances
-    steps: list[StepRecord]
+    steps: list[StepComparison]
     grads: list[GradDiff]  # every parameter, worst first
     param_rel: float  # all parameters as one vector (gated)
     param_worst: str  # the tensor with the largest per-tensor relative difference
@@ -289,3 +304,133 @@ def grad_badness(g: GradDiff, tol: Tolerances) -> float:
         return g.rel / tol.grad_rel
     assert tol.grad_cos is not None
     return (1.0 - g.cos) / max(1.0 - tol.grad_cos, 1e-12)
+
+
+# -- the gates, shared with the distributed run (packing.verify_dist) ------------------------
+def record_grad_diffs(
+    worst: dict[str, GradDiff],
+    grads_u: Mapping[str, torch.Tensor | None],
+    grads_p: Mapping[str, torch.Tensor | None],
+    step: int,
+    tol: Tolerances,
+) -> list[str]:
+    """Fold one step's gradients into ``worst`` (per parameter, worst over steps); returns
+    the failures found (a gradient in one run only)."""
+    failures = []
+    for name, gu in grads_u.items():
+        gp = grads_p[name]
+        if gu is None and gp is None:
+            continue
+        if gu is None or gp is None:
+            failures.append(
+                f"parameter {name} has a gradient only in the "
+                f"{'packed' if gu is None else 'unpacked'} run (step {step})"
+            )
+            continue
+        d = GradDiff(
+            name=name,
+            shape=tuple(gu.shape),
+            rel=relative_difference(gp, gu),
+            cos=cosine_similarity(gp, gu),
+            max_abs=float((gp.double() - gu.double()).abs().max()) if gu.numel() else 0.0,
+            step=step,
+        )
+        prev = worst.get(name)
+        if prev is None or grad_badness(d, tol) > grad_badness(prev, tol):
+            worst[name] = d
+    return failures
+
+
+def parameter_difference(
+    params_u: Mapping[str, torch.Tensor], params_p: Mapping[str, torch.Tensor]
+) -> tuple[float, str, float]:
+    """(all parameters as one vector: max|a - b| / max|b|, worst tensor, its own ratio).
+
+    Per tensor, one that starts at zero (a LayerNorm bias) has max|b| ~ steps * lr, so its
+    own ratio measures AdamW's per-element normalisation of rounding noise, not packing;
+    it is reported (worst tensor) but the per-tensor gate is on the gradients.
+    """
+    num = den = 0.0
+    param_worst, param_worst_rel = "", 0.0
+    for name, pu in params_u.items():
+        a, b = params_p[name].double(), pu.double()
+        if not b.numel():
+            continue
+        # max() would skip a nan (nan > x is False), printing "ok" beside nan parameters.
+        num = max(num, float((a - b).abs().max().nan_to_num(math.inf)))
+        den = max(den, float(b.abs().max().nan_to_num(math.inf)))
+        r = relative_difference(a, b)
+        if r > param_worst_rel or not param_worst:
+            param_worst, param_worst_rel = name, r
+    param_rel = (0.0 if num == 0.0 else math.inf) if den == 0.0 else num / den
+    if not math.isfinite(den):
+        param_rel = math.inf
+    return param_rel, param_worst, param_worst_rel
+
+
+def judge(
+    records: Sequence[StepComparison],
+    grads: Sequence[GradDiff],
+    param_rel: float,
+    param_worst: str,
+    leak: LeakReport | None,
+    tol: Tolerances,
+    steps: int,
+) -> list[str]:
+    """The failures of a run against ``tol``: losses, gradients, parameters, leaks."""
+    failures = []
+    loss_rel = relative_difference(
+        torch.tensor([r.loss_packed for r in records], dtype=torch.float64),
+        torch.tensor([r.loss_unpacked for r in records], dtype=torch.float64),
+    )
+    if not loss_rel <= tol.loss_rel:
+        failures.append(f"loss differs: rel {loss_rel:.2e} > {tol.loss_rel:g}")
+    if tol.grad_rel is not None:
+        bad = [g for g in grads if not g.rel <= tol.grad_rel]
+        if bad:
+            failures.append(
+                f"{len(bad)} gradients differ: worst {bad[0].name} rel {bad[0].rel:.2e} > "
+                f"{tol.grad_rel:g}"
+            )
+    if tol.grad_cos is not None:
+        bad = [g for g in grads if not g.cos >= tol.grad_cos]
+        if bad:
+            worst_cos = min(bad, key=lambda g: g.cos)
+            failures.append(
+                f"{len(bad)} gradients point elsewhere: worst {worst_cos.name} cosine "
+                f"{worst_cos.cos:.6f} < {tol.grad_cos:g}"
+            )
+    if tol.param_rel is not None and not param_rel <= tol.param_rel:
+        failures.append(
+            f"parameters after {steps} steps differ: rel {param_rel:.2e} > {tol.param_rel:g} "
+            f"(worst tensor {param_worst})"
+        )
+    if leak is not None and not leak.ok:
+        failures.append(f"episodes leak into each other: pairs (i <- j) {leak.pairs[:6]}")
+    return failures
+
+
+def both_diverged_at(step: int, loss_u: float, loss_p: float) -> str:
+    """The verdict when both runs' loss is non-finite at ``step``: no verdict on packing."""
+    return (
+        f"both runs diverged: the loss is {loss_u} unpacked and {loss_p} packed at step "
+        f"{step}; the model or optimiser produced non-finite values, which says nothing "
+        "about packing: check the model's initialisation, lower --lr or raise --adam-eps"
+    )
+
+
+def params_diverged(steps: int, nonfinite_u: Sequence[str], nonfinite_p: Sequence[str]) -> str:
+    """The verdict when both runs end with non-finite parameters ("" when they do not)."""
+    if not (nonfinite_u and nonfinite_p):
+        return ""
+    return (
+        f"both runs diverged: after {steps} AdamW step(s) parameters are non-finite "
+        f"in both ({len(nonfinite_u)} tensors unpacked, e.g. {nonfinite_u[0]}); the model or "
+        "optimiser produced non-finite values, which says nothing about packing: lower --lr "
+        "or raise --adam-eps (0 divides 0 by 0)"
+    )
+
+
+def nonfinite_tensors(params: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the (non-empty) tensors holding a nan or an inf."""
+    return [n for n, t in params.items() if t.numel() and not bool(torch.isfinite(t).all())]

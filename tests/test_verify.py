@@ -22,13 +22,9 @@ from packing.conditioning import (
     packed_noise,
 )
 from packing.layout import PackedBatch
-from packing.verify import (
-    Tolerances,
-    compare_packed_unpacked,
-    cosine_similarity,
-    default_token_budget,
-    relative_difference,
-)
+from packing.verify import compare_packed_unpacked
+from packing.verify_cli import default_token_budget
+from packing.verify_report import Tolerances, cosine_similarity, relative_difference
 
 A = 6  # action dim
 
