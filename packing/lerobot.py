@@ -22,7 +22,7 @@ rows ``[from - file_start, to - file_start)`` of its file. Three episodes of len
 Item values: each requested key as a tensor with the frame axis first in its declared dtype
 (float16 stays float16; lerobot's own reader returns float32); a ``(1,)``-shaped feature is
 ``(F,)``. A boolean ``{key}_is_pad`` feature is served as ``{key}_loss_mask = ~is_pad``
-(see :func:`packing.hf.plan_columns`). ``"task"`` is the text of the episode's first frame;
+(see `packing._arrow.plan_columns`). ``"task"`` is the text of the episode's first frame;
 request ``"task_index"`` for per-frame tasks.
 
 Reading needs only pyarrow (a core dependency of packing); lerobot is never imported for a
@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from packing._arrow import plan_columns, table_to_episode
 from packing._lazy import require
 from packing._parquet_pages import fixed_shape, read_fixed_column
-from packing.hf import plan_columns, table_to_episode
 
 __all__ = ["LeRobotEpisodes", "episode_lengths"]
 

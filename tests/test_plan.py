@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import best_fit_lookahead_reference
+from reference import best_fit_decreasing_reference, best_fit_lookahead_reference
 
 from packing.binpack import (
     best_fit_decreasing,
-    best_fit_decreasing_reference,
     best_fit_lookahead,
     first_fit_decreasing,
     next_fit,
