@@ -49,8 +49,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from packing import masks
-from packing._compile import FLEX_GRAPH_LIMIT, FLEX_KERNELS, call_compiled
+from packing import _compile, masks
 from packing._lazy import moved_names, probe
 from packing.fa4 import fa4_varlen, zero_rows_from
 from packing.layout import StreamLayout
@@ -413,8 +412,12 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
         # Compiled, one static kernel per shape for a process's first few shapes (the FLASH
         # backend always static: torch 2.11 cannot compile it with dynamic shapes, an
         # InductorError on the H200); the contract is in packing/_compile.py.
-        fn = FLEX_KERNELS.get((q.shape[0], k.shape[0]), always_static=mask.kernel == "flash")
-        out = call_compiled(fn, q_BHTD, k_BHTD, v_BHTD, graph_limit=FLEX_GRAPH_LIMIT, **kw)
+        fn = _compile.FLEX_KERNELS.get(
+            (q.shape[0], k.shape[0]), always_static=mask.kernel == "flash"
+        )
+        out = _compile.call_compiled(
+            fn, q_BHTD, k_BHTD, v_BHTD, graph_limit=_compile.FLEX_GRAPH_LIMIT, **kw
+        )
     else:
         from torch.nn.attention.flex_attention import flex_attention
 

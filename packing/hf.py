@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from packing._arrow import arrow_to_numpy, check_numeric, plan_columns, table_to_episode
+from packing import _arrow
 from packing._lazy import moved_names, require
 
 __all__ = ["HFEpisodes"]
@@ -83,9 +83,9 @@ class HFEpisodes(Dataset):
             if col is not None and col not in columns:
                 raise KeyError(f"unknown column {col!r}; available columns: {columns}")
         self.keys = tuple(keys)
-        self._plan = plan_columns(self.keys, [c for c in columns if c != episode_column])
+        self._plan = _arrow.plan_columns(self.keys, [c for c in columns if c != episode_column])
         self.task_column = task_column
-        ep_ids = arrow_to_numpy(
+        ep_ids = _arrow.arrow_to_numpy(
             dataset.select_columns([episode_column]).with_format("arrow")[episode_column],
             key=episode_column,
         )
@@ -96,7 +96,7 @@ class HFEpisodes(Dataset):
             )
         schema = dataset.data.schema  # validate early, not in a DataLoader worker
         for _, col, _ in self._plan:
-            check_numeric(schema.field(col).type, key=col)
+            _arrow.check_numeric(schema.field(col).type, key=col)
         ids, offsets, self._order = group_rows(ep_ids)
         # "arrow" format: indexing returns pyarrow Tables and honours select/shuffle indices;
         # selecting columns first keeps a gather of scattered rows to the columns we serve.
@@ -129,7 +129,7 @@ class HFEpisodes(Dataset):
             raise IndexError(f"episode position {i} out of range for {len(self)} episodes")
         i = i % len(self)
         table = self._episode_rows(i)
-        item: dict[str, Any] = table_to_episode(table, self._plan)
+        item: dict[str, Any] = _arrow.table_to_episode(table, self._plan)
         item["episode_index"] = int(self.episode_ids[i])
         if self.task_column is not None:
             tasks = table.column(self.task_column).unique().to_pylist()
