@@ -223,7 +223,8 @@ class PackedCollator:
             layouts=layouts,
             per_episode=per_episode,
             primary=streams[0].name,
-            extras={"_kinds": kinds, "_episode_ids": tuple(int(i) for i in ids.tolist())},
+            value_kinds=kinds,
+            host_episode_ids=tuple(int(i) for i in ids.tolist()),
         )
         for j in self.joint:
             _joint_layout(batch, j)  # cached on the batch
@@ -438,7 +439,8 @@ class PackedCollator:
             layouts=layouts,
             per_episode={"episode_index": torch.full((k_out,), -1, dtype=torch.int64)},
             primary=self.streams[0].name,
-            extras={"_kinds": {"episode_index": "absent"}, "_episode_ids": ()},
+            value_kinds={"episode_index": "absent"},
+            host_episode_ids=(),
         )
 
 
@@ -503,7 +505,7 @@ def unpack(batch: PackedBatch) -> list[dict[str, Any]]:
     refused rather than read as wrong rows; see `check_batch`.
     """
     check_batch(batch)
-    kinds: dict[str, str] = batch.extras.get("_kinds", {})
+    kinds = batch.value_kinds
     episodes: list[dict[str, Any]] = [{} for _ in range(batch.num_docs)]
     for name, data in batch.streams.items():
         lay = batch.layouts[name]

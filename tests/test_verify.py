@@ -342,8 +342,7 @@ class GlobalPositions(nn.Module):
                 thw = lay.thw_T3.clone()
                 thw[:, 0] = pos // lay.tokens_per_step
             layouts[name] = replace(lay, position_ids_T=pos, thw_T3=thw)
-        extras = {k: v for k, v in batch.extras.items() if k != "_joint"}
-        return replace(batch, layouts=layouts, extras=extras)
+        return replace(batch, layouts=layouts, joint_layouts={})
 
     def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
         return self.inner(self._global(batch))
