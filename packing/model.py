@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 
 from packing.attention import AttentionMask, Backend, packed_attention, prepare_attention
@@ -318,9 +319,7 @@ class DiT(nn.Module):
     def patchify(self, x_SCHW: Tensor) -> Tensor:
         """``(S, C, H, W) -> (S * h * w, C * ph * pw)`` tokens in (t, h, w) row-major order."""
         _, ph, pw = self.config.patch
-        s, c, hh, ww = x_SCHW.shape
-        x = x_SCHW.reshape(s, c, hh // ph, ph, ww // pw, pw)
-        return x.permute(0, 2, 4, 1, 3, 5).reshape(s * (hh // ph) * (ww // pw), c * ph * pw)
+        return rearrange(x_SCHW, "s c (h ph) (w pw) -> (s h w) (c ph pw)", ph=ph, pw=pw)
 
     def _text(self, batch: PackedBatch, device: torch.device) -> tuple[Tensor, StreamLayout]:
         if "text" in batch.layouts:
