@@ -277,6 +277,13 @@ def _unpacked_step(
 def _verify(
     config: VerifyConfig, dev: torch.device, say: Callable[[str], None]
 ) -> VerifyReport | None:
+    """The distributed comparison on this rank: packed under FSDP2 on every rank, unpacked on
+    rank 0, which alone returns the report (None elsewhere).
+
+    One function on purpose (~100 lines): every collective (``gathered_named_parameters``,
+    the FSDP forward/backward) is visible in the order each rank runs it; split across
+    helpers that branch on the rank, a collective one rank skips would hang the others.
+    """
     from packing.collate import PackedCollator, Stream
     from packing.fsdp import gathered_named_parameters, shard_model
 
@@ -325,9 +332,10 @@ def _verify(
             sec_u = time.perf_counter() - t0
             say(f"step {s}: unpacked, {len(bu)} micro-steps, loss {loss_u:.8g}")
             rel = abs(loss_p - loss_u) / abs(loss_u) if loss_u else abs(loss_p)
-            records.append(StepComparison(step=s, loss_unpacked=loss_u, loss_packed=loss_p, loss_rel=rel,
-                                      micro_steps_unpacked=len(bu), micro_steps_packed=len(mine),
-                                      seconds_unpacked=sec_u, seconds_packed=sec_p))  # fmt: skip
+            records.append(StepComparison(step=s, loss_unpacked=loss_u, loss_packed=loss_p,
+                                          loss_rel=rel, micro_steps_unpacked=len(bu),
+                                          micro_steps_packed=len(mine), seconds_unpacked=sec_u,
+                                          seconds_packed=sec_p))  # fmt: skip
             grads_u = {n: p.grad for n, p in model_u.named_parameters()}
             failures += record_grad_diffs(worst, grads_u, grads_p, s, tol)
             opt_u.step()
