@@ -670,13 +670,16 @@ def main() -> None:
             extra["recompiles"] = "skipped: time limit"
         say(extra["recompiles"])
     base = next((r for r in rows if r.get("variant") == "unpacked_sync" and "losses" in r), None)
+    # losses against an unpacked row of this run (the sync setting does not change them)
+    ref = base or next((r for r in rows if str(r.get("variant")).startswith("unpacked")
+                        and "losses" in r), None)  # fmt: skip
     for r in rows:
-        if base and "losses" in r and len(r["losses"]) == len(base["losses"]):
-            r["loss rel diff (step 0)"] = abs(r["losses"][0] - base["losses"][0]) / abs(
-                base["losses"][0]
+        if ref and "losses" in r and len(r["losses"]) == len(ref["losses"]):
+            r["loss rel diff (step 0)"] = abs(r["losses"][0] - ref["losses"][0]) / abs(
+                ref["losses"][0]
             )
             r["loss rel diff (max)"] = max(abs(x - y) / abs(y)
-                                           for x, y in zip(r["losses"], base["losses"], strict=True))  # fmt: skip
+                                           for x, y in zip(r["losses"], ref["losses"], strict=True))  # fmt: skip
         if base and "tokens/s" in r:
             r["vs unpacked_sync"] = r["tokens/s"] / base["tokens/s"]
     best_u = max((r["tokens/s"] for r in rows if str(r.get("variant")).startswith("unpacked")

@@ -274,36 +274,46 @@ def varlen_sequences(
     """``cu_seqlens`` for a varlen kernel in which padding costs no attention work.
 
     Both sides get the same number of sequences, ``docs + 1``: the K documents, ``docs - K``
-    empty ones (a static ``max_docs`` on one side), and one for the padding tail. The tail's
-    queries attend to ONE padding key, not to the whole tail: a tail of P tokens costs P
-    query-key pairs, not P^2 (a 23.5K-token tail took 2.5x the work of the 41K real tokens
-    before). Every query row must lie in a sequence with a key (both kernels gave NaN
-    gradients for a query sequence with no keys, and FA4 leaves rows outside every sequence
-    unwritten in dq). Their outputs are zeroed afterwards and their gradient dropped, so what
-    they attended to does not matter. Lengths ``[2, 4, 3]`` padded to 12, self-attention::
+    empty ones (a static ``max_docs`` on one side), and one for the padding tail.
+
+    ``static`` (FA4, through the ``packing::fa4_varlen`` op): the tail sequence is empty on
+    both sides, so the padding rows are in no sequence and cost no work at all. The op zeroes
+    what FA4 leaves unwritten there (the outputs and ``dq`` from ``q_real`` on, ``dk``/``dv``
+    from ``kv_used`` on). ``max_q``/``max_kv`` are the padded lengths: FA4's varlen scheduler
+    on the H200 (SM90) sizes its grid from the token count, not from max_seqlen, and a constant
+    keeps a compiled step from recompiling when the longest episode changes (with the exact
+    length: 2 recompiles after warm-up in 10 short-regime steps on the H200). Lengths
+    ``[2, 4, 3]`` padded to 12::
+
+        q   [0, 2, 6, 9, 9]      rows 9..12 in no sequence
+        kv  [0, 2, 6, 9, 9]
+
+    Otherwise (torch's kernel, whose backward gave NaN for rows outside every sequence): the
+    tail's queries attend to ONE padding key, a tail of P tokens costing P query-key pairs, not
+    P^2 (a 23.5K-token tail took 2.5x the work of the 41K real tokens when it attended to
+    itself); their outputs are zeroed afterwards and their gradient dropped::
 
         q   [0, 2, 6, 9, 12]     the tail 9..12 is one sequence of 3 queries
         kv  [0, 2, 6, 9, 10]     ... attending to the first padding key (9) alone
 
     Cross-attention whose key stream is full (no padding key to point at): the tail's queries
     join the last document's sequence instead (``q [0, 2, 6, 12, 12]``), which costs P x that
-    document's key count; their outputs are zeroed as above, so the real rows are unchanged.
-
-    ``static`` (FA4): ``max_q``/``max_kv`` are the padded lengths. FA4's varlen scheduler on
-    the H200 (SM90) sizes its grid from the token count, not from max_seqlen, and a constant
-    keeps a compiled step from recompiling when the longest episode changes (with the exact
-    length: 2 recompiles after warm-up in 10 short-regime steps on the H200). Otherwise
-    (torch's kernel, whose grid is ``ceil(max_seqlen / block) x docs``), the longest sequence
-    rounded up to a multiple of 256, capped at the padded length.
+    document's key count, with the same zeroing. ``max_q``/``max_kv`` are the longest sequence
+    rounded up to a multiple of 256 (torch's grid is ``ceil(max_seqlen / block) x docs``),
+    capped at the padded length.
     """
     k = q_lay.num_docs
     nq, Tq, nk, Tk = q_lay.num_tokens, q_lay.padded_len, kv_lay.num_tokens, kv_lay.padded_len
     q_lens, kv_lens = list(q_lay.lengths_K), list(kv_lay.lengths_K)
-    join = nq < Tq and nk == Tk and k > 0  # no padding key: the tail joins the last document
-    if join:
-        q_lens[-1] += Tq - nq
-    q_end = Tq if join else nq
-    kv_tail = 1 if Tk > nk else 0
+    if static:  # the padding rows are in no sequence (the op zeroes them)
+        join, q_end, kv_tail = False, nq, 0
+    else:
+        join = nq < Tq and nk == Tk and k > 0  # no padding key: the tail joins the last doc
+        if join:
+            q_lens[-1] += Tq - nq
+        q_end = Tq if join else nq
+        kv_tail = 1 if Tk > nk else 0
+    q_stop = nq if static else Tq
     dev = q_lay.doc_ids_T.device
 
     def cu(lay: StreamLayout, last: int, end: int) -> Tensor:
@@ -319,14 +329,14 @@ def varlen_sequences(
         max_q = _bucket(max([*q_lens, Tq - q_end, 1]), Tq)
         max_kv = _bucket(max([*kv_lens, kv_tail, 1]), Tk)
     return dict(
-        cu_q=cu(q_lay, q_end, Tq).contiguous(),
+        cu_q=cu(q_lay, q_end, q_stop).contiguous(),
         # A separate tensor for the keys even when equal: FA4's compiled entry point guards
         # against aliased arguments and recompiled every step when both were the same tensor.
         cu_kv=cu(kv_lay, nk, nk + kv_tail).contiguous(),
         max_q=max_q,
         max_kv=max_kv,
         q_real=torch.full((1,), nq, dtype=torch.int32, device=dev) if static else None,
-        # Keys after the tail's one are in no sequence: both kernels leave their gradient
+        # Keys after the last sequence's are in no sequence: both kernels leave their gradient
         # unwritten (NaN seen on the H200), so it is zeroed explicitly.
         kv_used=torch.full((1,), nk + kv_tail, dtype=torch.int32, device=dev),
     )

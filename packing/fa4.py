@@ -87,7 +87,11 @@ def fa4_varlen(
         softmax_scale=scale,
         return_lse=True,
     )
-    return zero_rows_from(res[0].contiguous(), q_real), res[1].contiguous()
+    # lse: (H, T_q); the padding columns are in no sequence (unwritten): 0, so the op's output
+    # is defined (FA4's backward reads lse only inside sequences).
+    lse = res[1].contiguous()
+    cols = torch.arange(lse.shape[-1], device=lse.device)
+    return zero_rows_from(res[0].contiguous(), q_real), lse.masked_fill_(cols >= q_real, 0.0)
 
 
 @fa4_varlen.register_fake
@@ -115,8 +119,9 @@ def fa4_varlen_backward(
     q_real: Tensor,
     kv_used: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """FA4 varlen backward: ``dq, dk, dv``; the padding rows' ``dout`` counts as 0, and key
-    rows from ``kv_used[0]`` on (in no sequence: FA4 leaves them unwritten) get 0."""
+    """FA4 varlen backward: ``dq, dk, dv``; the padding rows' ``dout`` counts as 0, and query
+    rows from ``q_real[0]`` on and key rows from ``kv_used[0]`` on (in no sequence: FA4 leaves
+    them unwritten) get 0."""
     res = _interface()._flash_attn_bwd(
         q,
         k,
@@ -135,8 +140,9 @@ def fa4_varlen_backward(
     )
     # Contiguous whatever FA4 did with an unaligned input (it copies those), so the fake
     # below states the real strides.
+    dq = zero_rows_from(res[0].contiguous(), q_real)  # padding rows: in no sequence
     dk = zero_rows_from(res[1].contiguous(), kv_used)
-    return res[0].contiguous(), dk, zero_rows_from(res[2].contiguous(), kv_used)
+    return dq, dk, zero_rows_from(res[2].contiguous(), kv_used)
 
 
 @fa4_varlen_backward.register_fake

@@ -252,10 +252,10 @@ def test_scale_is_passed_through() -> None:
     torch.testing.assert_close(a, b)
 
 
-def test_varlen_padding_tail_is_one_sequence_that_attends_to_one_padding_key() -> None:
-    # The tail is a real sequence on both sides (a query sequence with no keys gave NaN
-    # gradients in FA4 and torch's varlen_attn on the H200), but its queries attend to ONE
-    # padding key: a tail of P tokens costs P pairs, not P^2 (padding is free).
+def test_varlen_padding_tail_costs_one_key_per_query_or_nothing() -> None:
+    # torch's kernel: the tail is a real sequence on both sides (a query sequence with no keys
+    # gave NaN gradients on the H200), but its queries attend to ONE padding key: a tail of P
+    # tokens costs P pairs, not P^2. FA4 (static): the tail is in no sequence at all.
     from packing.attention import varlen_sequences
 
     lay12 = layout_from_lengths([2, 4, 3], [2, 4, 3], 12)
@@ -267,7 +267,9 @@ def test_varlen_padding_tail_is_one_sequence_that_attends_to_one_padding_key() -
     assert s["q_real"] is None  # torch's kernel: zeroed by a where, not inside the op
     static = varlen_sequences(lay12, lay12, 3, static=True)
     assert (static["max_q"], static["max_kv"]) == (12, 12)  # constant: no recompile
-    assert static["q_real"].tolist() == [9]
+    # FA4's op zeroes the rows in no sequence: the tail costs nothing at all
+    assert static["cu_q"].tolist() == static["cu_kv"].tolist() == [0, 2, 6, 9, 9]
+    assert static["q_real"].tolist() == static["kv_used"].tolist() == [9]
     # a full pack: the tail is empty on both sides
     full = layout_from_lengths([2, 4, 3], [2, 4, 3], 9, max_docs=5)
     s = varlen_sequences(full, full, 5, static=False)
@@ -288,22 +290,24 @@ def test_varlen_padding_tail_is_one_sequence_that_attends_to_one_padding_key() -
     assert longest == 768  # the 704-token tail, bucketed
 
 
-def test_varlen_work_does_not_grow_with_the_padding_tail() -> None:
-    # Query-key pairs the varlen kernel computes, from its cu_seqlens: the same for every fill
-    # of the budget beyond the tail's one key per query (it was quadratic in the tail).
+@pytest.mark.parametrize("static", [True, False], ids=["fa4", "torch"])
+def test_varlen_work_does_not_grow_with_the_padding_tail(static: bool) -> None:
+    # Query-key pairs the varlen kernel computes, from its cu_seqlens: for every fill of the
+    # budget, the real pairs only (FA4) or plus one key per tail query (torch's kernel); it
+    # was quadratic in the tail.
     from packing.attention import varlen_sequences
 
     lengths = [300, 200, 100]
 
     def pairs(budget: int) -> int:
         lay_ = layout_from_lengths(lengths, lengths, budget)
-        s = varlen_sequences(lay_, lay_, 3, static=True)
+        s = varlen_sequences(lay_, lay_, 3, static=static)
         q, kv = s["cu_q"].diff().tolist(), s["cu_kv"].diff().tolist()
         return sum(a * b for a, b in zip(q, kv, strict=True))
 
     tight = sum(n * n for n in lengths)
     for budget in (600, 700, 1200, 4096):
-        assert pairs(budget) == tight + (budget - 600), budget
+        assert pairs(budget) == tight + (0 if static else budget - 600), budget
 
 
 def test_a_compiled_call_past_the_recompile_limit_fails_instead_of_running_eager() -> None:

@@ -26,21 +26,22 @@ H, D = 2, 64
 
 
 def _exact(q, k, v, cu_q, cu_kv, scale):  # type: ignore[no-untyped-def]
-    """Per-sequence softmax attention in fp32: out (T_q, H, D) in q's dtype, lse (H, T_q)."""
-    outs, lses = [], []
+    """Per-sequence softmax attention in fp32: out (T_q, H, D) in q's dtype, lse (H, T_q).
+    Rows in no sequence stay unwritten, as in FA4: NaN here, so a row the library forgets to
+    zero shows up."""
+    out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), dtype=q.dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"))
     cq, ck = cu_q.tolist(), cu_kv.tolist()
     for a, b, c, d in zip(cq[:-1], cq[1:], ck[:-1], ck[1:], strict=True):
         if b == a:
             continue
         if d == c:
-            outs.append(q.new_zeros(b - a, q.shape[1], v.shape[2]))
-            lses.append(torch.full((q.shape[1], b - a), float("-inf")))
+            out[a:b], lse[:, a:b] = 0, float("-inf")
             continue
         s = torch.einsum("qhd,khd->hqk", q[a:b].float(), k[c:d].float()) * scale
-        lses.append(s.logsumexp(-1))
-        o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[c:d].float())
-        outs.append(o.to(q.dtype))
-    return torch.cat(outs), torch.cat(lses, dim=1)
+        lse[:, a:b] = s.logsumexp(-1)
+        out[a:b] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[c:d].float()).to(q.dtype)
+    return out, lse
 
 
 class StandIn:
