@@ -206,88 +206,92 @@ class VerifyReport:
         return text
 
     def format(self, worst: int = 5) -> str:
-        """The printed report: per-step table, worst gradients, summary, PASS/FAIL."""
-        tol = self.tolerances
-        out: list[str] = []
+        """The printed report: header, per-step table, worst gradients, summary, verdict."""
+        parts = [self._header(), self._step_table(), self._grad_table(worst), self._summary()]
+        return "\n\n".join([*parts, self._verdict()])
+
+    def _header(self) -> str:
         cfg = self.config
-        out.append(
+        out = [
             f"packing verify: {self.episodes} episodes, {len(self.steps)} AdamW steps, "
             f"{cfg.get('dtype')} on {cfg.get('device')}, reduction={cfg.get('reduction')}, "
-            f"mask={cfg.get('mask')}{'' if cfg.get('document_mask', True) else ' (NO document mask)'}"
-        )
-        out.append(f"model: {cfg.get('model')}   data: {cfg.get('dataset')}")
+            f"mask={cfg.get('mask')}{'' if cfg.get('document_mask', True) else ' (NO document mask)'}",
+            f"model: {cfg.get('model')}   data: {cfg.get('dataset')}",
+        ]
         if cfg.get("reference"):
             out.append(f"unpacked side: {cfg['reference']}")
-        out.append("")
-        out.append(
-            "| step | loss unpacked | loss packed | rel diff | micro-steps u/p | s/step u | s/step p |"
-        )
-        out.append("|---:|---:|---:|---:|---:|---:|---:|")
+        return "\n".join(out)
+
+    def _step_table(self) -> str:
+        out = [
+            "| step | loss unpacked | loss packed | rel diff | micro-steps u/p | s/step u | s/step p |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for s in self.steps:
             out.append(
                 f"| {s.step} | {s.loss_unpacked:.9g} | {s.loss_packed:.9g} | {s.loss_rel:.2e} | "
                 f"{s.micro_steps_unpacked}/{s.micro_steps_packed} | {s.seconds_unpacked:.3f} | "
                 f"{s.seconds_packed:.3f} |"
             )
-        out.append("")
-        out.append(f"worst {min(worst, len(self.grads))} of {len(self.grads)} parameter gradients:")
-        out.append("| parameter | shape | rel diff | cosine | max abs diff | step |")
-        out.append("|---|---|---:|---:|---:|---:|")
+        return "\n".join(out)
+
+    def _grad_table(self, worst: int) -> str:
+        out = [
+            f"worst {min(worst, len(self.grads))} of {len(self.grads)} parameter gradients:",
+            "| parameter | shape | rel diff | cosine | max abs diff | step |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
         for g in self.grads[:worst]:
             out.append(
                 f"| {g.name} | {tuple(g.shape)} | {g.rel:.2e} | {g.cos:.7f} | {g.max_abs:.2e} | "
                 f"{g.step} |"
             )
-        out.append("")
+        return "\n".join(out)
 
-        def gate(value: float, limit: float | None, le: bool = True) -> str:
-            if limit is None:
-                return f"{value:.2e} (reported, not gated)"
-            ok = value <= limit if le else value >= limit
-            # A nan is never "ok" (nan <= limit is False); diverged runs get no verdict.
-            verdict = "n/a (diverged)" if self.diverged else "ok" if ok else "FAIL"
-            return f"{value:.2e} {'<=' if le else '>='} {limit:g}  {verdict}"
+    def _gate(self, value: float, limit: float | None, le: bool = True) -> str:
+        if limit is None:
+            return f"{value:.2e} (reported, not gated)"
+        ok = value <= limit if le else value >= limit
+        # A nan is never "ok" (nan <= limit is False); diverged runs get no verdict.
+        verdict = "n/a (diverged)" if self.diverged else "ok" if ok else "FAIL"
+        return f"{value:.2e} {'<=' if le else '>='} {limit:g}  {verdict}"
 
+    def _summary(self) -> str:
+        tol, gate = self.tolerances, self._gate
         rel = max((g.rel for g in self.grads), default=0.0)
         cos = min((g.cos for g in self.grads), default=1.0)
         su = statistics.median(s.seconds_unpacked for s in self.steps) if self.steps else 0.0
         sp = statistics.median(s.seconds_packed for s in self.steps) if self.steps else 0.0
-        out.append("summary:")
-        out.append(f"  max rel loss diff        {gate(self.loss_rel, tol.loss_rel)}")
-        out.append(f"  max rel gradient diff    {gate(rel, tol.grad_rel)}")
         cos_line = (
             gate(cos, tol.grad_cos, le=False).replace(f"{cos:.2e}", f"{cos:.7f}", 1)
             if tol.grad_cos is not None
             else f"{cos:.7f} (reported, not gated)"
         )
-        out.append(f"  min gradient cosine      {cos_line}")
-        out.append(
+        out = [
+            "summary:",
+            f"  max rel loss diff        {gate(self.loss_rel, tol.loss_rel)}",
+            f"  max rel gradient diff    {gate(rel, tol.grad_rel)}",
+            f"  min gradient cosine      {cos_line}",
             f"  rel param diff after {len(self.steps)}  {gate(self.param_rel, tol.param_rel)}"
-            f"  (all parameters; worst tensor {self.param_worst} {self.param_worst_rel:.2e})"
-        )
-        out.append(
+            f"  (all parameters; worst tensor {self.param_worst} {self.param_worst_rel:.2e})",
             f"  tokens per step          {self.tokens:,} real; padded {self.padded_tokens_unpacked:,}"
             f" unpacked ({self.efficiency_unpacked:.1%}) vs {self.padded_tokens_packed:,} packed"
-            f" ({self.efficiency_packed:.1%})"
-        )
-        out.append(
+            f" ({self.efficiency_packed:.1%})",
             f"  micro-steps per step     {self.episodes} unpacked vs {self.packs} packed "
-            f"(episodes per pack {self.pack_sizes})"
-        )
-        out.append(
+            f"(episodes per pack {self.pack_sizes})",
             f"  median time per step     {su:.3f} s unpacked vs {sp:.3f} s packed "
-            f"(first step includes warm-up)"
-        )
+            f"(first step includes warm-up)",
+        ]
         if self.leak is not None:
             out.append("  " + self.leak.summary().replace("\n", "\n  "))
-        out.append("")
-        if self.passed:
-            out.append("PASS: packed training matches unpacked within tolerance")
-        elif self.diverged:
-            out.append("DIVERGED (no verdict on packing): " + "; ".join(self.failures))
-        else:
-            out.append("FAIL: " + "; ".join(self.failures))
         return "\n".join(out)
+
+    def _verdict(self) -> str:
+        if self.passed:
+            return "PASS: packed training matches unpacked within tolerance"
+        if self.diverged:
+            return "DIVERGED (no verdict on packing): " + "; ".join(self.failures)
+        return "FAIL: " + "; ".join(self.failures)
 
 
 def _json_default(o: Any) -> Any:
