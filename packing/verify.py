@@ -261,17 +261,7 @@ def compare_packed_unpacked(
     grads = sorted(worst.values(), key=lambda g: grad_badness(g, tol), reverse=True)
     params_u, params_p = runs.parameters()
     param_rel, param_worst, param_worst_rel = parameter_difference(params_u, params_p)
-    nonfinite = {
-        run: nonfinite_tensors(p) for run, p in (("unpacked", params_u), ("packed", params_p))
-    }
-    diverged = diverged or params_diverged(len(records), nonfinite["unpacked"], nonfinite["packed"])
-    for run in ("packed", "unpacked"):
-        if nonfinite[run] and not diverged:
-            failures.append(
-                f"{len(nonfinite[run])} parameter tensors are non-finite in the {run} run only "
-                f"(e.g. {nonfinite[run][0]})"
-            )
-
+    diverged = diverged or _diverged_at_end(params_u, params_p, len(records), failures)
     leak = None
     if leak_check and not diverged:
         leak, impossible = _leak_check_of_first_pack(runs.model_p, packed, seed, autocast, dev, say)
@@ -300,6 +290,25 @@ def compare_packed_unpacked(
         diverged=bool(diverged),
         environment=_environment(dev),
     )
+
+
+def _diverged_at_end(
+    params_u: Mapping[str, torch.Tensor],
+    params_p: Mapping[str, torch.Tensor],
+    steps: int,
+    failures: list[str],
+) -> str:
+    """The divergence verdict when both runs end with non-finite parameters ("" otherwise);
+    non-finite parameters in one run only are appended to ``failures``."""
+    nonfinite = {"unpacked": nonfinite_tensors(params_u), "packed": nonfinite_tensors(params_p)}
+    diverged = params_diverged(steps, nonfinite["unpacked"], nonfinite["packed"])
+    for run in ("packed", "unpacked"):
+        if nonfinite[run] and not diverged:
+            failures.append(
+                f"{len(nonfinite[run])} parameter tensors are non-finite in the {run} run only "
+                f"(e.g. {nonfinite[run][0]})"
+            )
+    return diverged
 
 
 def _check_packs(packs: Sequence[Sequence[int]], n: int) -> None:
