@@ -182,7 +182,7 @@ def build(args: Any, cfg: DiTConfig, dev: torch.device, kind: str, depth: int | 
     torch.manual_seed(args.seed)
     with torch.device(dev):  # a 5B model initialised on the CPU takes minutes
         model = DiT(mcfg)
-    pm.attention = sdpa_one_episode if unpacked else _LIB_ATTENTION
+    pm.packed_attention = sdpa_one_episode if unpacked else _LIB_ATTENTION
     shard_model(model, MESH.get("mesh"), checkpointing=args.checkpointing,
                 checkpoint_blocks=checkpoint_count(kind), compile=not args.no_compile,
                 dynamic=unpacked,
@@ -440,7 +440,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
     del model, opt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    pm.attention = _LIB_ATTENTION
+    pm.packed_attention = _LIB_ATTENTION
     step_s = max(r["step_ms"] for r in ranks) / 1e3
     tokens = sum(r["tokens"] for r in ranks) / max(args.steps, 1)
     flops = sum(r["flops"] for r in ranks) / max(args.steps, 1)
@@ -510,7 +510,7 @@ def recompile_check(args: Any, cfg: DiTConfig, dev: torch.device) -> dict[str, A
     common.sync(dev)
     n = common.dynamo_counters()["unique_graphs"] - (g0 or 0)
     del model, opt
-    pm.attention = _LIB_ATTENTION
+    pm.packed_attention = _LIB_ATTENTION
     return {"recompile check": f"{args.recompile_packs} random packs at depth "
             f"{args.recompile_depth}, budget {args.pack_budget}",
             "graphs compiled after the first pack": n, "seconds": time.perf_counter() - t0}  # fmt: skip
@@ -655,7 +655,7 @@ def main() -> None:
             traceback.print_exc()
             row = {"variant": kind if m is None else f"packed M={m}",
                    "error": f"{type(e).__name__}: {str(e)[:300]}"}  # fmt: skip
-            pm.attention = _LIB_ATTENTION
+            pm.packed_attention = _LIB_ATTENTION
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         last_cost = time.perf_counter() - t0

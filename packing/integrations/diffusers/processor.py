@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from packing.attention import AttentionMask, attention
+from packing.attention import AttentionMask, packed_attention
 from packing.integrations.diffusers.rope import rotate
 
 __all__ = ["PackedAttnProcessor", "install_processors", "uninstall_processors"]
@@ -65,7 +65,9 @@ class PackedAttnProcessor:
         v = v.unflatten(-1, (attn.heads, -1))
         if rotary_emb is not None:
             q, k = rotate(q, *rotary_emb), rotate(k, *rotary_emb)
-        out = attention(q.to(v.dtype), k.to(v.dtype), v, attention_mask).flatten(1).type_as(q)
+        out = (
+            packed_attention(q.to(v.dtype), k.to(v.dtype), v, attention_mask).flatten(1).type_as(q)
+        )
         return attn.to_out[1](attn.to_out[0](out))  # type: ignore[no-any-return]
 
 
