@@ -17,13 +17,17 @@ from packing._lazy import require
 
 require("diffusers", extra="diffusers")
 
-from packing.integrations.diffusers.adapter import FlowMatchingAdapter  # noqa: E402
+from packing.integrations.diffusers.adapter import (  # noqa: E402
+    EpisodeReference,
+    FlowMatchingAdapter,
+    PackedAdapter,
+)
 from packing.integrations.diffusers.processor import (  # noqa: E402
     PackedAttnProcessor,
     install_processors,
+    separate_qkv,
     uninstall_processors,
 )
-from packing.integrations.diffusers.rope import rope_from_table, rotate  # noqa: E402
 from packing.integrations.diffusers.streams import (  # noqa: E402
     pack_text_embeddings,
     patchify,
@@ -33,6 +37,8 @@ from packing.integrations.diffusers.wan import (  # noqa: E402
     PackedWan,
     WanReference,
     install,
+    rope_from_table,
+    rotate,
     tiny_wan,
     tiny_wan_2_1,
     tiny_wan_2_2,
@@ -40,7 +46,9 @@ from packing.integrations.diffusers.wan import (  # noqa: E402
 )
 
 __all__ = [
+    "EpisodeReference",
     "FlowMatchingAdapter",
+    "PackedAdapter",
     "PackedAttnProcessor",
     "PackedWan",
     "WanReference",
@@ -50,6 +58,7 @@ __all__ = [
     "patchify",
     "rope_from_table",
     "rotate",
+    "separate_qkv",
     "tiny_wan",
     "tiny_wan_2_1",
     "tiny_wan_2_2",
