@@ -48,7 +48,13 @@ from packing.integrations.diffusers.processor import (
 from packing.integrations.diffusers.streams import pack_text_embeddings, patchify
 from packing.layout import PackedBatch, StreamLayout, layout_from_lengths
 
-__all__ = ["EpisodeReference", "FlowMatchingAdapter", "PackedAdapter", "TextEncoder"]
+__all__ = [
+    "EpisodeReference",
+    "FlowMatchingAdapter",
+    "PackedAdapter",
+    "TextEncoder",
+    "toy_text_encoder",
+]
 
 TextEncoder = Callable[[Sequence[str]], Sequence[Tensor]]
 TIMESTEP_SCALE = 1000.0  # diffusers' schedulers give the transformer t in [0, 1000]
@@ -345,3 +351,17 @@ def _episode_slices(
     for k, (f, n) in enumerate(zip(latent_layout.steps_K, text_layout.lengths_K, strict=True)):
         yield k, slice(s0, s0 + f), slice(c0, c0 + n)
         s0, c0 = s0 + f, c0 + n
+
+
+def toy_text_encoder(text_dim: int = 24, seed: int = 0) -> TextEncoder:
+    """A stand-in for a text encoder (umT5, T5) in tests: byte tokens of the task
+    (`packing.model.text_tokens`) looked up in a fixed seeded table, ``(len + 1, text_dim)``
+    per task. Deterministic, not trained."""
+    from packing.model import text_tokens
+
+    table = torch.randn(257, text_dim, generator=torch.Generator().manual_seed(seed))
+
+    def encode(tasks: Sequence[str]) -> list[Tensor]:
+        return [table[text_tokens(t)] for t in tasks]
+
+    return encode

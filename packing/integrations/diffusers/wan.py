@@ -33,7 +33,7 @@ when tokens of one episode need different timesteps (e.g. a clean first frame).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -46,8 +46,8 @@ from packing.conditioning import broadcast_to_tokens
 from packing.integrations.diffusers.adapter import (
     EpisodeReference,
     PackedAdapter,
-    TextEncoder,
     attention_dtype,
+    toy_text_encoder,
 )
 from packing.integrations.diffusers.streams import unpatchify
 from packing.layout import StreamLayout
@@ -285,19 +285,6 @@ def tiny_wan(style: Literal["2.1", "2.2"] = "2.2", **config: Any) -> nn.Module:
     if style not in ("2.1", "2.2"):
         raise ValueError(f"style={style!r}; choose '2.1' or '2.2'")
     return _wan.WanTransformer3DModel(**{**base, **config})  # type: ignore[no-any-return]
-
-
-def toy_text_encoder(text_dim: int = 24, seed: int = 0) -> TextEncoder:
-    """A stand-in for umT5 in tests: byte tokens of the task (`packing.model.text_tokens`) looked
-    up in a fixed seeded table, ``(len + 1, text_dim)`` per task. Deterministic, not trained."""
-    from packing.model import text_tokens
-
-    table = torch.randn(257, text_dim, generator=torch.Generator().manual_seed(seed))
-
-    def encode(tasks: Sequence[str]) -> list[Tensor]:
-        return [table[text_tokens(t)] for t in tasks]
-
-    return encode
 
 
 def _tiny_factory(style: Literal["2.1", "2.2"]) -> Callable[..., PackedWan]:
