@@ -99,13 +99,18 @@ class AttentionMask:
     ``backend`` is the resolved name (never ``"auto"``), ``kernel`` the implementation
     (``"math"``, ``"triton"``, ``"flash"``, ``"fa4"``, ``"torch"``), ``reason`` why it was
     chosen. Only the fields of the chosen backend are set.
+
+    It holds device tensors and ints that depend on the pack's padded shape only, never the
+    layouts' host-side episode lengths: a compiled block (or a checkpoint inside compile, whose
+    higher-order op guards on everything its inputs hold) sees the same values for every pack
+    of a static budget, so it never recompiles as the composition changes.
     """
 
     backend: str
     kernel: str
     reason: str
-    q_layout: StreamLayout
-    kv_layout: StreamLayout
+    q_len: int  # padded query tokens (T_q)
+    kv_len: int  # padded key tokens (T_kv)
     inner: InnerMask | None
     cross: bool
     dense_TT: Tensor | None = None  # sdpa: bool (T_q, T_kv), rows with no key made all-True
@@ -121,7 +126,7 @@ class AttentionMask:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.q_layout.padded_len, self.kv_layout.padded_len)
+        return (self.q_len, self.kv_len)
 
     def __repr__(self) -> str:
         return (
@@ -247,8 +252,8 @@ def prepare_attention(
         backend=name,
         kernel=kernel,
         reason=reason,
-        q_layout=q_lay,
-        kv_layout=kv_lay,
+        q_len=q_lay.padded_len,
+        kv_len=kv_lay.padded_len,
         inner=inner,
         cross=cross,
     )

@@ -360,9 +360,8 @@ def test_auto_skips_flash_attn_4_for_head_dims_it_does_not_support(
 
 
 def test_flash_attn_4_kernels_refuse_an_unsupported_head_dim_at_call_time() -> None:
-    lay = layout_from_lengths([3, 5], [3, 5], padded=8)
     mask = AttentionMask(
-        backend="varlen", kernel="fa4", reason="test", q_layout=lay, kv_layout=lay,
+        backend="varlen", kernel="fa4", reason="test", q_len=8, kv_len=8,
         inner=None, cross=False,
     )  # fmt: skip
     q = torch.zeros(8, 2, 16, dtype=torch.bfloat16)
@@ -391,3 +390,52 @@ def test_flex_gives_each_of_the_first_shapes_a_static_kernel_then_warns_once() -
         assert flex.shapes == () and flex.is_static((512, 512))  # reset frees the slots
     finally:
         flex.reset(static_shapes=before)
+
+
+def test_a_mask_holds_nothing_that_changes_with_the_composition_of_a_pack() -> None:
+    # What a compiled block guards on: every non-tensor field of the mask. Two packs of the
+    # same budget with different episodes must give equal ones, or a compiled block (and a
+    # checkpoint inside compile, which guards on everything its inputs hold) recompiles per
+    # pack. It did: the mask carried the layouts' host-side episode lengths.
+    def host_fields(lengths: list[int], kv_lengths: list[int] | None) -> dict[str, object]:
+        lay = layout_from_lengths(lengths, lengths, 64, max_docs=4)
+        kv = None if kv_lengths is None else layout_from_lengths(kv_lengths, kv_lengths, 16)
+        mask = prepare_attention(lay, kv, backend="sdpa", device="cpu")
+        return {
+            f.name: getattr(mask, f.name)
+            for f in dataclasses.fields(mask)
+            if not isinstance(getattr(mask, f.name), torch.Tensor)
+        }
+
+    assert host_fields([10, 20], None) == host_fields([5, 7, 30], None)
+    assert host_fields([10, 20], [3, 4]) == host_fields([5, 7, 30], [1, 2, 9])
+
+
+def test_a_checkpoint_inside_compile_keeps_one_graph_across_pack_compositions() -> None:
+    # Selective (per-op) activation checkpointing has to sit inside torch.compile to see the
+    # ops; the checkpoint's higher-order op lifts the mask into its inputs. Same budget,
+    # different episodes: one graph.
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.utils.checkpoint import checkpoint
+
+    from packing.fsdp import _ops_policy
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    context_fn = _ops_policy()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def block(x: torch.Tensor, w: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        def body(x: torch.Tensor, w: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+            q = (x @ w).unflatten(-1, (2, 8))
+            return packed_attention(q, q, q, mask).flatten(1) @ w
+
+        return checkpoint(body, x, w, mask, use_reentrant=False, context_fn=context_fn)
+
+    w = torch.randn(16, 16, requires_grad=True)
+    for lengths in ([10, 20], [5, 7, 30], [64], [1, 2, 3, 4]):
+        mask = prepare_attention(layout_from_lengths(lengths, lengths, 64, max_docs=4),
+                                 backend="sdpa", device="cpu")  # fmt: skip
+        block(torch.randn(64, 16), w, mask).sum().backward()
+    assert counter.frame_count == 1
