@@ -1,6 +1,7 @@
 """A diffusers LTX-Video trains packed: equal to the unmodified model, one episode at a time.
 
-The packed side is `packing.integrations.diffusers.ltx.install(model)`; the unpacked side is
+The packed side is `packing.integrations.diffusers.install(model)` (a `PackedLTX`, picked by
+the model's class); the unpacked side is
 the same weights in an untouched ``LTXVideoTransformer3DModel`` whose own ``forward`` sees one
 episode per call (`LTXReference`), with its own ``encoder_attention_mask`` and
 ``rope_interpolation_scale``, and gradient accumulation. Tiny and random-init: no hub access.
@@ -22,12 +23,14 @@ from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
 from packing.collate import PackedCollator
 from packing.integrations.diffusers import (
     PackedAttnProcessor,
+    PackedLTX,
     drop_masked_rows,
+    install,
     ltx_rope,
     pack_text_embeddings,
     tiny_ltx_model,
 )
-from packing.integrations.diffusers.ltx import PIPELINE_ROPE_SCALE, install
+from packing.integrations.diffusers.ltx import PIPELINE_ROPE_SCALE
 from packing.plan import plan_packs
 from packing.verify import compare_packed_unpacked
 
@@ -61,6 +64,7 @@ def compare(padded: bool = True, steps: int = 2, **options: object):
     torch.manual_seed(0)
     mask = {"text_mask": "text_mask"} if padded else {}
     packed = install(tiny_ltx_model(), latent_hw=HW, **mask, **options)  # type: ignore[arg-type]
+    assert isinstance(packed, PackedLTX)
     packs = plan_packs([f * 12 for f in FRAMES], BUDGET).packs
     assert max(len(p) for p in packs) >= 2  # guard: a pack really holds several episodes
     return compare_packed_unpacked(

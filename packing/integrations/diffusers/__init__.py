@@ -8,12 +8,13 @@
     collate = PackedCollator(packed.streams, token_budget=16_384)
     losses = packed(batch)                         # {latents: per-token loss (T,)}
 
-LTX-Video is the same with ``from packing.integrations.diffusers.ltx import install``.
+``install`` picks the family by the model's class: the same lines pack an
+``LTXVideoTransformer3DModel``.
 
 Modules: `streams` (patchify, text packing), `processor` (the packed attention processor),
 `adapter` (what every family shares: the flow-matching protocol of the packed model and its
 unpacked reference, processors in and out, masks, the block loop), and one module a family:
-`wan` (Wan 2.1 / 2.2), `ltx` (LTX-Video).
+`wan` (Wan 2.1 / 2.2), `ltx` (LTX-Video); `families` (`install`: which adapter packs which model).
 """
 
 from packing._lazy import require
@@ -24,7 +25,9 @@ from packing.integrations.diffusers.adapter import (  # noqa: E402
     EpisodeReference,
     FlowMatchingAdapter,
     PackedAdapter,
+    toy_text_encoder,
 )
+from packing.integrations.diffusers.families import FAMILIES, install  # noqa: E402
 from packing.integrations.diffusers.ltx import (  # noqa: E402
     LTXReference,
     PackedLTX,
@@ -47,16 +50,15 @@ from packing.integrations.diffusers.streams import (  # noqa: E402
 from packing.integrations.diffusers.wan import (  # noqa: E402
     PackedWan,
     WanReference,
-    install,
     rope_from_table,
     rotate,
     tiny_wan,
     tiny_wan_2_1,
     tiny_wan_2_2,
-    toy_text_encoder,
 )
 
 __all__ = [
+    "FAMILIES",
     "EpisodeReference",
     "FlowMatchingAdapter",
     "LTXReference",

@@ -222,13 +222,15 @@ class PackedAdapter(FlowMatchingAdapter):
 
     A family passes its attention module class, its q/k/v projection helper, its RoPE rotation
     (`processor.PackedAttnProcessor`) and its block step ``block_forward(block, x, ...)``; it
-    sets ``reference_cls`` and writes `velocity` with `masks` and `run_blocks`.
+    sets ``model_cls`` and ``reference_cls`` and writes `prepare` and `velocity` (with `masks`
+    and `run_blocks`).
     ``attention`` is the `packing.attention` backend (``auto``: FA4 varlen / Flex / SDPA);
     ``document_mask=False`` lets episodes see each other: the broken model verify must fail.
     The model is held as ``self.transformer``, unchanged but for its attention processors
     (`uninstall` puts them back); save it with ``packed.transformer.save_pretrained``.
     """
 
+    model_cls: ClassVar[type]  # the diffusers model class this family packs
     reference_cls: ClassVar[type[FlowMatchingAdapter]]
 
     def __init__(
@@ -273,6 +275,13 @@ class PackedAdapter(FlowMatchingAdapter):
         model = copy.deepcopy(self.transformer)
         uninstall_processors(model)
         return self.reference_cls(model, **self.options())
+
+    def prepare(
+        self, latent_layout: StreamLayout, text_layout: StreamLayout, dtype: torch.dtype
+    ) -> dict[str, Any]:
+        """What every block reads, built once per step outside ``torch.compile``:
+        ``self_mask``, ``cross_mask`` (`masks`) and the family's ``rope``."""
+        raise NotImplementedError
 
     def masks(
         self, latent_layout: StreamLayout, text_layout: StreamLayout, dtype: torch.dtype

@@ -44,7 +44,7 @@ from packing.layout import StreamLayout
 
 _ltx = require("diffusers.models.transformers.transformer_ltx", extra="diffusers")
 
-__all__ = ["LTXReference", "PackedLTX", "install", "ltx_rope", "tiny_ltx", "tiny_ltx_model"]
+__all__ = ["LTXReference", "PackedLTX", "ltx_rope", "tiny_ltx", "tiny_ltx_model"]
 
 RopeScale = tuple[float, float, float]
 PIPELINE_ROPE_SCALE: RopeScale = (8 / 25, 32, 32)  # LTXPipeline's, at its default 25 fps
@@ -133,6 +133,7 @@ class PackedLTX(PackedAdapter):
     picture). Options beyond `PackedAdapter`'s: ``rope_interpolation_scale`` (the pipeline's
     ``(8 / fps, 32, 32)``; default its 25 fps; None: the model's unscaled grid)."""
 
+    model_cls = _ltx.LTXVideoTransformer3DModel
     reference_cls = LTXReference
 
     def __init__(
@@ -224,15 +225,6 @@ def _block_forward(
     return x + block.ff(block.norm2(x) * (1 + m_scale) + m_shift) * m_gate
 
 
-def install(transformer: nn.Module, **options: Any) -> PackedLTX:
-    """Pack a loaded ``LTXVideoTransformer3DModel``: ``install(model, latent_hw=(H, W))``.
-
-    Options are `PackedLTX`'s. Adds and renames no parameter; ``packed.uninstall()`` (or
-    ``with install(...) as packed:``) undoes it.
-    """
-    return PackedLTX(transformer, **options)
-
-
 # -- tiny random-init models (tests, `packing verify --model`) ------------------------------------
 def tiny_ltx_model(**config: Any) -> nn.Module:
     """A 2-block random-init ``LTXVideoTransformer3DModel``: 48 latent channels, width 32 (2
@@ -255,7 +247,7 @@ def tiny_ltx(document_mask: bool = True, mask: str = "document") -> PackedLTX:
     if mask != "document":
         raise ValueError(f"mask={mask!r}: LTX attends to whole episodes; use 'document'")
     torch.manual_seed(0)
-    return install(
+    return PackedLTX(
         tiny_ltx_model(),
         latent_hw=(8, 16),
         text_encoder=toy_text_encoder(),

@@ -57,13 +57,11 @@ _wan = require("diffusers.models.transformers.transformer_wan", extra="diffusers
 __all__ = [
     "PackedWan",
     "WanReference",
-    "install",
     "rope_from_table",
     "rotate",
     "tiny_wan",
     "tiny_wan_2_1",
     "tiny_wan_2_2",
-    "toy_text_encoder",
 ]
 
 Conditioning = Literal["per_episode", "per_token"]
@@ -155,6 +153,7 @@ class PackedWan(PackedAdapter):
     slower ``"per_token"``).
     """
 
+    model_cls = _wan.WanTransformer3DModel
     reference_cls = WanReference
 
     def __init__(
@@ -256,15 +255,6 @@ def _block_forward(
     return (x.float() + block.ffn(h).float() * c_gate).type_as(x)
 
 
-def install(transformer: nn.Module, **options: Any) -> PackedWan:
-    """Pack a loaded ``WanTransformer3DModel``: ``packed = install(model, latent_hw=(H, W))``.
-
-    Options are `PackedWan`'s. Adds and renames no parameter (``model.state_dict()`` is as
-    before); ``packed.uninstall()`` (or ``with install(...) as packed:``) undoes it.
-    """
-    return PackedWan(transformer, **options)
-
-
 # -- tiny random-init models (tests, `packing verify --model`) ------------------------------------
 def tiny_wan(style: Literal["2.1", "2.2"] = "2.2", **config: Any) -> nn.Module:
     """A 2-block random-init ``WanTransformer3DModel`` shaped like Wan 2.1 (16 latent channels)
@@ -292,7 +282,7 @@ def _tiny_factory(style: Literal["2.1", "2.2"]) -> Callable[..., PackedWan]:
         if mask != "document":
             raise ValueError(f"mask={mask!r}: Wan attends to whole episodes; use 'document'")
         torch.manual_seed(0)
-        return install(
+        return PackedWan(
             tiny_wan(style),
             latent_hw=(8, 16),
             text_encoder=toy_text_encoder(),
