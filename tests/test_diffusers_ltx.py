@@ -95,6 +95,17 @@ def test_removing_the_document_mask_fails_the_comparison() -> None:
     assert report.leak is not None and not report.leak.ok
 
 
+def test_attending_to_the_padded_text_rows_fails_the_comparison(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from packing.integrations.diffusers import ltx
+
+    monkeypatch.setattr(ltx, "drop_masked_rows", lambda text, layout, mask: (text, layout))
+    report = compare(steps=1)
+    assert not report.passed
+    assert any("loss differs" in f for f in report.failures)
+
+
 def test_padded_text_rows_are_never_attended() -> None:
     torch.manual_seed(0)
     packed = install(tiny_ltx_model(), latent_hw=HW, text_mask="text_mask")
@@ -163,11 +174,18 @@ def _attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "processor")]
 
 
-def test_wrong_models_and_patch_sizes_are_refused() -> None:
+def test_wrong_models_patch_sizes_and_masks_are_refused() -> None:
     with pytest.raises(TypeError, match="LTXVideoTransformer3DModel"):
         install(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="patch_size=2"):
         install(tiny_ltx_model(patch_size=2))
+    packed = install(tiny_ltx_model(), latent_hw=HW, text_mask="text_mask")
+    eps = episodes(padded=True)[:2]
+    eps[1]["text_mask"] = eps[1]["text_mask"][:-1]  # type: ignore[index]
+    batch = PackedCollator(packed.streams)(eps)
+    batch = replace(batch, extras={**batch.extras, "seed": 0, "step": 0})
+    with pytest.raises(ValueError, match=r"'text_mask' has \[12, 11\] rows per episode"):
+        packed(batch)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients() -> None:

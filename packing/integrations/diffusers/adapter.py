@@ -145,6 +145,13 @@ class FlowMatchingAdapter(nn.Module):
                         f"the batch has no {self.text_mask_stream!r} stream; give each episode "
                         "its tokenizer mask (L,) next to its text, or build without text_mask="
                     )
+                words, marks = (batch.layout(n) for n in (self.text_stream, self.text_mask_stream))
+                if marks.lengths_K != words.lengths_K:
+                    raise ValueError(
+                        f"stream {self.text_mask_stream!r} has {list(marks.lengths_K)} rows per "
+                        f"episode but {self.text_stream!r} has {list(words.lengths_K)}; the "
+                        "mask needs one entry per text row (the tokenizer's attention_mask)"
+                    )
                 mask = batch.streams[self.text_mask_stream].to(device)
             return text, batch.layout(self.text_stream).to(device), mask
         k = batch.layout(self.latents_stream).num_docs

@@ -44,7 +44,14 @@ from packing.layout import StreamLayout
 
 _ltx = require("diffusers.models.transformers.transformer_ltx", extra="diffusers")
 
-__all__ = ["LTXReference", "PackedLTX", "ltx_rope", "tiny_ltx", "tiny_ltx_model"]
+__all__ = [
+    "PIPELINE_ROPE_SCALE",
+    "LTXReference",
+    "PackedLTX",
+    "ltx_rope",
+    "tiny_ltx",
+    "tiny_ltx_model",
+]
 
 RopeScale = tuple[float, float, float]
 PIPELINE_ROPE_SCALE: RopeScale = (8 / 25, 32, 32)  # LTXPipeline's, at its default 25 fps
