@@ -44,8 +44,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-import packing.attention as pa
-from packing.attention import attention, fa4_available, prepare_attention
+from packing._compile import FLEX_KERNELS
+from packing.attention import fa4_available, packed_attention, prepare_attention
 from packing.layout import StreamLayout, layout_from_lengths
 from packing.masks import document_mask_mod, frame_causal, make_block_mask
 
@@ -367,8 +367,8 @@ def library(case: Case, mask: str, backend: str, aligned: bool = False
            vt: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         if mask == "cross":
             assert kt is not None and vt is not None
-            return attention(q, kt, vt, m)
-        return attention(q, k, v, m)
+            return packed_attention(q, kt, vt, m)
+        return packed_attention(q, k, v, m)
 
     return fn, f"{m.backend}/{m.kernel}"
 
@@ -420,7 +420,7 @@ def main() -> None:
     args = p.parse_args()
     # Every budget and tight length of the fill axis gets the static Flex kernel a training
     # run with one budget gets (the library's default keeps 4 per process).
-    pa.STATIC_FLEX_SHAPES = 64
+    FLEX_KERNELS.reset(static_shapes=64)
     dev = torch.device(args.device)
     # One process compiles FlexAttention for 3 masks x 2 shapes x (grad on/off) x 2 backends:
     # past dynamo's default limit of 8 graphs it silently falls back to eager flex, which
@@ -599,7 +599,7 @@ def fill_rows(regime: tuple[int, int, int], rname: str, fills: list[float], args
                         m = prepare_attention(lay, None, inner, backend, device=dev, dtype=dtype)  # type: ignore[arg-type]
                         q, k, v = (torch.randn(b, args.heads, args.dim, generator=rng)
                                    .to(dev, dtype) for _ in range(3))  # fmt: skip
-                        fn = lambda q, k, v, m=m: attention(q, k, v, m)  # noqa: E731
+                        fn = lambda q, k, v, m=m: packed_attention(q, k, v, m)  # noqa: E731
                         t = common.time_fn(run_fn(fn, [q, k, v], True), device=dev, warmup=2,
                                            iters=args.iters)  # fmt: skip
                         row[f"{key} ms"] = t.median_ms

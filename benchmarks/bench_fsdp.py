@@ -24,6 +24,10 @@ same episodes and initial weights in every variant::
                      installed, else Flex), compiled dynamic=False, sync on the last
                      micro-step. Pooling matters: 16 seed episodes of one rank fill packs of
                      65,536 to 86% (2.2 packs); the 32 of two ranks to 92% (2.0 packs)
+    packed_ops       packed with selective per-op checkpointing (attention outputs and every
+                     second matmul saved, the rest recomputed; "MFU incl. recompute" counts
+                     no recompute for it, so it reads low)
+    packed_acN       packed with N blocks fully checkpointed, the rest keeping activations
 
 Reported per variant (rank 0 prints a markdown table; JSON to --out): s/step (median of the
 timed steps, CUDA events, up to the end-of-step barrier), tokens/s over all GPUs, MFU by model
@@ -182,8 +186,8 @@ def build(args: Any, cfg: DiTConfig, dev: torch.device, kind: str, depth: int | 
     torch.manual_seed(args.seed)
     with torch.device(dev):  # a 5B model initialised on the CPU takes minutes
         model = DiT(mcfg)
-    pm.attention = sdpa_one_episode if unpacked else _LIB_ATTENTION
-    shard_model(model, MESH.get("mesh"), checkpointing=args.checkpointing,
+    pm.packed_attention = sdpa_one_episode if unpacked else _LIB_ATTENTION
+    shard_model(model, MESH.get("mesh"), checkpointing=variant_checkpointing(kind, args),
                 checkpoint_blocks=checkpoint_count(kind), compile=not args.no_compile,
                 dynamic=unpacked,
                 compile_options={"backend": args.compile_backend},
@@ -314,6 +318,11 @@ def gather_floats(x: dict[str, float], dev: torch.device) -> list[dict[str, floa
     return out
 
 
+def variant_checkpointing(kind: str, args: Any) -> str:
+    """``packed_ops`` -> selective per-op checkpointing ("ops"); else ``--checkpointing``."""
+    return "ops" if kind.endswith("_ops") else args.checkpointing
+
+
 def checkpoint_count(kind: str) -> int | None:
     """``packed_ac20`` -> 20 blocks checkpointed (the rest keep their activations); None: all."""
     m = re.search(r"_ac(\d+)", kind)
@@ -431,7 +440,8 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         ),
         "flops": sum(step_flops(mcfg, eps) for eps in timed),
         "recompute_flops": sum(
-            recompute_flops(mcfg, eps, args.checkpointing, checkpoint_count(kind)) for eps in timed
+            recompute_flops(mcfg, eps, variant_checkpointing(kind, args), checkpoint_count(kind))
+            for eps in timed
         ),
         "micro_steps": sum(len(p) for p in plans[args.warmup :]) / max(len(timed), 1),
         **prof_row,
@@ -440,7 +450,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
     del model, opt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    pm.attention = _LIB_ATTENTION
+    pm.packed_attention = _LIB_ATTENTION
     step_s = max(r["step_ms"] for r in ranks) / 1e3
     tokens = sum(r["tokens"] for r in ranks) / max(args.steps, 1)
     flops = sum(r["flops"] for r in ranks) / max(args.steps, 1)
@@ -510,7 +520,7 @@ def recompile_check(args: Any, cfg: DiTConfig, dev: torch.device) -> dict[str, A
     common.sync(dev)
     n = common.dynamo_counters()["unique_graphs"] - (g0 or 0)
     del model, opt
-    pm.attention = _LIB_ATTENTION
+    pm.packed_attention = _LIB_ATTENTION
     return {"recompile check": f"{args.recompile_packs} random packs at depth "
             f"{args.recompile_depth}, budget {args.pack_budget}",
             "graphs compiled after the first pack": n, "seconds": time.perf_counter() - t0}  # fmt: skip
@@ -655,7 +665,7 @@ def main() -> None:
             traceback.print_exc()
             row = {"variant": kind if m is None else f"packed M={m}",
                    "error": f"{type(e).__name__}: {str(e)[:300]}"}  # fmt: skip
-            pm.attention = _LIB_ATTENTION
+            pm.packed_attention = _LIB_ATTENTION
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         last_cost = time.perf_counter() - t0

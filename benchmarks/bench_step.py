@@ -99,7 +99,7 @@ def pad_episode(ep: dict[str, Any], frames: int) -> dict[str, Any]:
 
 
 # -- the unpacked baseline's attention: one unpadded episode -> plain SDPA, flash kernel -----
-_LIB_ATTENTION = pm.attention
+_LIB_ATTENTION = pm.packed_attention
 
 
 def sdpa_one_episode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
@@ -175,7 +175,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
                 # the tensor shapes fixed; a new Python int (FA4's max_seqlen) re-records.
                 mode="reduce-overhead" if kind == "cudagraphs" else None,
             )
-    pm.attention = sdpa_one_episode if kind == "unpacked" else _LIB_ATTENTION
+    pm.packed_attention = sdpa_one_episode if kind == "unpacked" else _LIB_ATTENTION
 
     budget = args.budget
     tpf = mcfg.tokens_per_frame
@@ -273,7 +273,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
         profile = prof.as_dict()
         if prof.kernel_table is not None:
             print(f"\n{name}\n{prof.kernel_table.markdown()}\n", flush=True)
-    pm.attention = _LIB_ATTENTION
+    pm.packed_attention = _LIB_ATTENTION
     losses = torch.stack(step_losses).tolist()
     timed = steps_eps[args.warmup :]
     tok = [sum(e["latents"].shape[0] * tpf + e["action"].shape[0] for e in eps) for eps in timed]

@@ -8,7 +8,7 @@
                                                              # (16, 8, 16) and action (7,)
 
 The model's two streams (``latents``, ``action``) are read from the dataset's features the way
-``packing verify --dataset`` reads them (`packing.verify.reference_streams`: a feature of that
+``packing verify --dataset`` reads them (`packing.verify_cli.reference_streams`: a feature of that
 name, else the only 3-D / 1-D float feature; ``--feature STREAM=FEATURE`` to choose), and the
 model is sized from their shapes.
 
@@ -30,13 +30,14 @@ from torch.utils.data import DataLoader
 
 from packing.collate import PackedCollator, Stream
 from packing.default_dataset import default_dataset_root
+from packing.joint import joint_layout
 from packing.lerobot import LeRobotEpisodes
 from packing.losses import reduce_loss
 from packing.masks import make_block_mask
 from packing.model import DiT, DiTConfig
 from packing.plan import plan_packs
 from packing.sampler import PackedBatchSampler
-from packing.verify import reference_streams
+from packing.verify_cli import reference_streams
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -105,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             # 5. Block mask: the document mask of the joint video+action sequence, built from
             #    the episode boundaries. The model builds the same one for its backend inside
             #    (FlexAttention on CUDA; on CPU, SDPA with the dense mask of the same rule).
-            joint = batch.extras["_joint"][cfg_joint()].layout
+            joint = joint_layout(batch, cfg_joint()).layout  # built by the collator, cached
             block_mask = make_block_mask(joint.doc_ids_T)
 
             # 6. Model step: per-token losses, reduced per episode (each episode weighs the

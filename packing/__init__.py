@@ -2,12 +2,15 @@
 
 ``import packing`` is instant: every name below is imported from its module on first use
 (torch, numpy and einops then; lerobot / datasets / pyarrow only by the dataset adapters).
+Each name has one home, the module listed for it in ``_MODULES``.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from packing._lazy import lazy_names
 
 if TYPE_CHECKING:  # names for type checkers and IDEs; at run time see _MODULES below
-    from packing.attention import AttentionMask, prepare_attention
+    from packing.attention import AttentionMask, packed_attention, prepare_attention
     from packing.collate import PackedCollator, Stream, pack, unpack
     from packing.conditioning import (
         broadcast_to_tokens,
@@ -38,10 +41,12 @@ if TYPE_CHECKING:  # names for type checkers and IDEs; at run time see _MODULES 
     )
     from packing.model import DiT, DiTConfig
     from packing.online import BufferedPacker
-    from packing.plan import PackPlan, frames_to_tokens, plan_packs, slice_piece, split_windows
+    from packing.pieces import slice_piece, split_windows
+    from packing.plan import PackPlan, frames_to_tokens, plan_packs
     from packing.profile import StepProfiler, profiling
     from packing.sampler import PackedBatchSampler
-    from packing.verify import VerifyConfig, compare_packed_unpacked, run_verify
+    from packing.verify import compare_packed_unpacked
+    from packing.verify_cli import VerifyConfig, run_verify
     from packing.verify_report import Tolerances, VerifyReport
 
 __all__ = [
@@ -84,6 +89,7 @@ __all__ = [
     "joint_layout",
     "make_block_mask",
     "pack",
+    "packed_attention",
     "packed_noise",
     "plan_packs",
     "prepare_attention",
@@ -102,11 +108,10 @@ __all__ = [
 __version__ = "0.1.0"
 
 # Every name is imported on first use (PEP 562), so `packing --help` and `import packing` do
-# not pay for torch (seconds of CPU on a busy machine). The function `attention` stays in its
-# module: exporting it here would shadow the module `packing.attention`. The dataset adapters
-# import lerobot / datasets / pyarrow only when an instance is made.
+# not pay for torch (seconds of CPU on a busy machine). The dataset adapters import lerobot /
+# datasets / pyarrow only when an instance is made.
 _MODULES = {
-    "packing.attention": ("AttentionMask", "prepare_attention"),
+    "packing.attention": ("AttentionMask", "packed_attention", "prepare_attention"),
     "packing.collate": ("PackedCollator", "Stream", "pack", "unpack"),
     "packing.conditioning": (
         "broadcast_to_tokens",
@@ -137,23 +142,15 @@ _MODULES = {
     ),
     "packing.model": ("DiT", "DiTConfig"),
     "packing.online": ("BufferedPacker",),
-    "packing.plan": ("PackPlan", "frames_to_tokens", "plan_packs", "slice_piece", "split_windows"),
+    "packing.pieces": ("slice_piece", "split_windows"),
+    "packing.plan": ("PackPlan", "frames_to_tokens", "plan_packs"),
     "packing.profile": ("StepProfiler", "profiling"),
     "packing.sampler": ("PackedBatchSampler",),
-    "packing.verify": ("VerifyConfig", "compare_packed_unpacked", "run_verify"),
+    "packing.verify": ("compare_packed_unpacked",),
+    "packing.verify_cli": ("VerifyConfig", "run_verify"),
     "packing.verify_report": ("Tolerances", "VerifyReport"),
 }
-_LAZY = {name: module for module, names in _MODULES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'packing' has no attribute {name!r}")
+__getattr__ = lazy_names(globals(), _MODULES)
 
 
 def __dir__() -> list[str]:

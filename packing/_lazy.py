@@ -1,23 +1,38 @@
-"""The one boundary where optional heavy dependencies are imported.
+"""Everything packing imports later than ``import packing``, each kind of import one way.
 
-``import packing`` needs only torch and numpy. Readers of LeRobot and Hugging Face datasets
-call :func:`require` inside functions and constructors, so the optional package is imported
-the first time it is used, and a missing one fails with the command that installs it::
+``import packing`` needs only torch, numpy, einops and pyarrow installed, and imports none of
+them until a name is used. Three kinds of import are deferred, and this module is the only
+place that does it:
 
-    lerobot_dataset = require("lerobot.datasets.lerobot_dataset", extra="lerobot")
-    # ModuleNotFoundError: this feature needs 'lerobot', which is not installed;
-    # install it with: pip install 'packing[lerobot]'
+1. **The package's own names** (:func:`lazy_names`, PEP 562): ``packing.PackedCollator``
+   imports ``packing.collate`` on first use, so ``packing --help`` does not pay for torch.
+2. **Optional dependencies** (:func:`require`): imported inside the function or constructor
+   that needs them, so a missing one fails there, with the command that installs it::
 
-``extra=None`` marks a core dependency (pyarrow: the LeRobot root reader and `packing verify`
-need only it); missing, it is a broken install, and the hint names the package itself.
+       lerobot_dataset = require("lerobot.datasets.lerobot_dataset", extra="lerobot")
+       # ModuleNotFoundError: this feature needs 'lerobot', which is not installed;
+       # install it with: pip install 'packing[lerobot]'
+
+   ``extra=None`` marks a core dependency (pyarrow: the LeRobot root reader and `packing
+   verify` need only it); missing, it is a broken install, and the hint names the package.
+   An optional *accelerator* that no extra installs (flash-attn-4) is asked about with
+   :func:`probe`, which says why it is unusable instead of raising: callers pick another
+   kernel.
+3. **Names that moved** (:func:`moved_names`): the old import keeps working for one release
+   and warns ``DeprecationWarning`` naming the new home (CHANGELOG "Moved").
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from functools import cache
 from types import ModuleType
+from typing import Any
 
-__all__ = ["require"]
+__all__ = ["lazy_names", "moved_names", "probe", "require"]
 
 
 def require(module: str, *, extra: str | None) -> ModuleType:
@@ -36,3 +51,69 @@ def require(module: str, *, extra: str | None) -> ModuleType:
             f"this feature needs {top!r}, which is not installed; install it with: {fix}",
             name=e.name,
         ) from e
+
+
+@cache
+def probe(module: str, *, package: str) -> str | None:
+    """None when ``module`` imports; else why not, naming ``package`` (the distribution).
+
+    A broken install is reported as broken, not as absent::
+
+        probe("flash_attn.cute.interface", package="flash-attn-4")
+        # 'flash-attn-4 not installed', or
+        # "flash-attn-4 found but flash_attn.cute.interface failed to import (ImportError(...))"
+
+    Cached: the answer cannot change within a process.
+    """
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return f"{package} not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # any import failure makes it unusable here; say which
+        return f"{package} found but {module} failed to import ({err!r})"
+    return None
+
+
+def lazy_names(
+    namespace: dict[str, Any], modules: Mapping[str, Sequence[str]]
+) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that imports each name of ``modules`` ({module: names}) from
+    its module on first use and stores it in ``namespace`` (later lookups skip the call)."""
+    home = {name: module for module, names in modules.items() for name in names}
+    package = namespace["__name__"]
+
+    def __getattr__(name: str) -> Any:
+        if name in home:
+            value = getattr(importlib.import_module(home[name]), name)
+            namespace[name] = value
+            return value
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+def moved_names(module: str, moves: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that serves names that moved away from ``module``, warning.
+
+    ``moves`` maps an old name to its new home, ``"package.module:new_name"``::
+
+        __getattr__ = moved_names(__name__, {"StepRecord": "packing.verify_report:StepComparison"})
+        # from packing.verify import StepRecord ->
+        # DeprecationWarning: packing.verify.StepRecord moved to
+        # packing.verify_report.StepComparison; import it from there (the old name goes in
+        # the next release)
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name not in moves:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        new_module, _, new_name = moves[name].partition(":")
+        warnings.warn(
+            f"{module}.{name} moved to {new_module}.{new_name}; import it from there (the old "
+            "name goes in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(new_module), new_name)
+
+    return __getattr__

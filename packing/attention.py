@@ -19,7 +19,7 @@ text tokens), so a pack's attention time does not depend on how much of its budg
 Usage, once per training step, then in every layer::
 
     mask = prepare_attention(batch.layout(), inner=causal(), backend="auto", device="cuda")
-    out_THD = attention(q_THD, k_THD, v_THD, mask)      # mask.backend says what auto chose
+    out_THD = packed_attention(q_THD, k_THD, v_THD, mask)   # mask.backend: what auto chose
 
 Backends (``docs/attention.md`` has the measured speeds and CPU agreement):
 
@@ -27,7 +27,7 @@ Backends (``docs/attention.md`` has the measured speeds and CPU agreement):
 ``sdpa``      dense ``(T_q, T_kv)`` bool mask from the same mask_mod, SDPA math.       any device
               The reference: exact, with backward, O(T^2) memory.
 ``flex``      FlexAttention with our block mask, compiled (Triton on CUDA; a static    CUDA (CPU:
-              kernel for each of a process's first 4 shapes).                          fwd only)
+              kernel for each of a process's first 4 shapes: packing/_compile.py).     fwd only)
 ``flex_flash`` the same, ``kernel_options={"BACKEND": "FLASH"}`` (flash-attn-4 CuTe).  CUDA + FA4
 ``varlen``    ``cu_seqlens`` kernel: FA4 (op ``packing::fa4_varlen``) if installed,    CUDA,
               else ``torch.nn.attention.varlen.varlen_attn``. Document-only masks.     bf16/fp16
@@ -41,19 +41,17 @@ back silently.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor
 
-from packing import masks
+from packing import _compile, masks
+from packing._lazy import moved_names, probe
 from packing.fa4 import fa4_varlen, zero_rows_from
 from packing.layout import StreamLayout
 from packing.layout_math import round_up
@@ -62,10 +60,18 @@ from packing.masks import InnerMask
 __all__ = [
     "AttentionMask",
     "Backend",
-    "attention",
     "fa4_available",
+    "packed_attention",
     "prepare_attention",
 ]
+
+__getattr__ = moved_names(
+    __name__,
+    {
+        "attention": "packing.attention:packed_attention",
+        "call_compiled": "packing._compile:call_compiled",
+    },
+)
 
 Backend = Literal["auto", "sdpa", "flex", "flex_flash", "varlen"]
 _BACKENDS = ("auto", "sdpa", "flex", "flex_flash", "varlen")
@@ -80,17 +86,9 @@ def fa4_available() -> bool:
     return _fa4_import_error() is None
 
 
-@cache
 def _fa4_import_error() -> str | None:
-    """None when FA4 imports; else why not, so `auto`'s reason can say it (a broken install
-    is reported as broken, not as absent)."""
-    if importlib.util.find_spec("flash_attn") is None:
-        return "flash-attn-4 not installed"
-    try:
-        importlib.import_module("flash_attn.cute.interface")
-    except Exception as err:  # any import failure: FA4 is unusable here; say which
-        return f"flash-attn-4 found but flash_attn.cute.interface failed to import ({err!r})"
-    return None
+    """None when FA4 imports; else why not, so `auto`'s reason can say it."""
+    return probe("flash_attn.cute.interface", package="flash-attn-4")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,13 +99,18 @@ class AttentionMask:
     ``backend`` is the resolved name (never ``"auto"``), ``kernel`` the implementation
     (``"math"``, ``"triton"``, ``"flash"``, ``"fa4"``, ``"torch"``), ``reason`` why it was
     chosen. Only the fields of the chosen backend are set.
+
+    It holds device tensors and ints that depend on the pack's padded shape only, never the
+    layouts' host-side episode lengths: a compiled block (or a checkpoint inside compile, whose
+    higher-order op guards on everything its inputs hold) sees the same values for every pack
+    of a static budget, so it never recompiles as the composition changes.
     """
 
     backend: str
     kernel: str
     reason: str
-    q_layout: StreamLayout
-    kv_layout: StreamLayout
+    q_len: int  # padded query tokens (T_q)
+    kv_len: int  # padded key tokens (T_kv)
     inner: InnerMask | None
     cross: bool
     dense_TT: Tensor | None = None  # sdpa: bool (T_q, T_kv), rows with no key made all-True
@@ -123,7 +126,7 @@ class AttentionMask:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.q_layout.padded_len, self.kv_layout.padded_len)
+        return (self.q_len, self.kv_len)
 
     def __repr__(self) -> str:
         return (
@@ -228,7 +231,7 @@ def prepare_attention(
     ``sliding_window(...)``) AND-ed with the document mask. ``device`` defaults to the layout's;
     ``dtype`` (of q/k/v) lets ``auto`` rule out half-precision-only kernels for fp32, and
     ``head_dim`` the flash-attn-4 kernels for head dims they do not support (64, 96, 128);
-    without it, `attention` refuses an unsupported head dim on those kernels at call time.
+    without it, `packed_attention` refuses an unsupported head dim on those kernels at call time.
 
     No host-device sync: everything is built from the layouts' tensors and host-side lengths.
     """
@@ -249,8 +252,8 @@ def prepare_attention(
         backend=name,
         kernel=kernel,
         reason=reason,
-        q_layout=q_lay,
-        kv_layout=kv_lay,
+        q_len=q_lay.padded_len,
+        kv_len=kv_lay.padded_len,
         inner=inner,
         cross=cross,
     )
@@ -354,7 +357,7 @@ _MAX_SEQLEN_BUCKET = 256
 
 
 # -- the call ----------------------------------------------------------------------------------
-def attention(
+def packed_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None = None
 ) -> Tensor:
     """Packed attention ``(T_q, H, D), (T_kv, H, D), (T_kv, H, D) -> (T_q, H, D)``.
@@ -398,96 +401,9 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask) -> None:
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:
     assert mask.dense_TT is not None and mask.keep_T is not None
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask.dense_TT, scale=scale
-    ).transpose(0, 1)
-    return torch.where(mask.keep_T[:, None, None], out, 0.0)
-
-
-# FlexAttention on CUDA runs compiled (eager flex materialises the scores). Every shape gets
-# its own static-shape kernel, up to STATIC_FLEX_SHAPES shapes per process; later shapes share
-# one dynamic-shape kernel (with a warning). A shape seen before keeps its static kernel. On the
-# H200 the dynamic kernel was 1.41x slower (fwd+bwd, 37 short episodes in 48K tokens) than the
-# static one on the same mask, and dynamo's automatic dynamic (``dynamic=None``) would have
-# switched *every* later call, the training shape's too, to it after one new length (an eval
-# budget, say). A packed run with one token budget has one shape; the unpacked reference of
-# `packing verify` has one per episode length.
-STATIC_FLEX_SHAPES = 4
-_static_flex_shapes: set[tuple[int, ...]] = set()
-_compiled_flex: dict[bool, Callable[..., Any]] = {}
-
-
-def _flex_is_static(shape: tuple[int, ...]) -> bool:
-    """Give ``shape`` (q tokens, kv tokens) a static kernel if it has one or a slot is free."""
-    if shape in _static_flex_shapes or len(_static_flex_shapes) < STATIC_FLEX_SHAPES:
-        _static_flex_shapes.add(shape)
-        return True
-    if len(_static_flex_shapes) == STATIC_FLEX_SHAPES:
-        _static_flex_shapes.add((-1,))  # warn once
-        warnings.warn(
-            f"packing.attention: FlexAttention has static kernels for {STATIC_FLEX_SHAPES} "
-            f"sequence shapes; shape {shape} and later new ones use one dynamic-shape kernel, "
-            "which is slower (1.4x on an H200). Give every pack one shape "
-            "(PackedCollator(token_budget=...)) to keep the static kernels",
-            stacklevel=4,
-        )
-    return False
-
-
-def _flex_fn(device: torch.device, shape: tuple[int, ...], flash: bool) -> Callable[..., Any]:
-    """FlexAttention for q/k of ``shape``: compiled on CUDA (static or dynamic, see above);
-    eager on CPU, where it serves as a forward-only cross-check of the block mask.
-
-    The FLASH backend is always static: torch 2.11 cannot compile it with dynamic shapes (the
-    mask_mod's captured sizes become SymInts, which its CuTe template cannot inline; seen on
-    the H200 as an InductorError once a process had seen 4 shapes). Each new shape compiles
-    a kernel, up to FLEX_GRAPH_LIMIT graphs, past which `call_compiled` raises."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if device.type != "cuda":
-        return flex_attention
-    static = flash or _flex_is_static(shape)
-    if static not in _compiled_flex:
-        _compiled_flex[static] = torch.compile(flex_attention, dynamic=not static)
-    return _compiled_flex[static]
-
-
-# Graphs the shared compiled FlexAttention may hold in one process. Each (mask_mod kind, grad
-# mode, autocast, dtype, static/dynamic shape) is one graph: a model with a self- and a
-# cross-attention mask, trained and evaluated with and without autocast, already needs 8,
-# dynamo's default limit for a function. Past this limit `call_compiled` raises.
-FLEX_GRAPH_LIMIT = 64
-
-
-def call_compiled(
-    fn: Callable[..., Any], *args: Any, graph_limit: int | None = None, **kwargs: Any
-) -> Any:
-    """Call a ``torch.compile``-d function, failing loudly instead of falling back to eager.
-
-    Past ``torch._dynamo.config.recompile_limit`` dynamo silently runs the function eagerly;
-    for FlexAttention that means materialising the T x T scores (tens of GiB at 64K tokens)
-    and a backward torch itself flags as possibly wrong. Seen on an H200 in `packing verify`.
-    ``graph_limit`` raises the limit for this call (never lowers it).
-    """
-    cfg = torch._dynamo.config
-    saved = (cfg.recompile_limit, cfg.fail_on_recompile_limit_hit)
-    limit = saved[0] if graph_limit is None else max(saved[0], graph_limit)
-    # Set and restore by hand: `cfg.patch(...)` cost 40 us a call on a 2-core VM, this 13.
-    cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = limit, True
-    try:
-        return fn(*args, **kwargs)
-    except Exception as err:
-        if type(err).__name__ != "FailOnRecompileLimitHit":
-            raise
-        raise RuntimeError(
-            f"a compiled function ({_name(fn)}) hit its recompile limit ({limit} graphs): past "
-            "it torch would have run it eagerly (for attention: dense T x T scores). Give every "
-            "pack one shape (PackedCollator(token_budget=..., max_docs=...)) and keep the "
-            "number of mask kinds small, or raise torch._dynamo.config.recompile_limit if "
-            "the shapes really vary (TORCH_LOGS=recompiles says why it recompiled)"
-        ) from err
-    finally:
-        cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = saved
+    q_HTD, k_HTD, v_HTD = (rearrange(x, "t h d -> h t d") for x in (q, k, v))
+    out_HTD = F.scaled_dot_product_attention(q_HTD, k_HTD, v_HTD, mask.dense_TT, scale=scale)
+    return torch.where(mask.keep_T[:, None, None], rearrange(out_HTD, "h t d -> t h d"), 0.0)
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:
@@ -498,24 +414,36 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
                 "use backend='sdpa' (or 'auto') to train on CPU, or run under torch.no_grad()"
             )
         q, k, v = q.detach(), k.detach(), v.detach()
-    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-    kw = dict(block_mask=mask.block_mask, scale=scale, kernel_options=mask.kernel_options)
+    q_BHTD, k_BHTD, v_BHTD = (rearrange(x, "t h d -> 1 h t d") for x in (q, k, v))
+    kw: dict[str, Any] = dict(
+        block_mask=mask.block_mask, scale=scale, kernel_options=mask.kernel_options
+    )
     if q.device.type == "cuda" and torch.compiler.is_compiling():
         # Inside the caller's compiled model: traced into its graph, which decides the
         # shapes (and no library state is read or changed while dynamo traces).
         from torch.nn.attention.flex_attention import flex_attention
 
-        return flex_attention(*args, **kw)[0].transpose(0, 1)  # type: ignore[index]
-    fn = _flex_fn(q.device, (q.shape[0], k.shape[0]), mask.kernel == "flash")
+        out = flex_attention(q_BHTD, k_BHTD, v_BHTD, **kw)
+        return rearrange(out[0], "h t d -> t h d")  # type: ignore[index]
     if q.device.type == "cuda":
-        out = call_compiled(fn, *args, graph_limit=FLEX_GRAPH_LIMIT, **kw)
+        # Compiled, one static kernel per shape for a process's first few shapes (the FLASH
+        # backend always static: torch 2.11 cannot compile it with dynamic shapes, an
+        # InductorError on the H200); the contract is in packing/_compile.py.
+        fn = _compile.FLEX_KERNELS.get(
+            (q.shape[0], k.shape[0]), always_static=mask.kernel == "flash"
+        )
+        out = _compile.call_compiled(
+            fn, q_BHTD, k_BHTD, v_BHTD, graph_limit=_compile.FLEX_GRAPH_LIMIT, **kw
+        )
     else:
+        from torch.nn.attention.flex_attention import flex_attention
+
         with warnings.catch_warnings():
-            # Eager flex on CPU is deliberate (a forward cross-check); its "not compiled"
-            # warning would only repeat what `mask.reason` already says.
+            # Eager flex on CPU is deliberate (a forward cross-check of the block mask); its
+            # "not compiled" warning would only repeat what `mask.reason` already says.
             warnings.filterwarnings("ignore", message="flex_attention called without torch")
-            out = fn(*args, **kw)
-    return out[0].transpose(0, 1)
+            out = flex_attention(q_BHTD, k_BHTD, v_BHTD, **kw)
+    return rearrange(out[0], "h t d -> t h d")  # type: ignore[index]
 
 
 def _varlen(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | None) -> Tensor:

@@ -2,7 +2,7 @@
 
 Each function takes ``lengths_N`` (int64, every value in ``[1, budget]``) and returns
 ``bin_N``: the bin (pack) of every item, bins numbered ``0..P-1`` in the order they were opened.
-Three items and a budget of 7::
+Four items and a budget of 7::
 
     lengths  [5, 3, 4, 2]          sorted decreasing: 5, 4, 3, 2
     bfd      5 -> new bin 0 (room 2); 4 -> new bin 1 (room 3);
@@ -15,8 +15,8 @@ and after taking it that bin has room ``r - L``, still the smallest room ``>= L`
 ``>= L`` at all. So a bin with room ``r`` takes ``r // L`` items of the run in a row, every bin
 with the same room behaves the same, and a whole run is placed with a few list and numpy
 operations per distinct room level rather than per item. Bins with equal room are
-interchangeable, so this is exactly best-fit decreasing (``best_fit_decreasing_reference`` is
-the one-item-at-a-time version the tests compare it to).
+interchangeable, so this is exactly best-fit decreasing (``tests/reference.py`` has the
+one-item-at-a-time version the tests compare it to).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from packing.layout_math import ceil_div
 
 __all__ = [
     "best_fit_decreasing",
-    "best_fit_decreasing_reference",
     "best_fit_lookahead",
     "first_fit_decreasing",
     "lookahead",
@@ -226,31 +225,6 @@ def first_fit_decreasing(
             n_bins += len(counts)
     bin_N = np.empty(n, dtype=np.int64)
     bin_N[order] = bin_sorted
-    return bin_N
-
-
-def best_fit_decreasing_reference(
-    lengths: np.ndarray, budget: int, max_docs: int | None = None
-) -> np.ndarray:
-    """Best-fit decreasing one item at a time, O(N * P): the slow reference for tests."""
-    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    room: list[int] = []
-    docs: list[int] = []
-    bin_N = np.empty(len(lengths), dtype=np.int64)
-    for i in order:
-        L = int(lengths[i])
-        best = -1
-        for b in range(len(room)):
-            fits = room[b] >= L and (max_docs is None or docs[b] < max_docs)
-            if fits and (best < 0 or room[b] < room[best]):
-                best = b
-        if best < 0:
-            room.append(budget)
-            docs.append(0)
-            best = len(room) - 1
-        room[best] -= L
-        docs[best] += 1
-        bin_N[i] = best
     return bin_N
 
 

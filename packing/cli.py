@@ -57,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_run_options(v)
+    _add_comparison_options(v)
+    _add_distributed_options(v)
+    _add_model_and_data_options(v)
+    _add_optimizer_and_output_options(v)
+    return parser
+
+
+def _add_run_options(v: argparse.ArgumentParser) -> None:
+    """Where and how long: device, dtype, compile, steps, episodes, budget."""
     v.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     v.add_argument(
         "--dtype",
@@ -73,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens per pack (default: about a third of a step's tokens)",
     )
+
+
+def _add_comparison_options(v: argparse.ArgumentParser) -> None:
+    """What is compared: the mask, the loss reduction and normaliser."""
     v.add_argument(
         "--mask",
         default="document",
@@ -102,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
             "FAIL"
         ),
     )
+
+
+def _add_distributed_options(v: argparse.ArgumentParser) -> None:
+    """The distributed run (``--nproc``, FSDP2): ranks, sharding, noise keys."""
     v.add_argument(
         "--nproc",
         type=int,
@@ -140,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
             "into the seed (the mistake; verify must FAIL)"
         ),
     )
+
+
+def _add_model_and_data_options(v: argparse.ArgumentParser) -> None:
+    """Whose model, on whose data: dataset, features, model, reference."""
     v.add_argument("--dataset", default=None, help="a local LeRobot v3 root (default: embedded)")
     v.add_argument(
         "--feature",
@@ -165,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
             "(default: the model's reference() if it has one, else a copy of the model)"
         ),
     )
+
+
+def _add_optimizer_and_output_options(v: argparse.ArgumentParser) -> None:
+    """AdamW, the leak check, the report and the process."""
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     v.add_argument(
@@ -187,7 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--traceback", action="store_true", help="on an error, print the full traceback too"
     )
-    return parser
 
 
 def _progress(line: str) -> None:
@@ -219,7 +244,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from packing.verify import VerifyConfig, run_verify
+    from packing.verify_cli import VerifyConfig, run_verify
 
     config = VerifyConfig(
         device=args.device,

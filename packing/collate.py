@@ -23,19 +23,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from packing.joint import JointLayout, joint_layout
+from packing._lazy import moved_names
+from packing.joint import joint_layout as _joint_layout
 from packing.layout import PackedBatch, StreamLayout, layout_from_lengths
 from packing.layout_math import padded_length
 
-__all__ = [
-    "JointLayout",
-    "PackedCollator",
-    "Stream",
-    "check_batch",
-    "joint_layout",
-    "pack",
-    "unpack",
-]
+__all__ = ["PackedCollator", "Stream", "check_batch", "pack", "unpack"]
+
+__getattr__ = moved_names(
+    __name__,
+    {"JointLayout": "packing.joint:JointLayout", "joint_layout": "packing.joint:joint_layout"},
+)
 
 
 @dataclass(frozen=True)
@@ -144,7 +142,7 @@ class PackedCollator:
         max_docs: static number of documents: per-episode tensors and ``cu_seqlens`` are
             padded to it (episode_index with -1, numbers with 0, strings with "").
         joint: tuples of stream names to lay out as one attention sequence in the worker
-            (see `joint_layout`); the result is cached on the batch.
+            (see `packing.joint.joint_layout`); cached on the batch (`PackedBatch.joint_layouts`).
         pin_memory: allocate the output buffers in pinned memory.
     """
 
@@ -226,10 +224,11 @@ class PackedCollator:
             layouts=layouts,
             per_episode=per_episode,
             primary=streams[0].name,
-            extras={"_kinds": kinds, "_episode_ids": tuple(int(i) for i in ids.tolist())},
+            value_kinds=kinds,
+            host_episode_ids=tuple(int(i) for i in ids.tolist()),
         )
         for j in self.joint:
-            joint_layout(batch, j)  # cached on the batch
+            _joint_layout(batch, j)  # cached on the batch
         return batch
 
     # -- streams ----------------------------------------------------------------------------
@@ -441,7 +440,8 @@ class PackedCollator:
             layouts=layouts,
             per_episode={"episode_index": torch.full((k_out,), -1, dtype=torch.int64)},
             primary=self.streams[0].name,
-            extras={"_kinds": {"episode_index": "absent"}, "_episode_ids": ()},
+            value_kinds={"episode_index": "absent"},
+            host_episode_ids=(),
         )
 
 
@@ -506,7 +506,7 @@ def unpack(batch: PackedBatch) -> list[dict[str, Any]]:
     refused rather than read as wrong rows; see `check_batch`.
     """
     check_batch(batch)
-    kinds: dict[str, str] = batch.extras.get("_kinds", {})
+    kinds = batch.value_kinds
     episodes: list[dict[str, Any]] = [{} for _ in range(batch.num_docs)]
     for name, data in batch.streams.items():
         lay = batch.layouts[name]

@@ -325,7 +325,7 @@ def packed_noise(
             dtype = data.dtype if data.is_floating_point() else torch.float32
         device = data.device if device is None else device
         if episode_index_K is None:
-            if batch.extras.get("_kinds", {}).get("episode_index") == "absent" and layout.num_docs:
+            if batch.value_kinds.get("episode_index") == "absent" and layout.num_docs:
                 raise ValueError(
                     "packed_noise: the episodes carry no 'episode_index', so the collator "
                     "numbered them by position in the pack and their noise would change with "

@@ -31,13 +31,13 @@ else (the root unit, the policy) is the same. ``checkpointing`` picks what is re
 ``checkpoint_blocks=n`` checkpoints only n of the blocks (spread evenly), the per-block
 selective choice when memory allows some blocks to keep their activations.
 
-Full checkpointing wraps the *compiled* block (torchtitan compiles the checkpointed one): a
-checkpoint inside ``torch.compile`` takes the step's ``AttentionMask`` apart into its inputs
-and guards on its host-side episode lengths, which recompiles on every new pack (measured:
-one graph per pack). Outside, the recompute calls the same compiled forward with the same
-arguments: no rebuild, no new guard. ``"ops"`` must sit inside compile (its policy sees
-each op), so with the reference DiT it recompiles per pack composition: use it with a fixed
-pack plan, or prefer ``"full"`` with ``checkpoint_blocks``.
+Full checkpointing wraps the *compiled* block (torchtitan compiles the checkpointed one):
+the recompute calls the same compiled forward with the same arguments, no rebuild, no new
+guard. ``"ops"`` sits inside compile (its policy must see each op); the checkpoint's
+higher-order op guards on everything its inputs hold, which is why `AttentionMask` holds
+only device tensors and ints fixed by the pack's padded shape (it held the layouts' episode
+lengths once, and every new pack composition recompiled). Both keep one graph per block
+across pack compositions (``tests/test_attention.py`` checks the checkpoint inside compile).
 
 CPU (gloo) runs the same code: FSDP2 shards and reduces on CPU in torch 2.11, which is how
 CI runs the 2-process ``packing verify --nproc 2``.

@@ -92,7 +92,7 @@ def joint_layout(batch: PackedBatch, streams: Sequence[str]) -> JointLayout:
     names = tuple(streams)
     if len(names) < 2 or len(set(names)) != len(names):
         raise ValueError(f"joint_layout needs two or more distinct streams, got {names}")
-    cache = batch.extras.setdefault("_joint", {})
+    cache = batch.joint_layouts
     if names in cache:
         return cache[names]
     lays = [batch.layout(n) for n in names]

@@ -27,12 +27,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from packing.layout_math import positions_from_lengths, thw_from_lengths
+
+if TYPE_CHECKING:  # packing.joint builds on this module
+    from packing.joint import JointLayout
 
 __all__ = ["PackedBatch", "StreamLayout", "layout_from_lengths"]
 
@@ -123,7 +126,20 @@ class PackedBatch(Mapping[str, Any]):
     - every per-episode value (0-d tensors, numbers, strings) -> stacked per document:
       a (K,) tensor for numbers, a list for strings.
 
-    Other streams' layouts: ``batch.layout("action")``. ``batch.num_docs`` is K.
+    - every key of ``extras`` (the caller's: ``"seed"``, ``"step"``) not starting with ``_``.
+
+    Lookups read the one dict that holds the key (the primary layout's keys are five
+    attributes); nothing is rebuilt per access. Other streams' layouts:
+    ``batch.layout("action")``. ``batch.num_docs`` is K.
+
+    Fields the collator fills besides the data (not in the mapping):
+
+    - ``value_kinds``: how each per-episode value was given (``"int"``, ``"float"``,
+      ``"bool"``, ``"str"``, ``"tensor"``; ``"absent"`` for an ``episode_index`` the collator
+      made up), so `packing.collate.unpack` returns it as it came in;
+    - ``host_episode_ids``: the K episodes' ``episode_index`` as host ints, read by
+      ``episode_ids`` (``None``: read from ``per_episode`` on the CPU);
+    - ``joint_layouts``: the `packing.joint.joint_layout` cache, by tuple of stream names.
     """
 
     streams: dict[str, torch.Tensor]
@@ -131,6 +147,9 @@ class PackedBatch(Mapping[str, Any]):
     per_episode: dict[str, Any]
     primary: str
     extras: dict[str, Any] = field(default_factory=dict)
+    value_kinds: dict[str, str] = field(default_factory=dict)
+    host_episode_ids: tuple[int, ...] | None = None
+    joint_layouts: dict[tuple[str, ...], JointLayout] = field(default_factory=dict)
 
     # -- the primary layout, by name ------------------------------------------------------
     @property
@@ -157,9 +176,8 @@ class PackedBatch(Mapping[str, Any]):
     def episode_ids(self) -> tuple[int, ...]:
         """The K real documents' ``episode_index`` as host ints, kept on the host by ``to()``
         so per-episode RNG keys never cost a device sync."""
-        ids = self.extras.get("_episode_ids")
-        if ids is not None:
-            return tuple(ids)
+        if self.host_episode_ids is not None:
+            return self.host_episode_ids
         index = self.per_episode["episode_index"]
         if index.device.type != "cpu":
             raise RuntimeError(
@@ -192,53 +210,59 @@ class PackedBatch(Mapping[str, Any]):
         return layout
 
     # -- Mapping ----------------------------------------------------------------------------
-    def _flat(self) -> dict[str, Any]:
-        lay = self.layouts[self.primary]
-        out: dict[str, Any] = dict(self.streams)
-        out["doc_ids"] = lay.doc_ids_T
-        out["position_ids"] = lay.position_ids_T
-        out["cu_seqlens"] = lay.cu_seqlens_K1
-        out["max_seqlen"] = lay.max_seqlen
-        if lay.thw_T3 is not None:
-            out["thw"] = lay.thw_T3
-        out.update(self.per_episode)
-        out.update({k: v for k, v in self.extras.items() if not k.startswith("_")})
-        return out
+    # Precedence when a key is in several places: extras > per_episode > layout > streams.
+    def _layout_keys(self) -> tuple[str, ...]:
+        has_thw = self.layouts[self.primary].thw_T3 is not None
+        return _LAYOUT_KEYS if has_thw else _LAYOUT_KEYS[:-1]  # "thw" is last
 
     def __getitem__(self, key: str) -> Any:
-        flat = self._flat()
-        if key not in flat:
-            raise KeyError(f"{key!r} is not in this PackedBatch; keys are {list(flat)}")
-        return flat[key]
+        if key in self.extras and not key.startswith("_"):
+            return self.extras[key]
+        if key in self.per_episode:
+            return self.per_episode[key]
+        attr = _LAYOUT_ATTRS.get(key)
+        value = None if attr is None else getattr(self.layouts[self.primary], attr)
+        if value is not None:  # None: "thw" of a stream without a grid
+            return value
+        if key in self.streams:
+            return self.streams[key]
+        raise KeyError(f"{key!r} is not in this PackedBatch; keys are {list(self)}")
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._flat())
+        # Insertion order of the old flat dict: streams, layout, per-episode, extras.
+        keys = dict.fromkeys(self.streams)
+        keys.update(dict.fromkeys(self._layout_keys()))
+        keys.update(dict.fromkeys(self.per_episode))
+        keys.update(dict.fromkeys(k for k in self.extras if not k.startswith("_")))
+        return iter(keys)
 
     def __len__(self) -> int:
-        return len(self._flat())
+        return sum(1 for _ in self)
 
     # -- devices ----------------------------------------------------------------------------
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """A copy on ``device``; Python ints and lists (lengths, max_seqlen) stay on the host."""
 
         kw = {"non_blocking": non_blocking}
-        return PackedBatch(
+        return replace(
+            self,
             streams=_move(self.streams, "to", device, **kw),
             layouts=_move(self.layouts, "to", device, **kw),
             per_episode=_move(self.per_episode, "to", device, **kw),
-            primary=self.primary,
             extras=_move(self.extras, "to", device, **kw),
+            joint_layouts=_move(self.joint_layouts, "to", device, **kw),
         )
 
     def pin_memory(self) -> PackedBatch:
         """Called by ``DataLoader(pin_memory=True)``."""
 
-        return PackedBatch(
+        return replace(
+            self,
             streams=_move(self.streams, "pin_memory"),
             layouts=_move(self.layouts, "pin_memory"),
             per_episode=_move(self.per_episode, "pin_memory"),
-            primary=self.primary,
             extras=_move(self.extras, "pin_memory"),
+            joint_layouts=_move(self.joint_layouts, "pin_memory"),
         )
 
     def __repr__(self) -> str:
@@ -248,6 +272,17 @@ class PackedBatch(Mapping[str, Any]):
             f"PackedBatch(K={lay.num_docs}, primary={self.primary!r}, streams=[{streams}], "
             f"tokens={lay.num_tokens}/{lay.padded_len} ({lay.efficiency:.1%}))"
         )
+
+
+# batch[key] -> the primary StreamLayout's attribute; "thw" only for a grid stream.
+_LAYOUT_ATTRS = {
+    "doc_ids": "doc_ids_T",
+    "position_ids": "position_ids_T",
+    "cu_seqlens": "cu_seqlens_K1",
+    "max_seqlen": "max_seqlen",
+    "thw": "thw_T3",
+}
+_LAYOUT_KEYS = tuple(_LAYOUT_ATTRS)
 
 
 def layout_from_lengths(

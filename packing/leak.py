@@ -217,12 +217,71 @@ def find_leaks(
     letter, noise in fact. Returns a ``LeakReport``; ``report.raise_if_leaking()`` turns it
     into a test failure naming the episode pairs.
     """
-    output_layouts = dict(output_layouts or {})
     num_docs = batch.num_docs
     if num_docs < 2:
         raise ValueError(
             f"find_leaks needs a pack of >= 2 episodes, got {num_docs}; collate more episodes"
         )
+    names = _input_streams(batch, inputs)
+    gen = torch.Generator().manual_seed(seed)
+    # Fixed random projection of every output so no two leaks cancel in the objective.
+    with torch.no_grad():
+        probe = dict(fn(batch))
+    if not probe:
+        raise ValueError("fn returned no outputs")
+    layouts = {k: _output_layout(batch, k, v, output_layouts or {}) for k, v in probe.items()}
+    weights = {
+        k: torch.randn(v.shape, generator=gen).to(device=v.device, dtype=torch.float32)
+        for k, v in probe.items()
+    }
+    run = _Runner(fn, batch, weights, gradients, deterministic)
+    clean = {k: batch.streams[k].detach() for k in names}
+    base = run(clean)
+    tol, notes = _tolerances(base, run(clean), atol, rtol, noise_floor)
+
+    input_rows = {k: _step_rows(batch.layout(k)) for k in names}
+    leaks: list[Leak] = []
+    perturbations = comparisons = 0
+    sources = list(range(num_docs)) + ([PADDING] if padding else [])
+    for name in names:
+        x = clean[name]
+        for j in sources:
+            if j == PADDING:
+                lo, hi = input_rows[name][-1][1], x.shape[0]
+                if hi <= lo:  # the stream has no padding rows
+                    continue
+            else:
+                lo, hi = input_rows[name][j]
+            noise = torch.randn(x[lo:hi].shape, generator=gen).to(x.device, x.dtype)
+            spread = x[lo:hi].float().std().nan_to_num(1.0).clamp_min(1e-3).item()
+            xp = x.clone()
+            xp[lo:hi] = x[lo:hi] + noise * scale * spread
+            moved = run({**clean, name: xp})
+            perturbations += 1
+            found, compared = _compare_others(
+                base, moved, j, name, num_docs, layouts, input_rows, tol
+            )
+            leaks += found
+            comparisons += compared
+    if not padding:
+        notes.append("padding was not perturbed")
+    if deterministic:
+        notes.append("ran under torch.use_deterministic_algorithms(True, warn_only=True)")
+    return LeakReport(
+        leaks=tuple(leaks),
+        num_docs=num_docs,
+        episode_index=batch.episode_ids,
+        inputs=tuple(names),
+        outputs=tuple(layouts),
+        perturbations=perturbations,
+        comparisons=comparisons,
+        gradients=gradients,
+        notes=tuple(notes),
+    )
+
+
+def _input_streams(batch: PackedBatch, inputs: Sequence[str] | None) -> list[str]:
+    """The floating streams to perturb: ``inputs``, checked, or every floating stream."""
     names = (
         list(inputs)
         if inputs is not None
@@ -238,18 +297,37 @@ def find_leaks(
             )
     if not names:
         raise ValueError("no floating input stream to perturb; pass inputs=[...]")
+    return names
 
-    gen = torch.Generator().manual_seed(seed)
-    clean = {k: batch.streams[k].detach() for k in names}
 
-    def run(streams: Mapping[str, torch.Tensor]):
-        leaf = {k: v.detach().clone().requires_grad_(gradients) for k, v in streams.items()}
-        with torch.set_grad_enabled(gradients), _deterministic_algorithms(deterministic):
-            out = dict(fn(_with_streams(batch, leaf)))
+@dataclass(frozen=True)
+class _Run:
+    """One call of ``fn``: its outputs and the gradients of the projected objective with
+    respect to each perturbed input stream (empty without ``gradients``)."""
+
+    outputs: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Runner:
+    """Runs ``fn`` on ``batch`` with some input streams replaced; the objective of the
+    gradient check is ``sum(output * weights)`` over every output that requires grad."""
+
+    fn: Callable[[PackedBatch], Mapping[str, torch.Tensor]]
+    batch: PackedBatch
+    weights: Mapping[str, torch.Tensor]
+    gradients: bool
+    deterministic: bool
+
+    def __call__(self, streams: Mapping[str, torch.Tensor]) -> _Run:
+        leaf = {k: v.detach().clone().requires_grad_(self.gradients) for k, v in streams.items()}
+        with torch.set_grad_enabled(self.gradients), _deterministic_algorithms(self.deterministic):
+            out = dict(self.fn(_with_streams(self.batch, leaf)))
             grads: dict[str, torch.Tensor] = {}
-            if gradients:
+            if self.gradients:
                 objective = sum(
-                    (o.float() * weights[k]).sum() for k, o in out.items() if o.requires_grad
+                    (o.float() * self.weights[k]).sum() for k, o in out.items() if o.requires_grad
                 )
                 if not isinstance(objective, torch.Tensor):
                     raise ValueError("no output of fn requires grad; pass gradients=False")
@@ -258,99 +336,77 @@ def find_leaks(
                     k: (torch.zeros_like(leaf[k]) if g is None else g.detach())
                     for k, g in zip(leaf, got, strict=True)
                 }
-        return {k: v.detach() for k, v in out.items()}, grads
+        return _Run({k: v.detach() for k, v in out.items()}, grads)
 
-    # Fixed random projection of every output so no two leaks cancel in the objective.
-    with torch.no_grad():
-        probe = dict(fn(batch))
-    if not probe:
-        raise ValueError("fn returned no outputs")
-    layouts = {k: _output_layout(batch, k, v, output_layouts) for k, v in probe.items()}
-    weights = {
-        k: torch.randn(v.shape, generator=gen).to(device=v.device, dtype=torch.float32)
-        for k, v in probe.items()
-    }
 
-    base_out, base_grad = run(clean)
-    again_out, again_grad = run(clean)
-    tol = {("output", k): atol + rtol * _maxabs(v) for k, v in base_out.items()}
-    tol |= {("gradient", k): atol + rtol * _maxabs(v) for k, v in base_grad.items()}
+# (kind, output or input name) -> the largest change that is not a leak
+Tolerance = dict[tuple[str, str], float]
+
+
+def _tolerances(
+    base: _Run, again: _Run, atol: float, rtol: float, noise_floor: float | None
+) -> tuple[Tolerance, list[str]]:
+    """Per (kind, name) the change that counts as a leak, from two clean runs; raises if they
+    differ by more than that (``fn`` is not deterministic). Returns (tolerances, notes)."""
+    tol: Tolerance = {("output", k): atol + rtol * _maxabs(v) for k, v in base.outputs.items()}
+    tol |= {("gradient", k): atol + rtol * _maxabs(v) for k, v in base.grads.items()}
     notes: list[str] = []
     if noise_floor is not None:
-        for kind, base, again in (
-            ("output", base_out, again_out),
-            ("gradient", base_grad, again_grad),
+        for kind, clean, rerun in (
+            ("output", base.outputs, again.outputs),
+            ("gradient", base.grads, again.grads),
         ):
-            for k in base:
-                floor = _maxdiff(base[k], again[k])
+            for k in clean:
+                floor = _maxdiff(clean[k], rerun[k])
                 tol[kind, k] = max(tol[kind, k], noise_floor * floor)
                 if floor:
                     notes.append(f"{kind} {k!r}: run-to-run noise {floor:.3g}")
-    for k in base_out:
-        if _maxdiff(base_out[k], again_out[k]) > tol["output", k]:
+    for k in base.outputs:
+        if _maxdiff(base.outputs[k], again.outputs[k]) > tol["output", k]:
             raise ValueError(
                 f"fn is not deterministic: output {k!r} differs between two identical calls; "
                 "use eval mode (no dropout) and draw noise per episode from packing.conditioning"
                 ", not from the global RNG (on GPU, pass atol/rtol for non-deterministic kernels)"
             )
-    for k in base_grad:
-        if _maxdiff(base_grad[k], again_grad[k]) > tol["gradient", k]:
+    for k in base.grads:
+        if _maxdiff(base.grads[k], again.grads[k]) > tol["gradient", k]:
             raise ValueError(
                 f"gradient w.r.t. {k!r} differs between two identical calls; on GPU pass "
                 "atol/rtol for kernels with atomic accumulation"
             )
+    return tol, notes
 
-    input_rows = {k: _step_rows(batch.layout(k)) for k in names}
+
+def _compare_others(
+    base: _Run,
+    moved: _Run,
+    source: int,
+    stream: str,
+    num_docs: int,
+    layouts: Mapping[str, StreamLayout],
+    input_rows: Mapping[str, list[tuple[int, int]]],
+    tol: Tolerance,
+) -> tuple[list[Leak], int]:
+    """The leaks of perturbing document ``source`` of ``stream``: every other document whose
+    output rows or input-gradient rows moved past ``tol``. Returns (leaks, comparisons)."""
     leaks: list[Leak] = []
-    perturbations = comparisons = 0
-    sources = list(range(num_docs)) + ([PADDING] if padding else [])
-    for name in names:
-        rows = input_rows[name]
-        x = clean[name]
-        for j in sources:
-            if j == PADDING:
-                lo, hi = rows[-1][1], x.shape[0]
-                if hi <= lo:
-                    continue
-            else:
-                lo, hi = rows[j]
-            noise = torch.randn(x[lo:hi].shape, generator=gen).to(x.device, x.dtype)
-            spread = x[lo:hi].float().std().nan_to_num(1.0).clamp_min(1e-3).item()
-            xp = x.clone()
-            xp[lo:hi] = x[lo:hi] + noise * scale * spread
-            out, grad = run({**clean, name: xp})
-            perturbations += 1
-            for i in range(num_docs):
-                if i == j:
-                    continue
-                for k, lay in layouts.items():
-                    sl = _doc_rows(lay, i)
-                    comparisons += 1
-                    diff = _maxdiff(base_out[k][sl], out[k][sl])
-                    if diff > tol["output", k]:
-                        leaks.append(_leak(j, i, name, k, "output", diff))
-                for g, gv in grad.items():
-                    glo, ghi = input_rows[g][i]
-                    comparisons += 1
-                    diff = _maxdiff(base_grad[g][glo:ghi], gv[glo:ghi])
-                    if diff > tol["gradient", g]:
-                        leaks.append(_leak(j, i, name, g, "gradient", diff))
-    if not padding:
-        notes.append("padding was not perturbed")
-    if deterministic:
-        notes.append("ran under torch.use_deterministic_algorithms(True, warn_only=True)")
-    episode_index = batch.episode_ids
-    return LeakReport(
-        leaks=tuple(leaks),
-        num_docs=num_docs,
-        episode_index=episode_index,
-        inputs=tuple(names),
-        outputs=tuple(layouts),
-        perturbations=perturbations,
-        comparisons=comparisons,
-        gradients=gradients,
-        notes=tuple(notes),
-    )
+    comparisons = 0
+    for i in range(num_docs):
+        if i == source:
+            continue
+        for k, lay in layouts.items():
+            sl = _doc_rows(lay, i)
+            comparisons += 1
+            diff = _maxdiff(base.outputs[k][sl], moved.outputs[k][sl])
+            if diff > tol["output", k]:
+                leaks.append(_leak(source, i, stream, k, "output", diff))
+        for g, gv in moved.grads.items():
+            glo, ghi = input_rows[g][i]
+            comparisons += 1
+            diff = _maxdiff(base.grads[g][glo:ghi], gv[glo:ghi])
+            if diff > tol["gradient", g]:
+                leaks.append(_leak(source, i, stream, g, "gradient", diff))
+    return leaks, comparisons
 
 
 @contextmanager

@@ -22,7 +22,7 @@ rows ``[from - file_start, to - file_start)`` of its file. Three episodes of len
 Item values: each requested key as a tensor with the frame axis first in its declared dtype
 (float16 stays float16; lerobot's own reader returns float32); a ``(1,)``-shaped feature is
 ``(F,)``. A boolean ``{key}_is_pad`` feature is served as ``{key}_loss_mask = ~is_pad``
-(see :func:`packing.hf.plan_columns`). ``"task"`` is the text of the episode's first frame;
+(see `packing._arrow.plan_columns`). ``"task"`` is the text of the episode's first frame;
 request ``"task_index"`` for per-frame tasks.
 
 Reading needs only pyarrow (a core dependency of packing); lerobot is never imported for a
@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from packing._arrow import plan_columns, table_to_episode
 from packing._lazy import require
 from packing._parquet_pages import ColumnChunks, Unsupported, fixed_shape
-from packing.hf import plan_columns, table_to_episode
 
 __all__ = ["LeRobotEpisodes", "episode_lengths"]
 
@@ -476,36 +476,8 @@ class LeRobotEpisodes(Dataset):
             self.tasks = _tasks_from_parquet(self.root)
             where: object = self.root
         else:
-            ds = root_or_dataset
-            if not hasattr(ds, "meta") or not hasattr(ds, "hf_dataset"):
-                raise TypeError(
-                    "expected a dataset root path or a lerobot LeRobotDataset, got "
-                    f"{type(ds).__name__}"
-                )
-            if getattr(ds, "delta_timestamps", None):
-                raise ValueError(
-                    "this LeRobotDataset has delta_timestamps (frame windows); LeRobotEpisodes "
-                    "serves whole episodes, so build it without delta_timestamps or pass its root"
-                )
-            self.root = Path(ds.root)
-            self.features = dict(ds.meta.features)
-            self.fps = ds.meta.fps
-            table = ds.meta.episodes.with_format("arrow")[:].select(_EPISODE_COLUMNS)
-            table = table.sort_by("episode_index")
-            tasks_df = ds.meta.tasks
-            self.tasks = [""] * (int(tasks_df["task_index"].max()) + 1 if len(tasks_df) else 0)
-            for text, idx in zip(tasks_df.index, tasks_df["task_index"], strict=True):
-                self.tasks[int(idx)] = str(text)
-            where = f"the LeRobotDataset {ds.repo_id!r}"
-            if episodes is None and ds.episodes is not None:
-                episodes = list(ds.episodes)
-            elif episodes is not None and ds.episodes is not None:
-                outside = sorted(set(map(int, episodes)) - set(map(int, ds.episodes)))
-                if outside:
-                    raise KeyError(
-                        f"episodes {outside[:10]} are not loaded by this LeRobotDataset "
-                        f"(its episodes={list(ds.episodes)[:10]}...)"
-                    )
+            table, episodes = self._read_instance_meta(root_or_dataset, episodes)
+            where = f"the LeRobotDataset {root_or_dataset.repo_id!r}"
 
         self._plan = plan_columns(self.keys, list(self.features))
         for _, column, _ in self._plan:
@@ -540,6 +512,37 @@ class LeRobotEpisodes(Dataset):
             else tuple(self.features[col]["shape"])
             for name, col, _ in self._plan
         }
+
+    def _read_instance_meta(self, ds: Any, episodes: Sequence[int] | None) -> tuple[Any, Any]:
+        """Root, features, fps and tasks of a ``LeRobotDataset`` instance onto ``self``;
+        returns (its episodes table sorted by id, the episodes to serve)."""
+        if not hasattr(ds, "meta") or not hasattr(ds, "hf_dataset"):
+            raise TypeError(
+                f"expected a dataset root path or a lerobot LeRobotDataset, got {type(ds).__name__}"
+            )
+        if getattr(ds, "delta_timestamps", None):
+            raise ValueError(
+                "this LeRobotDataset has delta_timestamps (frame windows); LeRobotEpisodes "
+                "serves whole episodes, so build it without delta_timestamps or pass its root"
+            )
+        self.root = Path(ds.root)
+        self.features = dict(ds.meta.features)
+        self.fps = ds.meta.fps
+        table = ds.meta.episodes.with_format("arrow")[:].select(_EPISODE_COLUMNS)
+        tasks_df = ds.meta.tasks
+        self.tasks = [""] * (int(tasks_df["task_index"].max()) + 1 if len(tasks_df) else 0)
+        for text, idx in zip(tasks_df.index, tasks_df["task_index"], strict=True):
+            self.tasks[int(idx)] = str(text)
+        if episodes is None and ds.episodes is not None:
+            episodes = list(ds.episodes)
+        elif episodes is not None and ds.episodes is not None:
+            outside = sorted(set(map(int, episodes)) - set(map(int, ds.episodes)))
+            if outside:
+                raise KeyError(
+                    f"episodes {outside[:10]} are not loaded by this LeRobotDataset "
+                    f"(its episodes={list(ds.episodes)[:10]}...)"
+                )
+        return table.sort_by("episode_index"), episodes
 
     def _check_numeric(self, key: str) -> None:
         dtype = self.features[key]["dtype"]

@@ -17,7 +17,8 @@ as ``F.mse_loss(reduction="mean")`` weighs them; ``m_i`` is the loss mask, 0 on 
                length: mean over its tokens, then over episodes
 
 A step or episode whose tokens are all masked weighs nothing and is not counted in ``D``.
-Worked example, lengths ``[2, 4, 3]``, the last token of episode 2 masked (``action_is_pad``)::
+Worked example, lengths ``[2, 4, 3]``, the last token of episode 2 padding (LeRobot's
+``action_is_pad``; the adapters serve its inverse as ``batch["action_loss_mask"]``)::
 
     doc_ids   0  0 | 1  1  1  1 | 2  2  2
     loss      1  3 | 2  4  6  8 | 3  9  100
@@ -133,7 +134,8 @@ def _mask(
     if loss_mask.shape != doc_ids_T.shape:
         raise ValueError(
             f"loss_mask must be (T,) = {tuple(doc_ids_T.shape)} like doc_ids, got "
-            f"{tuple(loss_mask.shape)}; for LeRobot use ~batch['action_is_pad'], and expand a "
+            f"{tuple(loss_mask.shape)}; pass the stream's own mask (LeRobot's action_is_pad is "
+            "served as batch['action_loss_mask'], one entry per action token), and expand a "
             "per-step mask of a grid stream with .repeat_interleave(tokens_per_step)"
         )
     return real * _to(loss_mask.to(dtype), doc_ids_T.device)
@@ -311,9 +313,9 @@ class LossNormalizer:
 
         micro = [next(loader) for _ in range(accum)]          # all micro-batches first
         norm = LossNormalizer.for_step([b.layout("action") for b in micro], "episode",
-                                       [~b["action_is_pad"] for b in micro], device="cuda")
+                                       [b["action_loss_mask"] for b in micro], device="cuda")
         for b in micro:
-            norm(loss_T(b), b.layout("action"), ~b["action_is_pad"]).backward()
+            norm(loss_T(b), b.layout("action"), b["action_loss_mask"]).backward()
 
     No division by ``accum`` and no extra DP factor in user code: ``denominator`` already
     covers every micro-step and rank, and ``grad_scale`` (W under DDP/FSDP, which average

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from packing.block_mask import (
+from packing._block_mask import (
     BlockRule,
     BlockTables,
     block_tables,
@@ -52,6 +52,7 @@ from packing.block_mask import (
 from packing.layout_math import ceil_div, local_positions
 
 __all__ = [
+    "BlockRule",
     "InnerMask",
     "causal",
     "dense_mask",

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 
-from packing.attention import AttentionMask, Backend, attention, prepare_attention
+from packing.attention import AttentionMask, Backend, packed_attention, prepare_attention
 from packing.collate import PackedCollator, Stream
 from packing.conditioning import (
     broadcast_to_tokens,
@@ -227,7 +228,7 @@ class SelfAttention(nn.Module):
         q = apply_rope(self.norm_q(q).unflatten(-1, (self.heads, -1)), angles)
         k = apply_rope(self.norm_k(k).unflatten(-1, (self.heads, -1)), angles)
         v = v.unflatten(-1, (self.heads, -1))
-        return self.out(attention(q.to(v.dtype), k.to(v.dtype), v, mask).flatten(1))
+        return self.out(packed_attention(q.to(v.dtype), k.to(v.dtype), v, mask).flatten(1))
 
 
 class CrossAttention(nn.Module):
@@ -245,7 +246,7 @@ class CrossAttention(nn.Module):
         q = self.norm_q(self.q(x)).unflatten(-1, (self.heads, -1))
         k = self.norm_k(k).unflatten(-1, (self.heads, -1))
         v = v.unflatten(-1, (self.heads, -1))
-        return self.out(attention(q.to(v.dtype), k.to(v.dtype), v, mask).flatten(1))
+        return self.out(packed_attention(q.to(v.dtype), k.to(v.dtype), v, mask).flatten(1))
 
 
 class Block(nn.Module):
@@ -323,9 +324,7 @@ class DiT(nn.Module):
     def patchify(self, x_SCHW: Tensor) -> Tensor:
         """``(S, C, H, W) -> (S * h * w, C * ph * pw)`` tokens in (t, h, w) row-major order."""
         _, ph, pw = self.config.patch
-        s, c, hh, ww = x_SCHW.shape
-        x = x_SCHW.reshape(s, c, hh // ph, ph, ww // pw, pw)
-        return x.permute(0, 2, 4, 1, 3, 5).reshape(s * (hh // ph) * (ww // pw), c * ph * pw)
+        return rearrange(x_SCHW, "s c (h ph) (w pw) -> (s h w) (c ph pw)", ph=ph, pw=pw)
 
     def _text(self, batch: PackedBatch, device: torch.device) -> tuple[Tensor, StreamLayout]:
         if "text" in batch.layouts:

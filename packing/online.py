@@ -13,7 +13,7 @@ fit, as ``plan_packs``' default does. Awkward episodes can wait in the buffer fo
 stream's order is kept only loosely; the buffer bounds memory, not waiting. At the end of the
 stream the buffer is planned with ``plan_packs`` so nothing is lost. Episodes over the budget
 follow ``oversize``: ``"error"`` or ``"drop"`` (counted in ``num_dropped`` and warned about);
-split long episodes upstream with ``packing.plan.split_windows`` if they must be kept.
+split long episodes upstream with ``packing.pieces.split_windows`` if they must be kept.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class BufferedPacker(Generic[T]):
         if oversize not in ("error", "drop"):
             raise ValueError(
                 f"oversize={oversize!r}; the stream packer supports 'error' or 'drop' "
-                f"(split long episodes upstream with packing.plan.split_windows)"
+                f"(split long episodes upstream with packing.pieces.split_windows)"
             )
         self.token_budget, self.length, self.buffer_size = token_budget, length, buffer_size
         self.max_docs, self.oversize = max_docs, oversize

@@ -9,7 +9,7 @@ Three episodes of ``[5, 3, 4]`` tokens and a budget of 8::
 
 An episode longer than the budget follows ``oversize``: ``"error"`` (default) names it and the
 fix; ``"drop"`` leaves it out, counts it in ``plan.dropped`` and warns; ``"split"`` cuts it
-into windows on step boundaries (see :func:`split_windows`). With ``"split"`` the plan's items
+into windows on step boundaries (`packing.pieces.split_windows`). With ``"split"`` the items
 are *pieces*, rows ``(episode, start, stop, loss_start)`` of ``plan.pieces_I4`` in steps, and
 packs hold piece ids; the data loader slices ``episode[start:stop]`` on every step-level stream
 and gives the steps before ``loss_start`` zero loss weight (they are context the previous piece
@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from packing._lazy import moved_names
 from packing.binpack import (
     best_fit_decreasing,
     first_fit_decreasing,
@@ -40,9 +41,14 @@ from packing.binpack import (
     next_fit,
     stable_argsort,
 )
-from packing.pieces import pieces_of, slice_piece, split_windows
+from packing.pieces import pieces_of
 
-__all__ = ["PackPlan", "frames_to_tokens", "plan_packs", "slice_piece", "split_windows"]
+__all__ = ["PackPlan", "frames_to_tokens", "plan_packs"]
+
+__getattr__ = moved_names(
+    __name__,
+    {"slice_piece": "packing.pieces:slice_piece", "split_windows": "packing.pieces:split_windows"},
+)
 
 Algorithm = Literal["bfd", "ffd", "lookahead", "next_fit"]
 Oversize = Literal["error", "split", "drop"]

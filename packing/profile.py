@@ -39,15 +39,19 @@ from typing import Any
 
 import torch
 
+from packing._lazy import moved_names
+
 __all__ = [
     "ENV_VAR",
     "KernelRow",
     "KernelTable",
+    "MicroStepRecord",
     "StepProfiler",
-    "StepRecord",
     "classify_kernel",
     "profiling",
 ]
+
+__getattr__ = moved_names(__name__, {"StepRecord": "packing.profile:MicroStepRecord"})
 
 ENV_VAR = "PACKING_PROFILE"
 ENV_KERNEL_STEP = "PACKING_PROFILE_KERNEL_STEP"
@@ -159,7 +163,7 @@ def classify_kernel(name: str) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepRecord:
+class MicroStepRecord:
     """One micro-step: what was packed and what it cost."""
 
     step: int
@@ -341,7 +345,7 @@ class StepProfiler:
     device: torch.device | str | None = None
     kernel_table: KernelTable | None = None
     _pending: list[_Pending] = field(default_factory=list)
-    _records: list[StepRecord] = field(default_factory=list)
+    _records: list[MicroStepRecord] = field(default_factory=list)
     _step: int = 0
     _micro: int = 0
     _count: int = 0
@@ -428,7 +432,7 @@ class StepProfiler:
 
     # -- results ------------------------------------------------------------------------
     @property
-    def records(self) -> list[StepRecord]:
+    def records(self) -> list[MicroStepRecord]:
         """All finished micro-steps (reading them waits for their CUDA events)."""
         for p in self._pending:
             if isinstance(p.start, float):
@@ -437,7 +441,7 @@ class StepProfiler:
                 p.end.synchronize()
                 ms = float(p.start.elapsed_time(p.end))
             self._records.append(
-                StepRecord(
+                MicroStepRecord(
                     step=p.step,
                     micro_step=p.micro_step,
                     tokens=p.tokens,

@@ -15,7 +15,7 @@
     . . . . . # # # .
     . . . . . . . . #
 
-``save_png`` needs matplotlib, imported only when called (``pip install matplotlib``).
+``save_png`` needs matplotlib, imported only when called (``pip install 'packing[plot]'``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
+
+from packing._lazy import require
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "ascii_blocks", "ascii_mask", "block_classes", "save_png"]
 
@@ -84,14 +86,9 @@ def save_png(
     tiles none), so the picture shows both what attends and what the kernel computes.
     ``doc_ids`` (the queries') colours each attending pair by its episode (grey: padding).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Rectangle
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("save_png needs matplotlib: pip install matplotlib") from e
+    require("matplotlib", extra="plot").use("Agg")
+    plt = require("matplotlib.pyplot", extra="plot")
+    Rectangle = require("matplotlib.patches", extra="plot").Rectangle
 
     m = mask.detach().cpu().bool()
     T_q, T_kv = m.shape

@@ -48,27 +48,25 @@ from torch import nn
 from packing.layout import PackedBatch
 from packing.layout_math import round_up
 from packing.losses import LossNormalizer, local_denominator
-from packing.verify import (
+from packing.verify import _environment, _leak_check, _loss_mask, _sync, _with_step
+from packing.verify_cli import (
     DEFAULT_MODEL,
-    StepRecord,
-    Tolerances,
     VerifyConfig,
-    VerifyReport,
-    _environment,
-    _leak_check,
-    _loss_mask,
-    _sync,
-    _with_step,
-    both_diverged_at,
     default_token_budget,
-    judge,
     model_and_episodes,
+)
+from packing.verify_report import (
+    StepComparison,
+    Tolerances,
+    VerifyReport,
+    both_diverged_at,
+    grad_badness,
+    judge,
     nonfinite_tensors,
     parameter_difference,
     params_diverged,
     record_grad_diffs,
 )
-from packing.verify_report import grad_badness
 
 __all__ = ["launched_by_torchrun", "run_verify_distributed", "verify_rank"]
 
@@ -280,6 +278,13 @@ def _unpacked_step(
 def _verify(
     config: VerifyConfig, dev: torch.device, say: Callable[[str], None]
 ) -> VerifyReport | None:
+    """The distributed comparison on this rank: packed under FSDP2 on every rank, unpacked on
+    rank 0, which alone returns the report (None elsewhere).
+
+    One function on purpose (~100 lines): every collective (``gathered_named_parameters``,
+    the FSDP forward/backward) is visible in the order each rank runs it; split across
+    helpers that branch on the rank, a collective one rank skips would hang the others.
+    """
     from packing.collate import PackedCollator, Stream
     from packing.fsdp import gathered_named_parameters, shard_model
 
@@ -328,9 +333,10 @@ def _verify(
             sec_u = time.perf_counter() - t0
             say(f"step {s}: unpacked, {len(bu)} micro-steps, loss {loss_u:.8g}")
             rel = abs(loss_p - loss_u) / abs(loss_u) if loss_u else abs(loss_p)
-            records.append(StepRecord(step=s, loss_unpacked=loss_u, loss_packed=loss_p, loss_rel=rel,
-                                      micro_steps_unpacked=len(bu), micro_steps_packed=len(mine),
-                                      seconds_unpacked=sec_u, seconds_packed=sec_p))  # fmt: skip
+            records.append(StepComparison(step=s, loss_unpacked=loss_u, loss_packed=loss_p,
+                                          loss_rel=rel, micro_steps_unpacked=len(bu),
+                                          micro_steps_packed=len(mine), seconds_unpacked=sec_u,
+                                          seconds_packed=sec_p))  # fmt: skip
             grads_u = {n: p.grad for n, p in model_u.named_parameters()}
             failures += record_grad_diffs(worst, grads_u, grads_p, s, tol)
             opt_u.step()
@@ -381,7 +387,7 @@ def _verify(
 
 
 def _diverged(
-    records: Sequence[StepRecord],
+    records: Sequence[StepComparison],
     params_u: dict[str, torch.Tensor],
     params_p: dict[str, torch.Tensor],
 ) -> str:

@@ -1,12 +1,14 @@
-"""What `packing verify` measures and prints: relative differences, tolerances, the report.
+"""What `packing verify` measures, judges and prints: differences, tolerances, the report.
 
 Relative difference of a tensor, ``b`` the reference (the unpacked run)::
 
     rel(a, b) = max|a - b| / max|b|        a = [1.0, -4.0, 2.2], b = [1.0, -4.0, 2.0] -> 0.05
 
 One scale per tensor, so a tiny element of ``b`` cannot blow the ratio up the way an
-elementwise relative error would. ``VerifyReport.format()`` is the printed table,
-``to_json()`` the machine-readable report.
+elementwise relative error would. The gates (`record_grad_diffs`, `parameter_difference`,
+`judge` and the divergence verdicts) turn the measurements into failures against
+`Tolerances`; the single-process and the distributed harness share them.
+``VerifyReport.format()`` is the printed table, ``to_json()`` the machine-readable report.
 """
 
 from __future__ import annotations
@@ -14,22 +16,33 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from packing._lazy import moved_names
 from packing.leak import LeakReport
 
 __all__ = [
     "GradDiff",
-    "StepRecord",
+    "StepComparison",
     "Tolerances",
     "VerifyReport",
+    "both_diverged_at",
     "cosine_similarity",
+    "grad_badness",
+    "judge",
+    "nonfinite_tensors",
+    "parameter_difference",
+    "params_diverged",
+    "record_grad_diffs",
     "relative_difference",
 ]
+
+__getattr__ = moved_names(__name__, {"StepRecord": "packing.verify_report:StepComparison"})
 
 
 # -- metrics -----------------------------------------------------------------------------------
@@ -92,7 +105,9 @@ class Tolerances:
 
 # -- records -----------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
-class StepRecord:
+class StepComparison:
+    """One optimizer step of both runs: their losses, micro-steps and wall time."""
+
     step: int
     loss_unpacked: float
     loss_packed: float
@@ -121,7 +136,7 @@ class VerifyReport:
 
     config: dict[str, Any]
     tolerances: Tolerances
-    steps: list[StepRecord]
+    steps: list[StepComparison]
     grads: list[GradDiff]  # every parameter, worst first
     param_rel: float  # all parameters as one vector (gated)
     param_worst: str  # the tensor with the largest per-tensor relative difference
@@ -191,88 +206,92 @@ class VerifyReport:
         return text
 
     def format(self, worst: int = 5) -> str:
-        """The printed report: per-step table, worst gradients, summary, PASS/FAIL."""
-        tol = self.tolerances
-        out: list[str] = []
+        """The printed report: header, per-step table, worst gradients, summary, verdict."""
+        parts = [self._header(), self._step_table(), self._grad_table(worst), self._summary()]
+        return "\n\n".join([*parts, self._verdict()])
+
+    def _header(self) -> str:
         cfg = self.config
-        out.append(
+        out = [
             f"packing verify: {self.episodes} episodes, {len(self.steps)} AdamW steps, "
             f"{cfg.get('dtype')} on {cfg.get('device')}, reduction={cfg.get('reduction')}, "
-            f"mask={cfg.get('mask')}{'' if cfg.get('document_mask', True) else ' (NO document mask)'}"
-        )
-        out.append(f"model: {cfg.get('model')}   data: {cfg.get('dataset')}")
+            f"mask={cfg.get('mask')}{'' if cfg.get('document_mask', True) else ' (NO document mask)'}",
+            f"model: {cfg.get('model')}   data: {cfg.get('dataset')}",
+        ]
         if cfg.get("reference"):
             out.append(f"unpacked side: {cfg['reference']}")
-        out.append("")
-        out.append(
-            "| step | loss unpacked | loss packed | rel diff | micro-steps u/p | s/step u | s/step p |"
-        )
-        out.append("|---:|---:|---:|---:|---:|---:|---:|")
+        return "\n".join(out)
+
+    def _step_table(self) -> str:
+        out = [
+            "| step | loss unpacked | loss packed | rel diff | micro-steps u/p | s/step u | s/step p |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for s in self.steps:
             out.append(
                 f"| {s.step} | {s.loss_unpacked:.9g} | {s.loss_packed:.9g} | {s.loss_rel:.2e} | "
                 f"{s.micro_steps_unpacked}/{s.micro_steps_packed} | {s.seconds_unpacked:.3f} | "
                 f"{s.seconds_packed:.3f} |"
             )
-        out.append("")
-        out.append(f"worst {min(worst, len(self.grads))} of {len(self.grads)} parameter gradients:")
-        out.append("| parameter | shape | rel diff | cosine | max abs diff | step |")
-        out.append("|---|---|---:|---:|---:|---:|")
+        return "\n".join(out)
+
+    def _grad_table(self, worst: int) -> str:
+        out = [
+            f"worst {min(worst, len(self.grads))} of {len(self.grads)} parameter gradients:",
+            "| parameter | shape | rel diff | cosine | max abs diff | step |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
         for g in self.grads[:worst]:
             out.append(
                 f"| {g.name} | {tuple(g.shape)} | {g.rel:.2e} | {g.cos:.7f} | {g.max_abs:.2e} | "
                 f"{g.step} |"
             )
-        out.append("")
+        return "\n".join(out)
 
-        def gate(value: float, limit: float | None, le: bool = True) -> str:
-            if limit is None:
-                return f"{value:.2e} (reported, not gated)"
-            ok = value <= limit if le else value >= limit
-            # A nan is never "ok" (nan <= limit is False); diverged runs get no verdict.
-            verdict = "n/a (diverged)" if self.diverged else "ok" if ok else "FAIL"
-            return f"{value:.2e} {'<=' if le else '>='} {limit:g}  {verdict}"
+    def _gate(self, value: float, limit: float | None, le: bool = True) -> str:
+        if limit is None:
+            return f"{value:.2e} (reported, not gated)"
+        ok = value <= limit if le else value >= limit
+        # A nan is never "ok" (nan <= limit is False); diverged runs get no verdict.
+        verdict = "n/a (diverged)" if self.diverged else "ok" if ok else "FAIL"
+        return f"{value:.2e} {'<=' if le else '>='} {limit:g}  {verdict}"
 
+    def _summary(self) -> str:
+        tol, gate = self.tolerances, self._gate
         rel = max((g.rel for g in self.grads), default=0.0)
         cos = min((g.cos for g in self.grads), default=1.0)
         su = statistics.median(s.seconds_unpacked for s in self.steps) if self.steps else 0.0
         sp = statistics.median(s.seconds_packed for s in self.steps) if self.steps else 0.0
-        out.append("summary:")
-        out.append(f"  max rel loss diff        {gate(self.loss_rel, tol.loss_rel)}")
-        out.append(f"  max rel gradient diff    {gate(rel, tol.grad_rel)}")
         cos_line = (
             gate(cos, tol.grad_cos, le=False).replace(f"{cos:.2e}", f"{cos:.7f}", 1)
             if tol.grad_cos is not None
             else f"{cos:.7f} (reported, not gated)"
         )
-        out.append(f"  min gradient cosine      {cos_line}")
-        out.append(
+        out = [
+            "summary:",
+            f"  max rel loss diff        {gate(self.loss_rel, tol.loss_rel)}",
+            f"  max rel gradient diff    {gate(rel, tol.grad_rel)}",
+            f"  min gradient cosine      {cos_line}",
             f"  rel param diff after {len(self.steps)}  {gate(self.param_rel, tol.param_rel)}"
-            f"  (all parameters; worst tensor {self.param_worst} {self.param_worst_rel:.2e})"
-        )
-        out.append(
+            f"  (all parameters; worst tensor {self.param_worst} {self.param_worst_rel:.2e})",
             f"  tokens per step          {self.tokens:,} real; padded {self.padded_tokens_unpacked:,}"
             f" unpacked ({self.efficiency_unpacked:.1%}) vs {self.padded_tokens_packed:,} packed"
-            f" ({self.efficiency_packed:.1%})"
-        )
-        out.append(
+            f" ({self.efficiency_packed:.1%})",
             f"  micro-steps per step     {self.episodes} unpacked vs {self.packs} packed "
-            f"(episodes per pack {self.pack_sizes})"
-        )
-        out.append(
+            f"(episodes per pack {self.pack_sizes})",
             f"  median time per step     {su:.3f} s unpacked vs {sp:.3f} s packed "
-            f"(first step includes warm-up)"
-        )
+            f"(first step includes warm-up)",
+        ]
         if self.leak is not None:
             out.append("  " + self.leak.summary().replace("\n", "\n  "))
-        out.append("")
-        if self.passed:
-            out.append("PASS: packed training matches unpacked within tolerance")
-        elif self.diverged:
-            out.append("DIVERGED (no verdict on packing): " + "; ".join(self.failures))
-        else:
-            out.append("FAIL: " + "; ".join(self.failures))
         return "\n".join(out)
+
+    def _verdict(self) -> str:
+        if self.passed:
+            return "PASS: packed training matches unpacked within tolerance"
+        if self.diverged:
+            return "DIVERGED (no verdict on packing): " + "; ".join(self.failures)
+        return "FAIL: " + "; ".join(self.failures)
 
 
 def _json_default(o: Any) -> Any:
@@ -289,3 +308,133 @@ def grad_badness(g: GradDiff, tol: Tolerances) -> float:
         return g.rel / tol.grad_rel
     assert tol.grad_cos is not None
     return (1.0 - g.cos) / max(1.0 - tol.grad_cos, 1e-12)
+
+
+# -- the gates, shared with the distributed run (packing.verify_dist) ------------------------
+def record_grad_diffs(
+    worst: dict[str, GradDiff],
+    grads_u: Mapping[str, torch.Tensor | None],
+    grads_p: Mapping[str, torch.Tensor | None],
+    step: int,
+    tol: Tolerances,
+) -> list[str]:
+    """Fold one step's gradients into ``worst`` (per parameter, worst over steps); returns
+    the failures found (a gradient in one run only)."""
+    failures = []
+    for name, gu in grads_u.items():
+        gp = grads_p[name]
+        if gu is None and gp is None:
+            continue
+        if gu is None or gp is None:
+            failures.append(
+                f"parameter {name} has a gradient only in the "
+                f"{'packed' if gu is None else 'unpacked'} run (step {step})"
+            )
+            continue
+        d = GradDiff(
+            name=name,
+            shape=tuple(gu.shape),
+            rel=relative_difference(gp, gu),
+            cos=cosine_similarity(gp, gu),
+            max_abs=float((gp.double() - gu.double()).abs().max()) if gu.numel() else 0.0,
+            step=step,
+        )
+        prev = worst.get(name)
+        if prev is None or grad_badness(d, tol) > grad_badness(prev, tol):
+            worst[name] = d
+    return failures
+
+
+def parameter_difference(
+    params_u: Mapping[str, torch.Tensor], params_p: Mapping[str, torch.Tensor]
+) -> tuple[float, str, float]:
+    """(all parameters as one vector: max|a - b| / max|b|, worst tensor, its own ratio).
+
+    Per tensor, one that starts at zero (a LayerNorm bias) has max|b| ~ steps * lr, so its
+    own ratio measures AdamW's per-element normalisation of rounding noise, not packing;
+    it is reported (worst tensor) but the per-tensor gate is on the gradients.
+    """
+    num = den = 0.0
+    param_worst, param_worst_rel = "", 0.0
+    for name, pu in params_u.items():
+        a, b = params_p[name].double(), pu.double()
+        if not b.numel():
+            continue
+        # max() would skip a nan (nan > x is False), printing "ok" beside nan parameters.
+        num = max(num, float((a - b).abs().max().nan_to_num(math.inf)))
+        den = max(den, float(b.abs().max().nan_to_num(math.inf)))
+        r = relative_difference(a, b)
+        if r > param_worst_rel or not param_worst:
+            param_worst, param_worst_rel = name, r
+    param_rel = (0.0 if num == 0.0 else math.inf) if den == 0.0 else num / den
+    if not math.isfinite(den):
+        param_rel = math.inf
+    return param_rel, param_worst, param_worst_rel
+
+
+def judge(
+    records: Sequence[StepComparison],
+    grads: Sequence[GradDiff],
+    param_rel: float,
+    param_worst: str,
+    leak: LeakReport | None,
+    tol: Tolerances,
+    steps: int,
+) -> list[str]:
+    """The failures of a run against ``tol``: losses, gradients, parameters, leaks."""
+    failures = []
+    loss_rel = relative_difference(
+        torch.tensor([r.loss_packed for r in records], dtype=torch.float64),
+        torch.tensor([r.loss_unpacked for r in records], dtype=torch.float64),
+    )
+    if not loss_rel <= tol.loss_rel:
+        failures.append(f"loss differs: rel {loss_rel:.2e} > {tol.loss_rel:g}")
+    if tol.grad_rel is not None:
+        bad = [g for g in grads if not g.rel <= tol.grad_rel]
+        if bad:
+            failures.append(
+                f"{len(bad)} gradients differ: worst {bad[0].name} rel {bad[0].rel:.2e} > "
+                f"{tol.grad_rel:g}"
+            )
+    if tol.grad_cos is not None:
+        bad = [g for g in grads if not g.cos >= tol.grad_cos]
+        if bad:
+            worst_cos = min(bad, key=lambda g: g.cos)
+            failures.append(
+                f"{len(bad)} gradients point elsewhere: worst {worst_cos.name} cosine "
+                f"{worst_cos.cos:.6f} < {tol.grad_cos:g}"
+            )
+    if tol.param_rel is not None and not param_rel <= tol.param_rel:
+        failures.append(
+            f"parameters after {steps} steps differ: rel {param_rel:.2e} > {tol.param_rel:g} "
+            f"(worst tensor {param_worst})"
+        )
+    if leak is not None and not leak.ok:
+        failures.append(f"episodes leak into each other: pairs (i <- j) {leak.pairs[:6]}")
+    return failures
+
+
+def both_diverged_at(step: int, loss_u: float, loss_p: float) -> str:
+    """The verdict when both runs' loss is non-finite at ``step``: no verdict on packing."""
+    return (
+        f"both runs diverged: the loss is {loss_u} unpacked and {loss_p} packed at step "
+        f"{step}; the model or optimiser produced non-finite values, which says nothing "
+        "about packing: check the model's initialisation, lower --lr or raise --adam-eps"
+    )
+
+
+def params_diverged(steps: int, nonfinite_u: Sequence[str], nonfinite_p: Sequence[str]) -> str:
+    """The verdict when both runs end with non-finite parameters ("" when they do not)."""
+    if not (nonfinite_u and nonfinite_p):
+        return ""
+    return (
+        f"both runs diverged: after {steps} AdamW step(s) parameters are non-finite "
+        f"in both ({len(nonfinite_u)} tensors unpacked, e.g. {nonfinite_u[0]}); the model or "
+        "optimiser produced non-finite values, which says nothing about packing: lower --lr "
+        "or raise --adam-eps (0 divides 0 by 0)"
+    )
+
+
+def nonfinite_tensors(params: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the (non-empty) tensors holding a nan or an inf."""
+    return [n for n, t in params.items() if t.numel() and not bool(torch.isfinite(t).all())]

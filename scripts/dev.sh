@@ -6,7 +6,7 @@
 #   scripts/dev.sh test-slow [pytest options]        the `slow` tests: verify --compile, the
 #                                                    benchmark scripts' smoke runs, FSDP variants
 # Both create .venv with the Python of .python-version (found through pyenv) and install
-# the package with its lerobot/hf/dev/diffusers extras; the install is redone when pyproject.toml,
+# the package with its lerobot/hf/dev/diffusers/plot extras; the install is redone when pyproject.toml,
 # constraints.txt or this script change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.packing-stamp" 2>/dev/null)" 
   "$py" -m venv "$venv"
   log="$venv/install.log"
   if ! { "$venv/bin/python" -m pip install --upgrade pip &&
-         "$venv/bin/python" -m pip install -c constraints.txt -e ".[lerobot,hf,dev,diffusers]"; } >"$log" 2>&1; then
+         "$venv/bin/python" -m pip install -c constraints.txt -e ".[lerobot,hf,dev,diffusers,plot]"; } >"$log" 2>&1; then
     grep -v '^WARNING: Location' "$log" | tail -n 40 >&2
     echo "error: installing into $venv failed; the whole log is $log" >&2
     exit 1

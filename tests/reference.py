@@ -166,3 +166,29 @@ def best_fit_lookahead_reference(
     bin_N = np.empty(n, dtype=np.int64)
     bin_N[order] = bin_sorted
     return bin_N
+
+
+def best_fit_decreasing_reference(
+    lengths: np.ndarray, budget: int, max_docs: int | None = None
+) -> np.ndarray:
+    """Best-fit decreasing one item at a time, O(N * P): the reference of
+    `packing.binpack.best_fit_decreasing`."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    room: list[int] = []
+    docs: list[int] = []
+    bin_N = np.empty(len(lengths), dtype=np.int64)
+    for i in order:
+        L = int(lengths[i])
+        best = -1
+        for b in range(len(room)):
+            fits = room[b] >= L and (max_docs is None or docs[b] < max_docs)
+            if fits and (best < 0 or room[b] < room[best]):
+                best = b
+        if best < 0:
+            room.append(budget)
+            docs.append(0)
+            best = len(room) - 1
+        room[best] -= L
+        docs[best] += 1
+        bin_N[i] = best
+    return bin_N

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import per_episode, rel
 
-from packing.attention import AttentionMask, attention, prepare_attention
+from packing.attention import AttentionMask, packed_attention, prepare_attention
 from packing.layout import StreamLayout, layout_from_lengths
 from packing.masks import InnerMask, causal, frame_causal
 
@@ -51,7 +51,7 @@ def test_hand_computed_two_episodes_and_a_pad_row() -> None:
     q = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(4, 1, 1)
     k = torch.tensor([0.0, 1.0, 5.0, 9.0]).view(4, 1, 1)
     v = torch.tensor([10.0, 20.0, 30.0, 40.0]).view(4, 1, 1)
-    out = attention(q, k, v, prepare_attention(q_lay, backend="sdpa")).flatten()
+    out = packed_attention(q, k, v, prepare_attention(q_lay, backend="sdpa")).flatten()
     w0 = torch.softmax(torch.tensor([0.0, 1.0]), 0)  # token 0: q=1, k=(0,1)
     w1 = torch.softmax(torch.tensor([0.0, 2.0]), 0)  # token 1: q=2
     expect = torch.tensor([w0 @ torch.tensor([10.0, 20.0]), w1 @ torch.tensor([10.0, 20.0]), 30, 0])
@@ -75,7 +75,7 @@ def test_self_attention_sdpa_and_flex_match_per_episode(
     r = real(q_lay)
     for backend in ("sdpa", "flex"):
         mask = prepare_attention(q_lay, inner=inner, backend=backend)
-        out = attention(q, k, v, mask)
+        out = packed_attention(q, k, v, mask)
         assert out.shape == q.shape
         assert torch.isfinite(out).all(), backend
         assert rel(out[r], ref[r]) < TOL, backend
@@ -94,7 +94,7 @@ def test_cross_attention_q_and_kv_layouts_differ(inner: InnerMask | None) -> Non
     r = real(q_lay)
     for backend in ("sdpa", "flex"):
         mask = prepare_attention(q_lay, kv_lay, inner=inner, backend=backend)
-        out = attention(q, k, v, mask)
+        out = packed_attention(q, k, v, mask)
         assert rel(out[r], ref[r]) < TOL, backend
         # cross-attention padding queries attend to nothing and read exactly 0, never NaN
         assert out[~r].abs().max() == 0, backend
@@ -122,12 +122,12 @@ def test_property_random_layouts(
     inner = INNERS[inner_i]
     q, k, v = qkv(q_lay.padded_len, q_lay.padded_len, seed=kv_lengths_seed)
     ref = per_episode(q, k, v, q_lay, q_lay, inner)
-    out = attention(q, k, v, prepare_attention(q_lay, inner=inner, backend="sdpa"))
+    out = packed_attention(q, k, v, prepare_attention(q_lay, inner=inner, backend="sdpa"))
     assert rel(out[real(q_lay)], ref[real(q_lay)]) < TOL
     cross_inner = None if inner is None else frame_causal(4, 1)
     q2, k2, v2 = qkv(q_lay.padded_len, kv_lay.padded_len, seed=kv_lengths_seed + 1)
     ref2 = per_episode(q2, k2, v2, q_lay, kv_lay, cross_inner)
-    out2 = attention(q2, k2, v2, prepare_attention(q_lay, kv_lay, cross_inner, "sdpa"))
+    out2 = packed_attention(q2, k2, v2, prepare_attention(q_lay, kv_lay, cross_inner, "sdpa"))
     assert rel(out2[real(q_lay)], ref2[real(q_lay)]) < TOL
     assert torch.isfinite(out2).all() and out2[~real(q_lay)].abs().sum() == 0
 
@@ -142,7 +142,7 @@ def test_sdpa_backward_matches_per_episode_backward(inner: InnerMask | None) -> 
         r = real(q_lay)[:, None, None]
         cross = kv_l is not q_lay
         mask = prepare_attention(q_lay, kv_l if cross else None, kv_inner, "sdpa")
-        got = torch.autograd.grad((attention(q, k, v, mask) * w * r).sum(), (q, k, v))
+        got = torch.autograd.grad((packed_attention(q, k, v, mask) * w * r).sum(), (q, k, v))
         want = torch.autograd.grad(
             (per_episode(q, k, v, q_lay, kv_l, kv_inner) * w * r).sum(), (q, k, v)
         )
@@ -160,11 +160,11 @@ def test_a_mask_without_the_document_term_is_caught() -> None:
     assert good.dense_TT is not None
     ref = per_episode(q, k, v, q_lay, q_lay)
     r = real(q_lay)
-    assert rel(attention(q, k, v, good)[r], ref[r]) < TOL
+    assert rel(packed_attention(q, k, v, good)[r], ref[r]) < TOL
     # Broken: every real token attends to every real token of the pack (no doc_id[q] == doc_id[kv]).
     leaky = r[:, None] & r[None, :] | torch.eye(q_lay.padded_len, dtype=torch.bool)
     broken = dataclasses.replace(good, dense_TT=leaky)
-    assert rel(attention(q, k, v, broken)[r], ref[r]) > 1e-2
+    assert rel(packed_attention(q, k, v, broken)[r], ref[r]) > 1e-2
 
 
 def test_the_random_layouts_hit_every_boundary_case() -> None:
@@ -193,9 +193,9 @@ def test_flex_on_cpu_is_forward_only_with_a_clear_error() -> None:
     assert "forward only" in mask.reason
     q, k, v = qkv(8, 8, grad=True)
     with pytest.raises(ValueError, match=r"forward-only.*backend='sdpa'"):
-        attention(q, k, v, mask)
+        packed_attention(q, k, v, mask)
     with torch.no_grad():
-        assert torch.isfinite(attention(q, k, v, mask)).all()
+        assert torch.isfinite(packed_attention(q, k, v, mask)).all()
 
 
 def test_impossible_requests_raise_naming_the_fix() -> None:
@@ -244,17 +244,17 @@ def test_shape_mismatch_names_the_counts() -> None:
     mask = prepare_attention(lay([5, 3], 2), backend="sdpa")
     q, k, v = qkv(9, 10)
     with pytest.raises(ValueError, match=r"built for 10 query and 10 key tokens, but q has 9"):
-        attention(q, k, v, mask)
+        packed_attention(q, k, v, mask)
     with pytest.raises(ValueError, match=r"\(T, H, D\)"):
-        attention(q.flatten(1), k.flatten(1), v.flatten(1), mask)
+        packed_attention(q.flatten(1), k.flatten(1), v.flatten(1), mask)
 
 
 def test_scale_is_passed_through() -> None:
     q_lay = lay([6, 4], 0)
     q, k, v = qkv(10, 10)
     mask = prepare_attention(q_lay, backend="sdpa")
-    a = attention(q, k, v, mask, scale=0.5)
-    b = attention(q * (0.5 * math.sqrt(D)), k, v, mask)
+    a = packed_attention(q, k, v, mask, scale=0.5)
+    b = packed_attention(q * (0.5 * math.sqrt(D)), k, v, mask)
     torch.testing.assert_close(a, b)
 
 
@@ -321,7 +321,7 @@ def test_a_compiled_call_past_the_recompile_limit_fails_instead_of_running_eager
     # T x T scores, a backward torch flags as possibly wrong); the library must say so.
     import torch._dynamo
 
-    from packing.attention import call_compiled
+    from packing._compile import call_compiled
 
     # config.patch, not monkeypatch: undoing a monkeypatch deletes a dynamo config entry.
     with torch._dynamo.config.patch(recompile_limit=1):
@@ -360,30 +360,82 @@ def test_auto_skips_flash_attn_4_for_head_dims_it_does_not_support(
 
 
 def test_flash_attn_4_kernels_refuse_an_unsupported_head_dim_at_call_time() -> None:
-    lay = layout_from_lengths([3, 5], [3, 5], padded=8)
     mask = AttentionMask(
-        backend="varlen", kernel="fa4", reason="test", q_layout=lay, kv_layout=lay,
+        backend="varlen", kernel="fa4", reason="test", q_len=8, kv_len=8,
         inner=None, cross=False,
     )  # fmt: skip
     q = torch.zeros(8, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"head dims \(64, 96, 128\), got 16.*head_dim=16"):
-        attention(q, q, q, mask)
+        packed_attention(q, q, q, mask)
 
 
-def test_flex_gives_each_of_the_first_shapes_a_static_kernel_then_warns_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_flex_gives_each_of_the_first_shapes_a_static_kernel_then_warns_once() -> None:
     # On the H200 the dynamic-shape flex kernel was 1.41x slower than the static one; with
     # dynamo's automatic dynamic, one new length would have moved every call onto it.
-    import packing.attention as pa
+    from packing._compile import FLEX_KERNELS as flex
 
-    monkeypatch.setattr(pa, "_static_flex_shapes", set())
-    monkeypatch.setattr(pa, "STATIC_FLEX_SHAPES", 2)
-    assert pa._flex_is_static((64, 64)) and pa._flex_is_static((128, 16))
-    assert pa._flex_is_static((64, 64))  # seen: keeps its static kernel
-    with pytest.warns(UserWarning, match=r"static kernels for 2 sequence shapes.*token_budget"):
-        assert not pa._flex_is_static((256, 256))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once only
-        assert not pa._flex_is_static((512, 512))
-        assert pa._flex_is_static((128, 16))
+    before = flex.static_shapes
+    flex.reset(static_shapes=2)
+    try:
+        assert flex.is_static((64, 64)) and flex.is_static((128, 16))
+        assert flex.is_static((64, 64))  # seen: keeps its static kernel
+        with pytest.warns(UserWarning, match=r"static kernels for 2 sequence shapes.*token_budget"):
+            assert not flex.is_static((256, 256))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once only
+            assert not flex.is_static((512, 512))
+            assert flex.is_static((128, 16))
+        assert flex.shapes == ((64, 64), (128, 16))  # what a user inspects
+        flex.reset()
+        assert flex.shapes == () and flex.is_static((512, 512))  # reset frees the slots
+    finally:
+        flex.reset(static_shapes=before)
+
+
+def test_a_mask_holds_nothing_that_changes_with_the_composition_of_a_pack() -> None:
+    # What a compiled block guards on: every non-tensor field of the mask. Two packs of the
+    # same budget with different episodes must give equal ones, or a compiled block (and a
+    # checkpoint inside compile, which guards on everything its inputs hold) recompiles per
+    # pack. It did: the mask carried the layouts' host-side episode lengths.
+    def host_fields(lengths: list[int], kv_lengths: list[int] | None) -> dict[str, object]:
+        lay = layout_from_lengths(lengths, lengths, 64, max_docs=4)
+        kv = None if kv_lengths is None else layout_from_lengths(kv_lengths, kv_lengths, 16)
+        mask = prepare_attention(lay, kv, backend="sdpa", device="cpu")
+        return {
+            f.name: getattr(mask, f.name)
+            for f in dataclasses.fields(mask)
+            if not isinstance(getattr(mask, f.name), torch.Tensor)
+        }
+
+    assert host_fields([10, 20], None) == host_fields([5, 7, 30], None)
+    assert host_fields([10, 20], [3, 4]) == host_fields([5, 7, 30], [1, 2, 9])
+
+
+def test_a_checkpoint_inside_compile_keeps_one_graph_across_pack_compositions() -> None:
+    # Selective (per-op) activation checkpointing has to sit inside torch.compile to see the
+    # ops; the checkpoint's higher-order op lifts the mask into its inputs. Same budget,
+    # different episodes: one graph.
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.utils.checkpoint import checkpoint
+
+    from packing.fsdp import _ops_policy
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    context_fn = _ops_policy()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def block(x: torch.Tensor, w: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        def body(x: torch.Tensor, w: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+            q = (x @ w).unflatten(-1, (2, 8))
+            return packed_attention(q, q, q, mask).flatten(1) @ w
+
+        return checkpoint(body, x, w, mask, use_reentrant=False, context_fn=context_fn)
+
+    w = torch.randn(16, 16, requires_grad=True)
+    for lengths in ([10, 20], [5, 7, 30], [64], [1, 2, 3, 4]):
+        mask = prepare_attention(layout_from_lengths(lengths, lengths, 64, max_docs=4),
+                                 backend="sdpa", device="cpu")  # fmt: skip
+        block(torch.randn(64, 16), w, mask).sum().backward()
+    assert counter.frame_count == 1

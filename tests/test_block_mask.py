@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import (
     or_masks,
 )
 
-from packing.block_mask import block_tables
+from packing._block_mask import block_tables
 from packing.layout_math import local_positions
 from packing.masks import (
     causal,

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from test_masks import INNERS, RANDOM_MASKS
 
 import packing.masks as masks
-from packing.block_mask import block_tables, document_rule
+from packing._block_mask import block_tables, document_rule
 from packing.masks import make_block_mask
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ import reference
 import torch
 from hypothesis import given, settings
 
-from packing.collate import PackedCollator, Stream, joint_layout, pack, unpack
+from packing.collate import PackedCollator, Stream, pack, unpack
+from packing.joint import joint_layout
 from packing.layout import layout_from_lengths
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -200,10 +201,20 @@ def test_joint_layout_can_be_built_in_the_worker_and_moves_with_the_batch():
         [Stream("latents", grid=(4, 8)), Stream("action")], joint=[("latents", "action")]
     )
     b = col([video_action_episode(0, 2)])
-    assert ("latents", "action") in b.extras["_joint"]
+    assert ("latents", "action") in b.joint_layouts
     moved = b.to("cpu")
-    assert isinstance(moved.extras["_joint"][("latents", "action")].src_index_J, torch.Tensor)
-    assert "_joint" not in list(b), "private extras are not part of the mapping"
+    assert isinstance(moved.joint_layouts[("latents", "action")].src_index_J, torch.Tensor)
+    assert joint_layout(moved, ("latents", "action")) is moved.joint_layouts[("latents", "action")]
+    assert set(b) == {
+        "latents",
+        "action",
+        "doc_ids",
+        "position_ids",
+        "cu_seqlens",
+        "max_seqlen",
+        "thw",
+        "episode_index",
+    }, "the cache is not part of the mapping"
 
 
 # -- static shapes ------------------------------------------------------------------------------
@@ -222,6 +233,21 @@ def test_token_budget_and_max_docs_give_one_shape_for_every_pack(packs):
         assert b["episode_index"][k:].eq(-1).all()
         assert b.num_docs == k
     assert shapes == {((128, 3), (5,), (4,))}
+
+
+def test_the_mapping_reads_the_fields_in_place():
+    b = PackedCollator([Stream("latents", grid=(4, 8)), Stream("action")])(
+        [video_action_episode(0, 2), video_action_episode(1, 3)]
+    )
+    assert b["latents"] is b.streams["latents"] and b["action"] is b.streams["action"]
+    assert b["doc_ids"] is b.layout().doc_ids_T and b["thw"] is b.layout().thw_T3
+    assert b["max_seqlen"] == b.layout().max_seqlen
+    assert b["episode_index"] is b.per_episode["episode_index"]
+    b.extras.update(step=3, _note="private")
+    assert b["step"] == 3 and "_note" not in b and len(b) == len(list(b)) == 9
+    assert b.episode_ids == b.host_episode_ids == (0, 1)
+    with pytest.raises(KeyError, match="'nope' is not in this PackedBatch; keys are"):
+        b["nope"]
 
 
 def test_empty_pack_with_declared_streams_is_all_padding():

@@ -198,6 +198,8 @@ def test_missing_text_and_wrong_models_are_refused() -> None:
         install(tiny_wan("2.2", patch_size=(2, 2, 2)))
     with pytest.raises(ValueError, match="latent_hw"):
         _ = install(tiny_wan("2.2")).streams
+    with pytest.raises(ValueError, match="Wan takes no encoder attention mask"):
+        install(tiny_wan("2.2"), text_mask="text_mask")
 
 
 def reference_of(packed: torch.nn.Module) -> torch.nn.Module:

@@ -18,7 +18,7 @@ import torch
 from reference import per_episode
 
 import packing.attention as pa
-from packing.attention import AttentionMask, attention, prepare_attention
+from packing.attention import AttentionMask, packed_attention, prepare_attention
 from packing.fa4 import fa4_varlen
 from packing.layout import StreamLayout, layout_from_lengths
 
@@ -120,7 +120,7 @@ def test_fa4_varlen_equals_one_sdpa_call_per_episode_forward_and_backward(
     q_lay = layout_from_lengths([5, 9, 3], [5, 9, 3], 20)
     kv_lay = layout_from_lengths([4, 2, 7], [4, 2, 7], kv_budget) if cross else q_lay
     q, k, v = _qkv(q_lay.padded_len, kv_lay.padded_len)
-    out = attention(q, k, v, _mask(q_lay, kv_lay if cross else None))
+    out = packed_attention(q, k, v, _mask(q_lay, kv_lay if cross else None))
     ref = per_episode(q.float(), k.float(), v.float(), q_lay, kv_lay)
     real = q_lay.num_tokens
     # bf16 in and out (a misrouted tensor or gradient is off by O(1), not by rounding)
@@ -147,10 +147,10 @@ def test_fa4_backward_is_deterministic_when_torch_asks_for_it(fa4: StandIn) -> N
     # FA4 accumulates dQ with atomics unless asked; find_leaks asks (through torch's switch).
     lay = layout_from_lengths([5, 9], [5, 9], 16)
     q, k, v = _qkv(16, 16)
-    attention(q, k, v, _mask(lay)).sum().backward()
+    packed_attention(q, k, v, _mask(lay)).sum().backward()
     torch.use_deterministic_algorithms(True)
     try:
-        attention(q, k, v, _mask(lay)).sum().backward()
+        packed_attention(q, k, v, _mask(lay)).sum().backward()
     finally:
         torch.use_deterministic_algorithms(False)
     assert fa4.deterministic == [False, True]
@@ -172,7 +172,7 @@ def test_a_compiled_caller_never_recompiles_as_the_longest_episode_changes(
 
     @torch.compile(backend=counter, fullgraph=True)
     def step(q: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        return (attention(q * 2, q, q, mask) ** 2).sum()
+        return (packed_attention(q * 2, q, q, mask) ** 2).sum()
 
     q = torch.randn(512, H, D, dtype=torch.bfloat16, requires_grad=True)
     packs = ([300, 212], [40, 400, 72], [129, 129, 129, 125], [500, 12], [257, 255], [480, 32],
@@ -200,17 +200,20 @@ def test_torch_varlen_gets_the_longest_sequence_rounded_up_not_the_padded_length
     assert (m.max_q, m.max_kv) == (160, 160)  # capped at the padded length
 
 
-def test_flex_flash_keeps_a_static_kernel_for_every_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flex_flash_keeps_a_static_kernel_for_every_shape() -> None:
     # torch 2.11 cannot compile FlexAttention's FLASH backend with dynamic shapes (a captured
     # SymInt); on the H200 the 5th shape of a process raised an InductorError.
-    monkeypatch.setattr(pa, "_static_flex_shapes", set())
-    monkeypatch.setattr(pa, "_compiled_flex", {})
-    monkeypatch.setattr(pa, "STATIC_FLEX_SHAPES", 1)
-    cuda = torch.device("cuda", 0)
-    static = pa._flex_fn(cuda, (64, 64), flash=False)
-    with pytest.warns(UserWarning, match="dynamic-shape kernel"):
-        assert pa._flex_fn(cuda, (128, 128), flash=False) is not static  # Triton: dynamic
-    assert pa._flex_fn(cuda, (256, 256), flash=True) is static
+    from packing._compile import FLEX_KERNELS as flex
+
+    before = flex.static_shapes
+    flex.reset(static_shapes=1)
+    try:
+        static = flex.get((64, 64))
+        with pytest.warns(UserWarning, match="dynamic-shape kernel"):
+            assert flex.get((128, 128)) is not static  # Triton: dynamic
+        assert flex.get((256, 256), always_static=True) is static
+    finally:
+        flex.reset(static_shapes=before)
 
 
 @pytest.mark.skipif(
@@ -229,7 +232,7 @@ def test_inductor_compiled_attention_through_the_op_matches_eager(fa4: StandIn) 
     w[lay.num_tokens :] = 0
 
     def block(x: torch.Tensor) -> torch.Tensor:  # elementwise work on both sides of the op
-        return (attention(x * 0.5, x, x.sin(), mask).float() * w).sum()
+        return (packed_attention(x * 0.5, x, x.sin(), mask).float() * w).sum()
 
     x = torch.randn(20, H, D, generator=torch.Generator().manual_seed(3)).bfloat16()
     got = []

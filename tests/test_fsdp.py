@@ -57,13 +57,10 @@ def _tiny_params():
 @pytest.mark.parametrize(
     ("flags", "what"),
     [
-        # CI runs the mistake only a distributed run can make (a per-rank normaliser); the
-        # other two have single-process twins in tests/test_verify.py (no document mask,
-        # global-RNG noise) and run here with the slow tests
-        pytest.param(["--no-document-mask"], "leak", marks=pytest.mark.slow),
+        # CI runs all three: the distributed verify must catch each mistake across ranks
+        (["--no-document-mask"], "leak"),
         (["--loss-normaliser", "per-rank", "--no-leak-check"], "gradients differ"),
-        pytest.param(["--noise-key", "rank", "--no-leak-check"], "gradients differ",
-                     marks=pytest.mark.slow),
+        (["--noise-key", "rank", "--no-leak-check"], "gradients differ"),
     ],
     ids=["no-document-mask", "normaliser-ignores-other-rank", "noise-keyed-by-rank"],
 )  # fmt: skip

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from reference import per_episode, rel
 
-from packing.attention import attention, fa4_available, prepare_attention
+from packing.attention import fa4_available, packed_attention, prepare_attention
 from packing.layout import StreamLayout, layout_from_lengths
 from packing.masks import InnerMask, causal, frame_causal
 
@@ -83,7 +83,7 @@ def check(
         q_lay, kv_lay if cross else None, inner, backend, device=DEV, dtype=dtype
     )
     assert mask.backend == backend
-    out = attention(q, k, v, mask)
+    out = packed_attention(q, k, v, mask)
     # The loss weight covers the padding rows too: their output is a constant 0, so the
     # gradient reaching them must go nowhere (the reference's padding rows are 0 as well).
     w = torch.randn(out.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
@@ -151,7 +151,7 @@ def test_varlen_refuses_fp32_at_call_time() -> None:
     mask = prepare_attention(q_lay, backend="varlen", device=DEV)  # dtype not given
     q, k, v = qkv(q_lay.padded_len, q_lay.padded_len, torch.float32)
     with pytest.raises(ValueError, match=r"bf16/fp16 only.*float32"):
-        attention(q, k, v, mask)
+        packed_attention(q, k, v, mask)
 
 
 def test_flex_does_not_recompile_when_the_layout_changes_at_a_fixed_length() -> None:
@@ -159,11 +159,13 @@ def test_flex_does_not_recompile_when_the_layout_changes_at_a_fixed_length() -> 
 
     q, k, v = (t.detach() for t in qkv(1024, 1024, torch.bfloat16))
     for lengths in ([1000], [500, 500]):  # warm up: both closures compiled once at most
-        attention(q, k, v, prepare_attention(lay(lengths, 1024 - sum(lengths)), backend="flex"))
+        packed_attention(
+            q, k, v, prepare_attention(lay(lengths, 1024 - sum(lengths)), backend="flex")
+        )
     before = counters["stats"]["unique_graphs"]
     for lengths in ([232, 1, 129, 600], [17, 900], [3, 3, 3, 3, 1000]):
         mask = prepare_attention(lay(lengths, 1024 - sum(lengths)), backend="flex")
-        attention(q, k, v, mask)
+        packed_attention(q, k, v, mask)
     assert counters["stats"]["unique_graphs"] == before
 
 

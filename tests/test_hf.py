@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from packing._arrow import arrow_to_numpy, plan_columns
 from packing.collate import PackedCollator, Stream, unpack
-from packing.hf import HFEpisodes, arrow_to_numpy, group_rows, plan_columns
+from packing.hf import HFEpisodes, group_rows
 
 datasets = pytest.importorskip(
     "datasets", reason="datasets is not installed (pip install 'packing[hf]'); CI installs it"

@@ -265,6 +265,29 @@ def test_is_pad_becomes_a_loss_mask_and_nothing_padded_reaches_the_loss(root: Pa
     assert int(mask.sum()) == sum(LENGTHS) - sum(1 for e in range(len(LENGTHS)) if e % 2)
 
 
+def test_the_loss_mask_key_the_docs_name_is_in_an_adapter_batch(root: Path) -> None:
+    # packing.losses and docs/losses.md tell users to pass batch["action_loss_mask"]; it must be
+    # what the adapter serves (the docs once said ~batch["action_is_pad"]: a KeyError).
+    import packing.losses
+    from packing.losses import LossNormalizer
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "losses.md").read_text()
+    assert 'b["action_loss_mask"]' in (packing.losses.LossNormalizer.__doc__ or "")
+    assert 'batch["action_loss_mask"]' in docs and '~batch["action_is_pad"]' not in docs
+    eps = LeRobotEpisodes(root, keys=["action"])
+    collate = PackedCollator(["action", "action_loss_mask"], pad_to_multiple=16)
+    micro = [collate([eps[i] for i in pack]) for pack in ([0, 1], [2, 3])]
+    # The documented loop, as LossNormalizer's docstring shows it.
+    norm = LossNormalizer.for_step(
+        [b.layout("action") for b in micro], "episode", [b["action_loss_mask"] for b in micro]
+    )
+    total = sum(
+        float(norm(b["action"][:, 0].float() ** 2, b.layout("action"), b["action_loss_mask"]))
+        for b in micro
+    )
+    assert norm.denominator == 4 and total > 0  # four episodes, each with real actions
+
+
 # -- DataLoader -----------------------------------------------------------------------------------
 
 

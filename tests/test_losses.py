@@ -264,7 +264,9 @@ def test_errors_name_the_problem_and_the_fix() -> None:
     lay = _layout([2, 4, 3], 12)
     with pytest.raises(ValueError, match="reduction='mean'"):
         token_weights(lay, "mean")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"loss_mask must be \(T,\) = \(12,\).*action_is_pad"):
+    with pytest.raises(
+        ValueError, match=r"loss_mask must be \(T,\) = \(12,\).*batch\['action_loss_mask'\]"
+    ):
         token_weights(lay, "token", torch.ones(9))
     with pytest.raises(
         ValueError, match="document 2 has 3 tokens, not a multiple of tokens_per_step=2"

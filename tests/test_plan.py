@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import best_fit_lookahead_reference
+from reference import best_fit_decreasing_reference, best_fit_lookahead_reference
 
 from packing.binpack import (
     best_fit_decreasing,
-    best_fit_decreasing_reference,
     best_fit_lookahead,
     first_fit_decreasing,
     next_fit,
 )
 from packing.online import BufferedPacker
-from packing.plan import PackPlan, frames_to_tokens, plan_packs, slice_piece, split_windows
+from packing.pieces import slice_piece, split_windows
+from packing.plan import PackPlan, frames_to_tokens, plan_packs
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ALGORITHMS = ["bfd", "ffd", "lookahead", "next_fit"]

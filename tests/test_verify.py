@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from packing.attention import attention, prepare_attention
+from packing.attention import packed_attention, prepare_attention
 from packing.collate import PackedCollator, Stream
 from packing.conditioning import (
     broadcast_to_tokens,
@@ -22,13 +22,9 @@ from packing.conditioning import (
     packed_noise,
 )
 from packing.layout import PackedBatch
-from packing.verify import (
-    Tolerances,
-    compare_packed_unpacked,
-    cosine_similarity,
-    default_token_budget,
-    relative_difference,
-)
+from packing.verify import compare_packed_unpacked
+from packing.verify_cli import default_token_budget
+from packing.verify_report import Tolerances, cosine_similarity, relative_difference
 
 A = 6  # action dim
 
@@ -92,7 +88,7 @@ class ToyActionModel(nn.Module):
                 backend="sdpa",
             )
         q, k, v = self.qkv(h).unflatten(-1, (3, 2, -1)).unbind(1)
-        h = h + attention(q, k, v, mask).flatten(1)
+        h = h + packed_attention(q, k, v, mask).flatten(1)
         loss = (self.out(h) - target).pow(2).mean(-1)
         return {"action": torch.where(lay.doc_ids_T >= 0, loss, 0.0)}
 
@@ -346,8 +342,7 @@ class GlobalPositions(nn.Module):
                 thw = lay.thw_T3.clone()
                 thw[:, 0] = pos // lay.tokens_per_step
             layouts[name] = replace(lay, position_ids_T=pos, thw_T3=thw)
-        extras = {k: v for k, v in batch.extras.items() if k != "_joint"}
-        return replace(batch, layouts=layouts, extras=extras)
+        return replace(batch, layouts=layouts, joint_layouts={})
 
     def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
         return self.inner(self._global(batch))

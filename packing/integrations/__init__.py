@@ -1,7 +1,7 @@
 """Integrations with model libraries, one subpackage each, none imported by ``import packing``.
 
-- ``packing.integrations.diffusers``: pretrained diffusers video transformers (Wan 2.1 / 2.2)
-  trained packed; needs ``pip install 'packing[diffusers]'``.
+- ``packing.integrations.diffusers``: pretrained diffusers video transformers (Wan 2.1 / 2.2,
+  LTX-Video) trained packed; needs ``pip install 'packing[diffusers]'``.
 """
 
 __all__: list[str] = []

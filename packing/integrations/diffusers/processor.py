@@ -8,7 +8,8 @@ for the reference DiT) and hands every other call to the processor it replaced, 
 own ``forward`` (pipelines, inference) keeps working unchanged while it is installed::
 
     packed call   hidden (T, D), encoder (T_txt, D) or None, AttentionMask, (cos, sin) or None
-                  -> q, k, v (T, H, Dh) -> norm_q/k, RoPE -> packing.attention.attention -> to_out
+                  -> q, k, v (T, H*Dh) -> norm_q/k -> (T, H, Dh) -> the family's RoPE rotation
+                  -> packing.attention.packed_attention -> to_out
     any other     -> the original processor, untouched
 
 Processors are not parameters: installing adds, renames and moves no weight, so
@@ -22,24 +23,35 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from packing.attention import AttentionMask, attention
-from packing.integrations.diffusers.rope import rotate
+from packing.attention import AttentionMask, packed_attention
 
-__all__ = ["PackedAttnProcessor", "install_processors", "uninstall_processors"]
+__all__ = ["PackedAttnProcessor", "install_processors", "separate_qkv", "uninstall_processors"]
 
 QKV = Callable[[Any, Tensor, "Tensor | None"], tuple[Tensor, Tensor, Tensor]]
+Rotate = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x_THD, cos, sin) -> x_THD rotated
+
+
+def separate_qkv(
+    attn: Any, hidden: Tensor, encoder: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``to_q``, ``to_k``, ``to_v`` of a module without fused projections (LTX)."""
+    kv = hidden if encoder is None else encoder
+    return attn.to_q(hidden), attn.to_k(kv), attn.to_v(kv)
 
 
 class PackedAttnProcessor:
-    """Packed self- or cross-attention for a diffusers attention module of Wan's structure.
+    """Packed self- or cross-attention for a diffusers attention module with ``to_q/k/v``,
+    ``norm_q/k`` over all heads and ``to_out`` (Wan, LTX).
 
     ``qkv(attn, hidden, encoder)`` returns the projections (the model family's own helper, so
-    fused projections work); ``original`` is the processor this one replaced.
+    fused projections work); ``rotate(x_THD, cos, sin)`` is the family's RoPE rotation, applied
+    to q and k when the call carries ``(cos, sin)``; ``original`` is the processor replaced.
     """
 
-    def __init__(self, original: Any, qkv: QKV) -> None:
+    def __init__(self, original: Any, qkv: QKV, rotate: Rotate) -> None:
         self.original = original
         self.qkv = qkv
+        self.rotate = rotate
 
     def __call__(
         self,
@@ -64,12 +76,14 @@ class PackedAttnProcessor:
         k = attn.norm_k(k).unflatten(-1, (attn.heads, -1))
         v = v.unflatten(-1, (attn.heads, -1))
         if rotary_emb is not None:
-            q, k = rotate(q, *rotary_emb), rotate(k, *rotary_emb)
-        out = attention(q.to(v.dtype), k.to(v.dtype), v, attention_mask).flatten(1).type_as(q)
+            q, k = self.rotate(q, *rotary_emb), self.rotate(k, *rotary_emb)
+        out = (
+            packed_attention(q.to(v.dtype), k.to(v.dtype), v, attention_mask).flatten(1).type_as(q)
+        )
         return attn.to_out[1](attn.to_out[0](out))  # type: ignore[no-any-return]
 
 
-def install_processors(model: nn.Module, attention_cls: type, qkv: QKV) -> int:
+def install_processors(model: nn.Module, attention_cls: type, qkv: QKV, rotate: Rotate) -> int:
     """Wrap the processor of every ``attention_cls`` module of ``model``; returns how many.
 
     Idempotent: a module that already has a `PackedAttnProcessor` keeps it.
@@ -79,7 +93,7 @@ def install_processors(model: nn.Module, attention_cls: type, qkv: QKV) -> int:
         if isinstance(module, attention_cls):
             proc = module.processor
             if not isinstance(proc, PackedAttnProcessor):
-                module.set_processor(PackedAttnProcessor(proc, qkv))  # type: ignore[operator]
+                module.set_processor(PackedAttnProcessor(proc, qkv, rotate))  # type: ignore[operator]
             count += 1
     if count == 0:
         raise ValueError(

@@ -13,7 +13,9 @@ Feature order inside a token is ``(ph, pw, C)``: the order diffusers' Wan un-pat
 
 Text-encoder outputs (umT5 embeddings ``(L_k, D_txt)``, each episode its own length L_k) are
 packed as their own stream with their own layout; the cross-attention mask pairs latent
-document k with text document k (`pack_text_embeddings`).
+document k with text document k (`pack_text_embeddings`). Text padded by the tokenizer (LTX's
+T5 prompts, 128 rows with an attention mask) keeps only its real rows (`drop_masked_rows`), so
+no query can attend to a padded one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch import Tensor
 from packing.layout import StreamLayout, layout_from_lengths
 from packing.layout_math import padded_length
 
-__all__ = ["pack_text_embeddings", "patchify", "unpatchify"]
+__all__ = ["drop_masked_rows", "pack_text_embeddings", "patchify", "unpatchify"]
 
 
 def patchify(x_SCHW: Tensor, patch_hw: tuple[int, int]) -> Tensor:
@@ -77,3 +79,27 @@ def pack_text_embeddings(
     out = embeddings[0].new_zeros((padded_len, embeddings[0].shape[1]))
     out[:total] = torch.cat(list(embeddings))
     return out, layout_from_lengths(lengths, lengths, padded_len).to(out.device)
+
+
+def drop_masked_rows(
+    text_TD: Tensor, layout: StreamLayout, mask_T: Tensor
+) -> tuple[Tensor, StreamLayout]:
+    """Keep the rows whose tokenizer mask is nonzero, each episode's in order; same length.
+
+    Two episodes of 3 and 4 rows, masks ``[1 1 0 | 1 1 1 0]``, padded to 8 -> rows
+    ``a0 a1 b0 b1 b2`` then 3 rows of zeros, lengths ``[2, 3]``, doc ids
+    ``[0 0 1 1 1 -1 -1 -1]``. The kept lengths are read on the host: one device sync per
+    step, only for text that carries a mask (store unpadded text to avoid it).
+    """
+    keep = (mask_T != 0) & (layout.doc_ids_T >= 0)
+    lengths = torch.bincount(layout.doc_ids_T[keep].long(), minlength=layout.num_docs).tolist()
+    if 0 in lengths:
+        k = lengths.index(0)
+        raise ValueError(
+            f"the text of the pack's episode {k} has no real row (its text mask is all 0); "
+            "every prompt keeps at least its end-of-text token, so check the text_mask stream"
+        )
+    rows = text_TD[keep]
+    out = text_TD.new_zeros(text_TD.shape)
+    out[: rows.shape[0]] = rows
+    return out, layout_from_lengths(lengths, lengths, layout.padded_len).to(text_TD.device)

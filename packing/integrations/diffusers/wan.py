@@ -15,6 +15,17 @@ included); only the attention masks (an `AttentionMask` through ``attention_mask
 the block itself always passes as None) and the per-token conditioning rows differ.
 `WanReference` is the unpacked side: the unmodified ``model.forward`` on one episode at a time.
 
+RoPE: ``WanRotaryPosEmbed`` holds per-axis tables ``freqs_cos``/``freqs_sin`` ``(max_seq_len,
+head_dim)``, computed in float64 (then stored as float32), the head dim split ``[t_dim | h_dim |
+w_dim]`` (128 -> 44 / 42 / 42); its ``forward`` takes rows ``0..F-1``, ``0..H-1``, ``0..W-1`` of
+one video's grid. Packed, each token gathers the rows of its own (t, h, w) inside its episode::
+
+    thw_T3     (0,0,0) (0,0,1) ... (1,1,2) | (0,0,0) ...   episode 0, then episode 1 from 0
+    cos_T1D    [cos_t[t] | cos_h[h] | cos_w[w]]             (T, 1, head_dim), tables' dtype
+
+Gathering rows of the same tables is bit-identical to diffusers' slicing; `rotate` is the
+model's own rotation (in the tables' dtype, cast back).
+
 ``conditioning="per_token"`` gathers the timestep to tokens first and runs the MLP on T rows:
 the TI2V pipeline's per-token path (``timestep`` of shape (B, seq_len)), exact, slower; use it
 when tokens of one episode need different timesteps (e.g. a clean first frame).
@@ -22,40 +33,42 @@ when tokens of one episode need different timesteps (e.g. a clean first frame).
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from einops import rearrange
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from packing._lazy import require
-from packing.attention import AttentionMask, Backend, prepare_attention
+from packing.attention import AttentionMask, Backend
 from packing.conditioning import broadcast_to_tokens
-from packing.integrations.diffusers.adapter import FlowMatchingAdapter, TextEncoder
-from packing.integrations.diffusers.processor import install_processors, uninstall_processors
-from packing.integrations.diffusers.rope import rope_from_table
+from packing.integrations.diffusers.adapter import (
+    EpisodeReference,
+    PackedAdapter,
+    attention_dtype,
+    toy_text_encoder,
+)
 from packing.integrations.diffusers.streams import unpatchify
-from packing.layout import StreamLayout, layout_from_lengths
+from packing.layout import StreamLayout
 
 _wan = require("diffusers.models.transformers.transformer_wan", extra="diffusers")
 
 __all__ = [
     "PackedWan",
     "WanReference",
-    "install",
+    "rope_from_table",
+    "rotate",
     "tiny_wan",
     "tiny_wan_2_1",
     "tiny_wan_2_2",
-    "toy_text_encoder",
 ]
 
 Conditioning = Literal["per_episode", "per_token"]
 
 
-def _check_wan(model: Any) -> None:
+def _check_wan(model: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """Refuse what Wan packed cannot do; the family's ``patch_hw``/``text_dim`` for the adapter."""
     if not isinstance(model, _wan.WanTransformer3DModel):
         raise TypeError(f"expected a diffusers WanTransformer3DModel, got {type(model).__name__}")
     pt = model.config.patch_size[0]
@@ -69,88 +82,102 @@ def _check_wan(model: Any) -> None:
             "Wan 2.1 I2V (image_dim / added_kv_proj_dim) is not supported packed: its image "
             "context has a fixed layout; use a T2V or TI2V model"
         )
-
-
-def _one_document(lay: StreamLayout) -> StreamLayout:
-    """All real tokens as ONE document: the broken mask of ``document_mask=False``."""
-    n = lay.num_tokens
-    return layout_from_lengths([n] if n else [], [n] if n else [], lay.padded_len).to(
-        lay.doc_ids_T.device
+    if options.get("text_mask") is not None:
+        raise ValueError(
+            "text_mask: diffusers' Wan takes no encoder attention mask (it attends to every "
+            "text row it is given); store each episode's unpadded text instead"
+        )
+    cfg = model.config
+    return dict(
+        options,
+        patch_hw=(int(cfg.patch_size[1]), int(cfg.patch_size[2])),
+        text_dim=int(cfg.text_dim),
     )
 
 
-class PackedWan(FlowMatchingAdapter):
+def rope_from_table(
+    freqs_cos: Tensor, freqs_sin: Tensor, split: tuple[int, int, int], thw_T3: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)``, each ``(T, 1, head_dim)``, the tables' rows at each token's (t, h, w).
+
+    ``split`` is ``(t_dim, h_dim, w_dim)``; positions must lie below the tables' length.
+    """
+    max_len = int(freqs_cos.shape[0])
+    pos = thw_T3.long()
+    if pos.device.type == "cpu" and pos.numel() and int(pos.max()) >= max_len:
+        raise ValueError(
+            f"a token's (t, h, w) position {int(pos.max())} >= the model's rope_max_seq_len="
+            f"{max_len}; split long episodes (packing.plan.split_windows) or build the model "
+            "with a larger rope_max_seq_len"
+        )
+    pos = pos.to(freqs_cos.device)
+    parts_cos, parts_sin = freqs_cos.split(split, dim=1), freqs_sin.split(split, dim=1)
+    cos = torch.cat([parts_cos[a][pos[:, a]] for a in range(3)], dim=-1)
+    sin = torch.cat([parts_sin[a][pos[:, a]] for a in range(3)], dim=-1)
+    return cos[:, None, :], sin[:, None, :]
+
+
+def rotate(x_THD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """diffusers Wan's ``apply_rotary_emb``: interleaved pairs, tables' dtype, cast back.
+
+    ``cos``/``sin`` hold each frequency twice (``repeat_interleave``); the even columns are
+    the distinct values. Kept operation for operation so packed and unpacked round alike.
+    """
+    x1, x2 = x_THD.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x_THD)
+    out[..., 0::2] = x1 * c - x2 * s
+    out[..., 1::2] = x1 * s + x2 * c
+    return out.type_as(x_THD)
+
+
+class WanReference(EpisodeReference):
+    """The unpacked baseline: the unmodified ``WanTransformer3DModel.forward``, one episode per
+    call, ``(1, C, F, H, W)`` latents, ``(1,)`` timestep and ``(1, L, D_txt)`` text."""
+
+    def __init__(self, transformer: nn.Module, **options: Any) -> None:
+        super().__init__(transformer, **_check_wan(transformer, options))
+
+    def episode(
+        self, xt_FCHW: Tensor, timestep_1: Tensor, text_1LD: Tensor, mask_1L: Tensor | None
+    ) -> Tensor:
+        video = rearrange(xt_FCHW, "f c h w -> 1 c f h w")
+        pred = self.transformer(video, timestep_1, text_1LD, return_dict=False)[0]
+        return rearrange(pred, "1 c f h w -> f c h w")
+
+
+class PackedWan(PackedAdapter):
     """A loaded ``WanTransformer3DModel`` trained on packed batches (see the module picture).
 
-    The model is held as ``self.transformer``, unchanged but for its attention processors
-    (`uninstall` puts them back); save it with ``packed.transformer.save_pretrained``.
-    ``attention`` is the `packing.attention` backend (``auto``: FA4 varlen / Flex / SDPA).
-    ``document_mask=False`` lets episodes see each other: the broken model verify must fail.
+    Options beyond `PackedAdapter`'s: ``conditioning`` (``"per_episode"``, or the exact but
+    slower ``"per_token"``).
     """
+
+    model_cls = _wan.WanTransformer3DModel
+    reference_cls = WanReference
 
     def __init__(
         self,
         transformer: nn.Module,
         *,
-        latent_hw: tuple[int, int] | None = None,
-        latents: str = "latents",
-        text: str = "text",
-        text_encoder: TextEncoder | None = None,
-        timestep_shift: float = 1.0,
         attention: Backend = "auto",
         conditioning: Conditioning = "per_episode",
         document_mask: bool = True,
+        **options: Any,
     ) -> None:
-        _check_wan(transformer)
         if conditioning not in ("per_episode", "per_token"):
             raise ValueError(f"conditioning={conditioning!r}; use 'per_episode' or 'per_token'")
         super().__init__(
             transformer,
-            latent_hw=latent_hw,
-            latents=latents,
-            text=text,
-            text_encoder=text_encoder,
-            timestep_shift=timestep_shift,
+            attention_cls=_wan.WanAttention,
+            qkv=_wan._get_qkv_projections,
+            rotate=rotate,
+            block_forward=_block_forward,
+            attention=attention,
+            document_mask=document_mask,
+            **_check_wan(transformer, options),
         )
-        cfg: Any = transformer.config
-        self.patch_hw = (int(cfg.patch_size[1]), int(cfg.patch_size[2]))
-        self.attention_backend = attention
         self.conditioning = conditioning
-        self.document_mask = document_mask
-        self._block_fn: Callable[..., Tensor] = _block_forward
-        install_processors(transformer, _wan.WanAttention, _wan._get_qkv_projections)
-
-    def uninstall(self) -> nn.Module:
-        """Put the model's own attention processors back; returns the model."""
-        uninstall_processors(self.transformer)
-        return self.transformer
-
-    def compile_blocks(self, **compile_options: Any) -> PackedWan:
-        """``torch.compile`` the packed block step (one compiled function for every block, its
-        weights graph inputs); per-step host work (`prepare`, noise, layouts) stays eager.
-        Give packs static shapes (``Stream(budget=...)``, ``max_docs``) so it compiles once."""
-        self._block_fn = torch.compile(_block_forward, **compile_options)
-        return self
-
-    def __enter__(self) -> PackedWan:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
-
-    def reference(self) -> WanReference:
-        """The unpacked baseline for `packing verify`: a copy of the model, unmodified, run one
-        episode at a time, with this adapter's streams and flow-matching options."""
-        model = copy.deepcopy(self.transformer)
-        uninstall_processors(model)
-        return WanReference(
-            model,
-            latent_hw=self.latent_hw,
-            latents=self.latents_stream,
-            text=self.text_stream,
-            text_encoder=self.text_encoder,
-            timestep_shift=self.timestep_shift,
-        )
 
     # -- per step, outside torch.compile -----------------------------------------------------
     @torch.compiler.disable
@@ -158,21 +185,16 @@ class PackedWan(FlowMatchingAdapter):
         self, latent_layout: StreamLayout, text_layout: StreamLayout, dtype: torch.dtype
     ) -> dict[str, Any]:
         """The two attention masks and the RoPE rows, built once per step for every block."""
-        m = self.transformer
-        dev = m.rope.freqs_cos.device
-        q_lay = latent_layout if self.document_mask else _one_document(latent_layout)
-        kv_lay = text_layout if self.document_mask else _one_document(text_layout)
         if latent_layout.thw_T3 is None:
             raise ValueError(
                 f"stream {self.latents_stream!r} must be a grid stream (Stream(grid=...))"
             )
-        rope = m.rope
+        rope = self.transformer.rope
         split = (rope.t_dim, rope.h_dim, rope.w_dim)
-        kw: dict[str, Any] = dict(device=dev, dtype=dtype, head_dim=m.config.attention_head_dim)
-        be = self.attention_backend
+        self_mask, cross_mask = self.masks(latent_layout, text_layout, dtype)
         return {
-            "self_mask": prepare_attention(q_lay, None, None, be, **kw),
-            "cross_mask": prepare_attention(q_lay, kv_lay, None, be, **kw),
+            "self_mask": self_mask,
+            "cross_mask": cross_mask,
             "rope": rope_from_table(rope.freqs_cos, rope.freqs_sin, split, latent_layout.thw_T3),
         }
 
@@ -184,10 +206,11 @@ class PackedWan(FlowMatchingAdapter):
         text_TD: Tensor,
         latent_layout: StreamLayout,
         text_layout: StreamLayout,
+        text_mask_T: Tensor | None = None,
     ) -> Tensor:
         m = self.transformer
         x_in = xt_SCHW.to(m.dtype)
-        prep = self.prepare(latent_layout, text_layout, _attention_dtype(x_in))
+        prep = self.prepare(latent_layout, text_layout, attention_dtype(x_in))
         ids_T = latent_layout.doc_ids_T.to(x_in.device)
 
         x = m.patch_embedding(rearrange(x_in, "s c h w -> 1 c s h w"))
@@ -202,15 +225,10 @@ class PackedWan(FlowMatchingAdapter):
         e0 = tproj.unflatten(1, (6, -1))
         if self.conditioning == "per_episode":
             temb, e0 = broadcast_to_tokens(temb, ids_T), broadcast_to_tokens(e0, ids_T)
-        ctx = ctx[0]
 
-        for block in m.blocks:
-            args = (block, x, ctx, e0, prep["rope"], prep["self_mask"], prep["cross_mask"])
-            if torch.is_grad_enabled() and m.gradient_checkpointing:
-                x = checkpoint(self._block_fn, *args, use_reentrant=False)
-            else:
-                x = self._block_fn(*args)
-
+        x = self.run_blocks(
+            m.blocks, x, ctx[0], e0, prep["rope"], prep["self_mask"], prep["cross_mask"]
+        )
         shift, scale = (m.scale_shift_table + temb[:, None]).unbind(1)
         x = (m.norm_out(x.float()) * (1 + scale) + shift).type_as(x)
         return unpatchify(m.proj_out(x), self.patch_hw, grid)
@@ -237,56 +255,6 @@ def _block_forward(
     return (x.float() + block.ffn(h).float() * c_gate).type_as(x)
 
 
-def _attention_dtype(x: Tensor) -> torch.dtype:
-    """The dtype q/k/v will have: autocast's when it is on for the device."""
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-
-
-class WanReference(FlowMatchingAdapter):
-    """The unpacked baseline: the unmodified ``WanTransformer3DModel.forward``, one episode per
-    call, ``(1, C, F, H, W)`` latents, ``(1,)`` timestep and ``(1, L, D_txt)`` text."""
-
-    def __init__(self, transformer: nn.Module, **kwargs: Any) -> None:
-        _check_wan(transformer)
-        super().__init__(transformer, **kwargs)
-        cfg: Any = transformer.config
-        self.patch_hw = (int(cfg.patch_size[1]), int(cfg.patch_size[2]))
-
-    def velocity(
-        self,
-        xt_SCHW: Tensor,
-        timestep_K: Tensor,
-        text_TD: Tensor,
-        latent_layout: StreamLayout,
-        text_layout: StreamLayout,
-    ) -> Tensor:
-        out = torch.zeros_like(xt_SCHW)
-        s0 = c0 = 0
-        for k, (frames, words) in enumerate(
-            zip(latent_layout.steps_K, text_layout.lengths_K, strict=True)
-        ):
-            video = rearrange(xt_SCHW[s0 : s0 + frames], "f c h w -> 1 c f h w")
-            pred = self.transformer(
-                video,
-                timestep=timestep_K[k : k + 1],
-                encoder_hidden_states=text_TD[None, c0 : c0 + words],
-                return_dict=False,
-            )[0]
-            out[s0 : s0 + frames] = rearrange(pred, "1 c f h w -> f c h w").to(out.dtype)
-            s0, c0 = s0 + frames, c0 + words
-        return out
-
-
-def install(transformer: nn.Module, **options: Any) -> PackedWan:
-    """Pack a loaded ``WanTransformer3DModel``: ``packed = install(model, latent_hw=(H, W))``.
-
-    Options are `PackedWan`'s. Adds and renames no parameter (``model.state_dict()`` is as
-    before); ``packed.uninstall()`` (or ``with install(...) as packed:``) undoes it.
-    """
-    return PackedWan(transformer, **options)
-
-
 # -- tiny random-init models (tests, `packing verify --model`) ------------------------------------
 def tiny_wan(style: Literal["2.1", "2.2"] = "2.2", **config: Any) -> nn.Module:
     """A 2-block random-init ``WanTransformer3DModel`` shaped like Wan 2.1 (16 latent channels)
@@ -309,25 +277,12 @@ def tiny_wan(style: Literal["2.1", "2.2"] = "2.2", **config: Any) -> nn.Module:
     return _wan.WanTransformer3DModel(**{**base, **config})  # type: ignore[no-any-return]
 
 
-def toy_text_encoder(text_dim: int = 24, seed: int = 0) -> TextEncoder:
-    """A stand-in for umT5 in tests: byte tokens of the task (`packing.model.text_tokens`) looked
-    up in a fixed seeded table, ``(len + 1, text_dim)`` per task. Deterministic, not trained."""
-    from packing.model import text_tokens
-
-    table = torch.randn(257, text_dim, generator=torch.Generator().manual_seed(seed))
-
-    def encode(tasks: Sequence[str]) -> list[Tensor]:
-        return [table[text_tokens(t)] for t in tasks]
-
-    return encode
-
-
 def _tiny_factory(style: Literal["2.1", "2.2"]) -> Callable[..., PackedWan]:
     def factory(document_mask: bool = True, mask: str = "document") -> PackedWan:
         if mask != "document":
             raise ValueError(f"mask={mask!r}: Wan attends to whole episodes; use 'document'")
         torch.manual_seed(0)
-        return install(
+        return PackedWan(
             tiny_wan(style),
             latent_hw=(8, 16),
             text_encoder=toy_text_encoder(),
