@@ -117,6 +117,12 @@ def _unpack(data: np.ndarray, offset: int, runs: int, groups: int, stride: int, 
     all of them. The last group's view reads up to 3 bytes past its end (``bw=15``: bytes 13
     to 16 for ``j=7``); the caller leaves them in ``data``.
     """
+    if runs * groups * 8 <= _SMALL:  # a short page: two numpy calls, not sixteen
+        packed: np.ndarray = np.ndarray((runs, groups * bw), dtype=np.uint8, buffer=data,
+                                        offset=offset, strides=(stride, 1))  # fmt: skip
+        bits = np.unpackbits(packed, bitorder="little").reshape(-1, bw)
+        np.matmul(bits, _WEIGHTS[:bw], out=out)
+        return
     out3 = out.reshape(runs, groups, 8)
     for j in range(8):
         byte, shift = divmod(j * bw, 8)
@@ -124,6 +130,10 @@ def _unpack(data: np.ndarray, offset: int, runs: int, groups: int, stride: int, 
                          strides=(stride, bw))  # fmt: skip
         np.right_shift(src, shift, out=out3[:, :, j])
     np.bitwise_and(out, np.uint32((1 << bw) - 1), out=out)
+
+
+_SMALL = 4096  # values: below this, `_unpack` goes bit by bit (fewer, larger numpy calls)
+_WEIGHTS = (1 << np.arange(24)).astype(np.uint32)  # bit i of a value is worth 2**i
 
 
 def _overrun(bw: int) -> int:
