@@ -261,13 +261,18 @@ def best_fit_lookahead(
     shortest one left, and close with the best fit.
 
     A pack opens with the longest item left when that is over half the budget, else with the
-    distinct length at quantile ``opener`` of those left (0.5: the middle one). Best-fit decreasing packs the long items first,
-    three mid-size items per pack when the budget is ~4x the median, leaving gaps no item can
-    fill (~96%); opening with the longest and filling with look-ahead fixes those packs but
-    spends the short items as fillers, and the last packs hold only mid-size items (~98.9%);
-    opening from the middle keeps both ends available to the end (>= 99% on the benchmark's
-    lengths at 4x-8x the median except near 4.3x, where ``lookahead`` tries a second opener). Works on distinct lengths (a few Python
+    distinct length at quantile ``opener`` of those left (0.5: the middle one). Best-fit
+    decreasing packs the long items first, three mid-size items per pack when the budget is
+    ~4x the median, leaving gaps no item can fill (~96%); opening with the longest and
+    filling with look-ahead fixes those packs but spends the short items as fillers, and the
+    last packs hold only mid-size items (~98.9%); opening from the middle keeps both ends
+    available to the end (>= 99% on the benchmark's lengths at 4x-8x the median except near
+    4.3x, where ``lookahead`` tries a second opener). Works on distinct lengths (a few Python
     operations per pack), so it is slower than ``best_fit_decreasing``.
+
+    One loop on purpose (~85 lines): it is the planner's hot path, ~1.5 us an item, and each
+    choice depends on the previous one; the opener and the look-ahead are inlined because a
+    helper call per item cost 1.2-1.3x (docs/benchmarks.md §3).
     """
     n = len(lengths)
     if n == 0:

@@ -126,32 +126,8 @@ class PackedBatchSampler(Sampler[list[int]]):
             )
         if replan_window < 1:
             raise ValueError(f"replan_window={replan_window} must be >= 1 (items)")
-        if plan is None:
-            if lengths is None or token_budget is None:
-                raise ValueError("pass lengths and token_budget, or a prebuilt plan=")
-            plan = plan_packs(
-                lengths,
-                token_budget,
-                algorithm=algorithm,
-                max_docs=max_docs,
-                oversize=oversize,
-                **split,
-            )
-        elif lengths is not None or token_budget is not None:
-            raise ValueError("pass either plan= or lengths/token_budget, not both")
-        elif split or max_docs is not None or oversize != "error" or algorithm != "lookahead":
-            raise ValueError(
-                "algorithm/max_docs/oversize/split arguments plan packs from lengths=; with "
-                "plan= they would be ignored: pass them to plan_packs when building the plan"
-            )
-        if num_replicas is None:
-            num_replicas = (
-                dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-            )
-        if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank={rank} is outside [0, num_replicas={num_replicas})")
+        plan = _plan_of(plan, lengths, token_budget, algorithm, max_docs, oversize, split)
+        num_replicas, rank = _world(num_replicas, rank)
         if balance not in ("tokens", "attention"):
             raise ValueError(f"balance={balance!r}; choose 'tokens' or 'attention'")
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
@@ -331,3 +307,43 @@ class PackedBatchSampler(Sampler[list[int]]):
 
 # What decides an epoch's order besides the plan and the world size.
 _ORDER_SETTINGS = ("seed", "shuffle", "balance", "balance_window", "replan", "replan_window")
+
+
+def _plan_of(
+    plan: PackPlan | None,
+    lengths: Any,
+    token_budget: int | None,
+    algorithm: Algorithm,
+    max_docs: int | None,
+    oversize: Oversize,
+    split: dict[str, int],
+) -> PackPlan:
+    """The sampler's plan: the prebuilt ``plan`` or one planned from ``lengths``, never both
+    (planning arguments given with a prebuilt plan would be ignored, so they are refused)."""
+    if plan is None:
+        if lengths is None or token_budget is None:
+            raise ValueError("pass lengths and token_budget, or a prebuilt plan=")
+        return plan_packs(
+            lengths, token_budget, algorithm=algorithm, max_docs=max_docs, oversize=oversize,
+            **split,
+        )  # fmt: skip
+    if lengths is not None or token_budget is not None:
+        raise ValueError("pass either plan= or lengths/token_budget, not both")
+    if split or max_docs is not None or oversize != "error" or algorithm != "lookahead":
+        raise ValueError(
+            "algorithm/max_docs/oversize/split arguments plan packs from lengths=; with "
+            "plan= they would be ignored: pass them to plan_packs when building the plan"
+        )
+    return plan
+
+
+def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """(ranks, this rank): given, or from the initialised process group, or (1, 0)."""
+    live = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if live else 1
+    if rank is None:
+        rank = dist.get_rank() if live else 0
+    if not 0 <= rank < num_replicas:
+        raise ValueError(f"rank={rank} is outside [0, num_replicas={num_replicas})")
+    return num_replicas, rank
