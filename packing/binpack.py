@@ -271,8 +271,8 @@ def best_fit_lookahead(
     operations per pack), so it is slower than ``best_fit_decreasing``.
 
     One loop on purpose (~85 lines): it is the planner's hot path, ~1.5 us an item, and each
-    choice depends on the previous one; the opener and the look-ahead are inlined because a
-    helper call per item cost 1.2-1.3x (docs/benchmarks.md §3).
+    choice depends on the previous one; inlining the opener and one dict lookup per item
+    made it 1.2-1.3x faster with identical plans (docs/benchmarks.md §3).
     """
     n = len(lengths)
     if n == 0:
