@@ -243,7 +243,9 @@ class PerEpisodeOwn:
             q, k, v = (t.detach().clone().requires_grad_(True) for t in p)
             o = self.one(q, k, v)
             n = o.shape[2]
-            o.backward(g_out[cu : cu + n].transpose(0, 1)[None])
+            # contiguous, as in `run`: a transposed view as the compiled backward's incoming
+            # gradient is the suspected cause of the compiled row's cosine ~0 on the H200
+            o.backward(g_out[cu : cu + n].transpose(0, 1)[None].contiguous())
             cu += n
             outs.append(o[0].transpose(0, 1).detach())
             for acc, t in ((gq, q), (gk, k), (gv, v)):
