@@ -304,6 +304,15 @@ class PackedAdapter(FlowMatchingAdapter):
             q_lay, kv_lay, None, be, **kw
         )
 
+    def step_inputs(
+        self, xt_SCHW: Tensor, latent_layout: StreamLayout, text_layout: StreamLayout
+    ) -> tuple[Tensor, dict[str, Any], Tensor]:
+        """What a family's `velocity` starts from: the latents in the model's dtype, the step's
+        `prepare` (masks and RoPE, built once for every block) and each token's doc id."""
+        x_in = xt_SCHW.to(self.transformer.dtype)
+        prep = self.prepare(latent_layout, text_layout, attention_dtype(x_in))
+        return x_in, prep, latent_layout.doc_ids_T.to(x_in.device)
+
     def run_blocks(self, blocks: nn.ModuleList, x: Tensor, *args: Any) -> Tensor:
         """``x = block_forward(block, x, *args)`` for every block; honours the model's
         ``enable_gradient_checkpointing()``."""

@@ -35,7 +35,6 @@ from packing.conditioning import broadcast_to_tokens
 from packing.integrations.diffusers.adapter import (
     EpisodeReference,
     PackedAdapter,
-    attention_dtype,
     toy_text_encoder,
 )
 from packing.integrations.diffusers.processor import separate_qkv
@@ -191,9 +190,7 @@ class PackedLTX(PackedAdapter):
         m = self.transformer
         if text_mask_T is not None:
             text_TD, text_layout = drop_masked_rows(text_TD, text_layout, text_mask_T)
-        x_in = xt_SCHW.to(m.dtype)
-        prep = self.prepare(latent_layout, text_layout, attention_dtype(x_in))
-        ids_T = latent_layout.doc_ids_T.to(x_in.device)
+        x_in, prep, ids_T = self.step_inputs(xt_SCHW, latent_layout, text_layout)
 
         x = m.proj_in(patchify(x_in, _TOKEN))
         # adaLN-single on K rows, gathered to the T tokens.

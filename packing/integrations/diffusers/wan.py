@@ -46,7 +46,6 @@ from packing.conditioning import broadcast_to_tokens
 from packing.integrations.diffusers.adapter import (
     EpisodeReference,
     PackedAdapter,
-    attention_dtype,
     toy_text_encoder,
 )
 from packing.integrations.diffusers.streams import unpatchify
@@ -209,9 +208,7 @@ class PackedWan(PackedAdapter):
         text_mask_T: Tensor | None = None,
     ) -> Tensor:
         m = self.transformer
-        x_in = xt_SCHW.to(m.dtype)
-        prep = self.prepare(latent_layout, text_layout, attention_dtype(x_in))
-        ids_T = latent_layout.doc_ids_T.to(x_in.device)
+        x_in, prep, ids_T = self.step_inputs(xt_SCHW, latent_layout, text_layout)
 
         x = m.patch_embedding(rearrange(x_in, "s c h w -> 1 c s h w"))
         grid = (int(x.shape[-2]), int(x.shape[-1]))
