@@ -49,6 +49,7 @@ from packing._block_mask import (
     tables_from_flags,
     unknown_rule,
 )
+from packing._compile import BLOCK_MASK_GRAPHS
 from packing.layout_math import ceil_div, local_positions
 
 __all__ = [
@@ -243,7 +244,7 @@ def make_block_mask(
     block_size: int | tuple[int, int] = 128,
     *,
     inner_fallback: Literal["evaluate", "partial", "error"] = "evaluate",
-    compile: bool = False,
+    compile: bool | Literal["cuda_graph"] = False,
 ) -> BlockMask:
     """FlexAttention ``BlockMask`` for ``document_mask_mod(doc_ids, kv_doc_ids, inner)``.
 
@@ -279,7 +280,12 @@ def make_block_mask(
     classification through ``torch.compile`` (static shapes, one graph per ``(T_q, T_kv,
     block_size, inner)``; the first call compiles): eager it is ~140 small kernels, which on a
     GPU costs launch overhead rather than work. Reuse the same inner object (the factories here
-    are cached) so the compiled graph is reused.
+    are cached) so the compiled graph is reused. ``compile="cuda_graph"`` (CUDA tensors only)
+    also captures that compiled graph in a CUDA graph per shape, so a call is three launches
+    (copy the doc ids in, replay, copy the tables out) instead of the compiled graph's dozens;
+    the returned tables are the caller's own (a later call never overwrites them). Each
+    captured shape keeps its graph and memory pool (tens of MB at 64K tokens) until
+    ``packing._compile.BLOCK_MASK_GRAPHS.reset()``.
     """
     q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
     bq, bkv = _block_sizes(block_size)
@@ -288,16 +294,27 @@ def make_block_mask(
     mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
 
     rule: BlockRule | None = document_rule if inner is None else getattr(inner, "block_rule", None)
+    if compile not in (False, True, "cuda_graph"):
+        raise ValueError(f"compile={compile!r}; use False, True or 'cuda_graph'")
     if rule is not None and not compile and _num_tiles(q_doc, kv_doc, bq, bkv) > _CHUNK_TILES:
         tables = _chunked_block_tables(q_doc, kv_doc, rule, bq, bkv, self_attention)
     elif rule is not None:
-        build = _compiled_block_tables() if compile else block_tables
+        build: Callable[..., BlockTables]
+        if compile == "cuda_graph":
+            build = BLOCK_MASK_GRAPHS
+        else:
+            build = _compiled_block_tables() if compile else block_tables
         tables = build(q_doc, kv_doc, rule, bq, bkv, self_attention)
     elif inner_fallback == "error":
         raise ValueError(
             f"inner mask {_name(inner)!r} has no block_rule and inner_fallback='error'; attach "
             "one with packing.masks.with_block_rule(inner, rule) or pass "
             "inner_fallback='evaluate' (one sync) or 'partial' (no full tiles)"
+        )
+    elif compile == "cuda_graph":
+        raise ValueError(
+            f"compile='cuda_graph' needs an inner mask with a block_rule; {_name(inner)!r} has "
+            "none (attach one with packing.masks.with_block_rule, or use compile=True)"
         )
     else:
         q_side = doc_side(q_doc, bq)

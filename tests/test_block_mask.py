@@ -377,6 +377,19 @@ def test_the_builder_compiled_by_inductor_equals_eager_and_never_recompiles():
         assert counters["stats"]["unique_graphs"] - before == 1, inner
 
 
+def test_cuda_graph_builds_refuse_what_they_cannot_do_and_name_the_fix():
+    """compile='cuda_graph' is a CUDA path: on CPU doc ids it raises naming compile=True, it
+    needs a block rule (an unruled inner mask would need a sync), and a typo is an error, not
+    a silent eager build. (The graphed tables are checked against eager in tests/test_gpu.py.)"""
+    doc = torch.tensor([0] * 40 + [1] * 20 + [-1] * 4)
+    with pytest.raises(ValueError, match=r"needs CUDA doc ids.*compile=True"):
+        make_block_mask(doc, block_size=32, compile="cuda_graph")
+    with pytest.raises(ValueError, match=r"needs an inner mask with a block_rule.*with_block_rule"):
+        make_block_mask(doc, inner=and_masks(causal(), causal()), compile="cuda_graph")
+    with pytest.raises(ValueError, match=r"compile='graph'; use False, True or 'cuda_graph'"):
+        make_block_mask(doc, block_size=32, compile="graph")  # type: ignore[arg-type]
+
+
 def test_docs_composition_recipe_is_exact_and_as_tight_as_evaluating():
     # The recipe of docs/masks.md: and_masks of two ruled masks, with the &-ed rules attached.
     fc, win = frame_causal(4), sliding_window(6)
