@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 benchmarks/fsdp_budget.py --out results/budget    # ~3 min
     torchrun --nproc-per-node 2 benchmarks/fsdp_budget.py --smoke --out /tmp/b    # CPU, gloo
+    python benchmarks/fsdp_budget.py --refit results/fsdp_budget_1xh200.json --out /tmp/r
+                                     # the table again from a run's probes (no GPU)
 
 For each checkpointing mode (``full``, ``none``) the model is sharded with
 `packing.fsdp.shard_model` (bf16 parameters, fp32 reduction, AdamW) and trained two steps on
@@ -10,7 +12,9 @@ memory (max over ranks) fits `packing.budget.MemoryModel`::
 
     peak = 16 bytes x params / N  +  fixed  +  T x (per_token + per_token_block x depth)
 
-which predicts the largest pack at full depth for N = 1, 2, 4, 8 GPUs. The prediction for
+which predicts the largest pack at full depth for N = 1, 2, 4, 8 GPUs, for one micro-step a
+step and for gradient accumulation without sync (FSDP2 then also keeps an unsharded fp32
+gradient, `packing.budget.ACCUM_BYTES` a parameter). The prediction for
 the N this runs on is then checked: one full-depth probe at 90% of the predicted pack, its
 measured peak against the model's. Probes run eager (no compile): inductor usually keeps
 less, so the answer is on the safe side. Capacity = the GPU's memory minus ``--headroom``.
@@ -22,6 +26,7 @@ Your own model: replace ``build`` (a sharded model and its optimizer at a given 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -100,6 +105,53 @@ def partial_checkpointing(fits: dict, capacity: float, params: int, depth: int,
     return out
 
 
+def prediction_rows(ac: str, mm: MemoryModel, capacity: float, params: int, depth: int,
+                    world: int, check: dict[str, Any], multiple: int) -> list[dict[str, Any]]:  # fmt: skip
+    """The table's rows for one checkpointing mode: N = 1, 2, 4, 8."""
+    rows = []
+    for n in (1, 2, 4, 8):
+        here = n == world
+        rows.append({"checkpointing": ac, "GPUs": n, "depth": depth, "params (B)": params / 1e9,
+                     "tokens per GPU (predicted)": mm.max_tokens(capacity, params, depth, n,
+                                                                 multiple=multiple),
+                     "accumulating, no-sync (predicted)": mm.max_tokens(
+                         capacity, params, depth, n, multiple=multiple, accumulate=True),
+                     "checked here": here,
+                     "check: measured GB at 90%": check.get("measured_gb") if here else None,
+                     "check: predicted GB at 90%": check.get("predicted_gb") if here else None,
+                     "per token MB (depth-free)": mm.per_token / 1e6,
+                     "per token per block KB": mm.per_token_block / 1e3,
+                     "fixed GB": mm.fixed / 1e9})  # fmt: skip
+    return rows
+
+
+def refit(path: str, out: str) -> None:
+    """Fit and tabulate again from the probes a GPU run stored (same capacity and model)."""
+    run = json.loads(Path(path).read_text())
+    cfg = DiTConfig(**{**run["model"], "latent_hw": tuple(run["model"]["latent_hw"]),
+                       "patch": tuple(run["model"]["patch"])})  # fmt: skip
+    params = param_count(cfg)
+    capacity = run["capacity_gb"] * 1e9
+    rows, fits = [], {}
+    for ac, fit in run["fits"].items():
+        mm = fit_memory_model([Probe(**p) for p in fit["probes"]])
+        rows += prediction_rows(ac, mm, capacity, params, cfg.depth, run["world_size"],
+                                fit["check"], 1024)  # fmt: skip
+        fits[ac] = {"model": mm.as_dict(), "probes": fit["probes"], "check": fit["check"]}
+    partial = partial_checkpointing(fits, capacity, params, cfg.depth, run["world_size"])
+    print(common.markdown_table(rows, list(rows[0])))
+    if partial:
+        print(common.markdown_table(partial, list(partial[0])))
+    ns = argparse.Namespace(out=str(Path(out) / "fsdp_budget_refit.json"), quick=False,
+                            refit=path)  # fmt: skip
+    common.write_json("fsdp_budget", ns, {"rows": rows, "fits": fits, "refit_of": path,
+                                          "source_machine": run.get("machine"),
+                                          "world_size": run["world_size"],
+                                          "partial_checkpointing": partial,
+                                          "capacity_gb": run["capacity_gb"],
+                                          "model": run["model"]}, device="cpu")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="wan_2_2_5b", choices=["wan_1_3b", "wan_2_2_5b"])
@@ -108,7 +160,11 @@ def main() -> None:
     p.add_argument("--headroom", type=float, default=0.08, help="fraction of memory left free")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", required=True)
+    p.add_argument("--refit", default="", help="a run's fsdp_budget.json: refit, no GPU")
     args = p.parse_args()
+    if args.refit:
+        refit(args.refit, args.out)
+        return
     cuda = torch.cuda.is_available() and not args.smoke
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -132,9 +188,9 @@ def main() -> None:
         probes = [pr for d in (2, 4) for pr in measure(cfg, d, ac, shallow[ac], dev, world)]
         mm = fit_memory_model(probes)
         full_params = param_count(DiTConfig(**{**cfg.__dict__, "depth": depth}))
-        predicted = {n: mm.max_tokens(capacity, full_params, depth, n, multiple=1024 if cuda else 32)
-                     for n in (1, 2, 4, 8)}  # fmt: skip
-        check_t = int(predicted[world] * 0.9) // 1024 * 1024 if cuda else 512
+        mult = 1024 if cuda else 32
+        predicted = mm.max_tokens(capacity, full_params, depth, world, multiple=mult)
+        check_t = int(predicted * 0.9) // 1024 * 1024 if cuda else 512
         check: dict[str, Any] = {"tokens": check_t}
         if check_t > 0:
             try:
@@ -144,15 +200,7 @@ def main() -> None:
             except torch.OutOfMemoryError as e:
                 check["error"] = f"OOM at {check_t} tokens: the model underestimates ({e})"[:300]
         fits[ac] = {"model": mm.as_dict(), "probes": [p.__dict__ for p in probes], "check": check}
-        for n, t in predicted.items():
-            rows.append({"checkpointing": ac, "GPUs": n, "depth": depth,
-                         "params (B)": full_params / 1e9, "tokens per GPU (predicted)": t,
-                         "checked here": n == world,
-                         "check: measured GB at 90%": check.get("measured_gb") if n == world else None,
-                         "check: predicted GB at 90%": check.get("predicted_gb") if n == world else None,
-                         "per token MB (depth-free)": mm.per_token / 1e6,
-                         "per token per block KB": mm.per_token_block / 1e3,
-                         "fixed GB": mm.fixed / 1e9})  # fmt: skip
+        rows += prediction_rows(ac, mm, capacity, full_params, depth, world, check, mult)
         if rank == 0:
             print(
                 f"[{time.perf_counter() - t0:.0f} s] {ac}: {mm.as_dict()} check {check}", flush=True

@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_all.sh attention   # every kernel, per-episode baselines, fill axis
 #   bash benchmarks/gpu_all.sh verify      # packing verify in bf16 (tiny model; head dim 128)
 #   bash benchmarks/gpu_all.sh step        # 4-block training step, one GPU (REGIMES, VARIANTS)
-#   bash benchmarks/gpu_all.sh budget      # token budget finder
+#   bash benchmarks/gpu_all.sh budget      # token budget finder, unsharded and under FSDP2
 #
 # Stages can be chained: `bash benchmarks/gpu_all.sh tests blockmask`.
 #
@@ -71,6 +71,8 @@ for STAGE in "$@"; do
     ;;
   budget)
     t 150 python3 benchmarks/find_token_budget.py --preset wan_2_2_5b --depth 30 --out "$R/token_budget_5b.json"
+    # under FSDP2 on this one GPU (~4.5 min): the memory model and its N = 1, 2, 4, 8 answers
+    t 360 torchrun --nproc-per-node 1 benchmarks/fsdp_budget.py --out "$R" 2>&1 | tail -24
     ;;
   *)
     echo "unknown stage $STAGE"; exit 2

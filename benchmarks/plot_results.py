@@ -49,7 +49,9 @@ def attention() -> None:
 
 def fill() -> None:
     """Padding cost: the same episodes packed tight vs in the budget (1.0 = padding free)."""
-    rows = [r for r in load("attention")["rows"] if "vs tight" in r]
+    # This release's padding design: seed rows from one run, short rows from another.
+    rows = [r for name in ("attention_fill_document", "attention_fill_short")
+            for r in load(name)["rows"] if "vs tight" in r]  # fmt: skip
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, regime in zip(axes, ("seed", "short"), strict=True):
         rs = [r for r in rows if r["regime"] == regime]
@@ -78,6 +80,14 @@ def block_mask() -> None:
     ):
         pts = [(x, r[key]) for x, r in zip(t, rows, strict=True) if r.get(key)]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+    # This release's CUDA-graphed build, one run at 64K (its own create_block_mask row beside)
+    (g,) = load("block_mask_cuda_graph_64k")["rows"]
+    ax.plot(
+        [64], [g["ours cuda_graph ms"]], "*", ms=12, label='make_block_mask(compile="cuda_graph")'
+    )
+    ax.plot(
+        [64], [g["cbm compiled ms"]], "x", ms=9, label="create_block_mask(_compile=True), same run"
+    )
     ax.axhline(0.3, color="grey", ls=":", label="goal 0.3 ms")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

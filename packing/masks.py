@@ -194,17 +194,17 @@ def document_mask_mod(
     q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
     # int32 halves the bytes the attention kernel reads per gather.
     q_doc_T = q_doc.to(torch.int32)
-    kv_doc_T = kv_doc.to(torch.int32)
-    q_pos_T = local_positions(q_doc)
-    kv_pos_T = q_pos_T if self_attention else local_positions(kv_doc)
+    kv_doc_T = q_doc_T if self_attention else kv_doc.to(torch.int32)
 
-    if inner is None:
+    if inner is None:  # no positions needed: a document mask reads doc ids only
 
         def same_doc(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
             return (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0)
 
     else:
         inner_fn = inner
+        q_pos_T = local_positions(q_doc)
+        kv_pos_T = q_pos_T if self_attention else local_positions(kv_doc)
 
         def same_doc(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
             same = (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0)

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from packing.budget import MemoryModel, Probe, fit_memory_model
+from packing.budget import ACCUM_BYTES, MemoryModel, Probe, fit_memory_model
 from packing.fsdp import checkpointed_blocks, strip_wrapper_names
 
 
@@ -102,6 +102,39 @@ def test_memory_model_recovers_its_terms_and_inverts():
     # more GPUs shard the states further: never fewer tokens
     assert fit.max_tokens(100e9, 5_000_000_000, 30, 2) < t
     assert fit.max_tokens(10e9, 5_000_000_000, 30, 1) == 0  # states alone do not fit
+
+
+def test_accumulating_without_sync_costs_an_unsharded_fp32_gradient_per_parameter(tmp_path):
+    """The memory model's accumulation term is what FSDP2 keeps: after a no-sync backward
+    with bf16 params and fp32 reduction, every parameter holds an *unsharded* fp32 gradient
+    (ACCUM_BYTES a parameter, not divided by N). On two H200s this term was the 21 GB the
+    model without it missed (85.1 GB measured, 63.9 predicted)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        model.set_requires_gradient_sync(False)
+        model(torch.randn(4, 64)).float().sum().backward()
+        kept = [
+            fp.unsharded_accumulated_grad
+            for layer in model
+            for fp in layer._get_fsdp_state()._fsdp_param_group.fsdp_params  # type: ignore[operator]
+        ]
+        assert all(g is not None and g.dtype == torch.float32 for g in kept)
+        params = sum(p.numel() for p in model.parameters())
+        assert sum(g.numel() * g.element_size() for g in kept) == ACCUM_BYTES * params
+    finally:
+        dist.destroy_process_group()
+    mm = MemoryModel(fixed=1e9, per_token=2e5, per_token_block=6e3)
+    P = 5_000_000_000
+    assert mm.peak(65536, P, 30, 8, accumulate=True) - mm.peak(65536, P, 30, 8) == 4 * P
+    assert mm.max_tokens(140e9, P, 30, 2, accumulate=True) < mm.max_tokens(140e9, P, 30, 2)
 
 
 def test_memory_model_needs_two_depths_and_two_sizes():
