@@ -33,6 +33,7 @@ __all__ = [
     "best_fit_lookahead",
     "first_fit_decreasing",
     "lookahead",
+    "min_packs",
     "next_fit",
     "opener_index",
     "stable_argsort",
@@ -269,36 +270,161 @@ def best_fit_lookahead(
     available to the end (>= 99% on the benchmark's lengths at 4x-8x the median except near
     4.3x, where ``lookahead`` tries a second opener). Works on distinct lengths (a few Python
     operations per pack), so it is slower than ``best_fit_decreasing``.
+    """
+    if len(lengths) == 0:
+        return np.empty(0, dtype=np.int64)
+    order, sorted_len = _decreasing(lengths)
+    state = _LookaheadState.start(sorted_len, budget)
+    _run_lookahead(state, budget, _cap(len(lengths), max_docs), opener)
+    bin_N = np.empty(len(lengths), dtype=np.int64)
+    bin_N[order] = state.bins(len(lengths))
+    return bin_N
 
-    One loop on purpose (~85 lines): it is the planner's hot path, ~1.5 us an item, and each
-    choice depends on the previous one; inlining the opener and one dict lookup per item
-    made it 1.2-1.3x faster with identical plans (docs/benchmarks.md §3).
+
+def lookahead(lengths: np.ndarray, budget: int, max_docs: int | None = None) -> np.ndarray:
+    """The better of ``best_fit_lookahead`` with openers at quantiles 0.5 and 0.65 (fewer packs;
+    ties go to 0.5). Each dips just under 99% for budgets near 4.3x the median of narrow length
+    ranges, at different budgets; the better of the two stays >= 99.1% from 4x to 8x (scanned
+    in steps of 0.05x on the benchmark's lengths).
+
+    The two runs share what they can, with the same plan as two separate runs:
+    - the sort, and the packs opened by an item over half the budget (every pack while the
+      longest item left is over half the budget opens with it, whatever the opener: the runs
+      only differ after that, so the state is copied there);
+    - the second run is skipped when the first reaches the lower bound on the number of packs,
+      ``max(ceil(sum / budget), ceil(n / max_docs))``: the second cannot use fewer, and ties
+      go to the first.
     """
     n = len(lengths)
     if n == 0:
         return np.empty(0, dtype=np.int64)
     order, sorted_len = _decreasing(lengths)
-    starts, stops = _runs(sorted_len)
-    vals = [int(sorted_len[s]) for s in reversed(starts)]  # distinct lengths left, ascending
-    # Items of one length are interchangeable: keep, per length, [next, stop) sorted positions
-    # (items of a length are taken in increasing order) instead of a list of item ids; one
-    # dict lookup per item gives both.
-    span = {int(sorted_len[s]): [s, e] for s, e in zip(starts, stops, strict=False)}
-    cap = n if max_docs is None else max_docs
-    b = 0
-    one_pos: list[int] = []  # sorted positions of the items placed one at a time, pack by pack
-    take = one_pos.append
-    pack_ids: list[int] = []  # ... and each such pack's id and size
-    pack_sizes: list[int] = []
-    blocks: list[tuple[int, int, int, int]] = []  # repeated packs: first position, items, bin, m
-    half = 2 * vals[-1] > budget  # `opener_index`, inlined: the longest opens while over half
+    cap = _cap(n, max_docs)
+    first = _LookaheadState.start(sorted_len, budget)
+    _run_lookahead(first, budget, cap, 0.5, until_half_ends=True)
+    second = first.copy()
+    _run_lookahead(first, budget, cap, 0.5)
+    if first.b > min_packs(int(sorted_len.sum()), n, budget, max_docs):
+        _run_lookahead(second, budget, cap, 0.65)
+        if second.b < first.b:
+            first = second
+    bin_N = np.empty(n, dtype=np.int64)
+    bin_N[order] = first.bins(n)
+    return bin_N
 
+
+def min_packs(total: int, n: int, budget: int, max_docs: int | None = None) -> int:
+    """A lower bound on the packs any plan needs: the tokens over the budget, and the items over
+    ``max_docs``, rounded up. ``min_packs(10, 3, 4)`` is 3; ``min_packs(10, 9, 8, 2)`` is 5."""
+    bound = ceil_div(total, budget)
+    return bound if max_docs is None else max(bound, ceil_div(n, max_docs))
+
+
+def _cap(n: int, max_docs: int | None) -> int:
+    return n if max_docs is None else max_docs
+
+
+class _LookaheadState:
+    """Where a lookahead run stands: what is left, and the packs made so far.
+
+    Items of one length are interchangeable: per length it keeps ``[next, stop)`` sorted
+    positions (items of a length are taken in increasing order) instead of a list of item
+    ids, so one dict lookup per item gives both. Packs built one item at a time are recorded
+    as the items' sorted positions (``one_pos``) and each pack's id and size; repeated packs
+    as blocks ``(first position, items, first pack, items per pack)``.
+    """
+
+    __slots__ = ("b", "blocks", "half", "one_pos", "pack_ids", "pack_sizes", "span", "vals")
+
+    def __init__(
+        self,
+        vals: list[int],
+        span: dict[int, list[int]],
+        half: bool,
+        b: int = 0,
+        one_pos: list[int] | None = None,
+        pack_ids: list[int] | None = None,
+        pack_sizes: list[int] | None = None,
+        blocks: list[tuple[int, int, int, int]] | None = None,
+    ) -> None:
+        self.vals = vals  # distinct lengths left, ascending
+        self.span = span
+        self.half = half  # the longest left is over half the budget (it opens the next pack)
+        self.b = b  # packs so far
+        self.one_pos = [] if one_pos is None else one_pos
+        self.pack_ids = [] if pack_ids is None else pack_ids
+        self.pack_sizes = [] if pack_sizes is None else pack_sizes
+        self.blocks = [] if blocks is None else blocks
+
+    @classmethod
+    def start(cls, sorted_len: np.ndarray, budget: int) -> _LookaheadState:
+        """Nothing placed yet, over lengths sorted in decreasing order (non-empty)."""
+        starts, stops = _runs(sorted_len)
+        vals = [int(sorted_len[s]) for s in reversed(starts)]
+        span = {int(sorted_len[s]): [s, e] for s, e in zip(starts, stops, strict=False)}
+        return cls(vals, span, 2 * vals[-1] > budget)
+
+    def copy(self) -> _LookaheadState:
+        """An independent copy (spans of lengths already used up are never read again)."""
+        span = self.span
+        return _LookaheadState(
+            self.vals[:],
+            {v: span[v][:] for v in self.vals},
+            self.half,
+            self.b,
+            self.one_pos[:],
+            self.pack_ids[:],
+            self.pack_sizes[:],
+            self.blocks[:],
+        )
+
+    def bins(self, n: int) -> np.ndarray:
+        """The pack of every sorted position, once every item is placed."""
+        bin_sorted = np.empty(n, dtype=np.int64)
+        bin_sorted[np.asarray(self.one_pos, dtype=np.int64)] = np.repeat(
+            np.asarray(self.pack_ids, dtype=np.int64), self.pack_sizes
+        )
+        if self.blocks:
+            # Block (p, c, b, m): positions p .. p + c - 1 go to packs b .. b + c/m - 1, m items
+            # each, the last pack's items first (the order the one-at-a-time loop would use).
+            p0, count, b0, per = (
+                np.asarray(x, dtype=np.int64) for x in zip(*self.blocks, strict=True)
+            )
+            q = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+            last_first = np.repeat(count, count) - 1 - q
+            bin_sorted[np.repeat(p0, count) + q] = np.repeat(b0, count) + last_first // np.repeat(
+                per, count
+            )
+        return bin_sorted
+
+
+def _run_lookahead(
+    state: _LookaheadState,
+    budget: int,
+    cap: int,
+    opener: float,
+    *,
+    until_half_ends: bool = False,
+) -> None:
+    """Build packs into ``state`` until every item is placed, or (``until_half_ends``) until
+    the longest item left is no longer over half the budget (the packs up to there do not
+    depend on ``opener``).
+
+    One loop on purpose (~60 lines): it is the planner's hot path, ~1.2 us an item, and each
+    choice depends on the previous one; inlining the opener and one dict lookup per item
+    made it 1.2-1.3x faster with identical plans (docs/benchmarks.md §3).
+    """
+    vals, span, b, half = state.vals, state.span, state.b, state.half
+    take = state.one_pos.append
+    pack_ids, pack_sizes, blocks = state.pack_ids, state.pack_sizes, state.blocks
     while vals:
         # Open over the distinct lengths left (the longest if over half the budget, else the
         # middle one): opening with the longest would use up the short items as fillers.
         left = len(vals)
         if half:
             half = 2 * vals[-1] > budget
+        if until_half_ends and not half:
+            break
         j = left - 1 if half else min(int(opener * left), left - 1)
         pattern: list[int] = []
         room, size = budget, 0
@@ -342,29 +468,4 @@ def best_fit_lookahead(
                 blocks.append((sp[0], m * reps, b, m))
                 sp[0] += m * reps
             b += reps
-    bin_sorted = np.empty(n, dtype=np.int64)
-    bin_sorted[np.asarray(one_pos, dtype=np.int64)] = np.repeat(
-        np.asarray(pack_ids, dtype=np.int64), pack_sizes
-    )
-    if blocks:
-        # Block (p, c, b, m): positions p .. p + c - 1 go to packs b .. b + c/m - 1, m items
-        # each, the last pack's items first (the order the one-at-a-time loop would use).
-        p0, count, b0, per = (np.asarray(x, dtype=np.int64) for x in zip(*blocks, strict=True))
-        q = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-        last_first = np.repeat(count, count) - 1 - q
-        bin_sorted[np.repeat(p0, count) + q] = np.repeat(b0, count) + last_first // np.repeat(
-            per, count
-        )
-    bin_N = np.empty(n, dtype=np.int64)
-    bin_N[order] = bin_sorted
-    return bin_N
-
-
-def lookahead(lengths: np.ndarray, budget: int, max_docs: int | None = None) -> np.ndarray:
-    """The better of ``best_fit_lookahead`` with openers at quantiles 0.5 and 0.65 (fewer packs;
-    ties go to 0.5). Each dips just under 99% for budgets near 4.3x the median of narrow length
-    ranges, at different budgets; the better of the two stays >= 99.1% from 4x to 8x (scanned
-    in steps of 0.05x on the benchmark's lengths)."""
-    a = best_fit_lookahead(lengths, budget, max_docs, opener=0.5)
-    b = best_fit_lookahead(lengths, budget, max_docs, opener=0.65)
-    return b if len(b) and b.max() < a.max() else a
+    state.b, state.half = b, half
