@@ -444,11 +444,18 @@ def _run_lookahead(
             size += 1
             if not vals or size >= cap:
                 break
-            j = bisect_left(vals, room + 1) - 1  # largest length <= room
-            if j < 0:
-                break
+            # The largest length <= room, and the largest that leaves room for the shortest:
+            # the longest left when it fits (no bisection), which is most of the fill steps.
+            last = len(vals) - 1
+            if vals[last] <= room:
+                j = last
+            else:
+                j = bisect_left(vals, room + 1) - 1
+                if j < 0:
+                    break
             if vals[j] < room and size + 1 < cap:
-                k = bisect_left(vals, room - vals[0] + 1) - 1  # leaves room for the shortest
+                spare = room - vals[0]
+                k = last if vals[last] <= spare else bisect_left(vals, spare + 1) - 1
                 if k > 0 or (k == 0 and span[vals[0]][1] - span[vals[0]][0] > 1):
                     j = k
         pack_ids.append(b)

@@ -17,6 +17,8 @@ from packing.binpack import (
     best_fit_decreasing,
     best_fit_lookahead,
     first_fit_decreasing,
+    lookahead,
+    min_packs,
     next_fit,
 )
 from packing.online import BufferedPacker
@@ -153,6 +155,64 @@ def test_lookahead_equals_the_reference_on_the_benchmark_lengths(make):
         budget = int(mult * np.median(lengths))
         arr = np.minimum(lengths, budget)
         assert (best_fit_lookahead(arr, budget) == best_fit_lookahead_reference(arr, budget)).all()
+
+
+def two_separate_runs(arr: np.ndarray, budget: int, max_docs: int | None) -> np.ndarray:
+    """``lookahead`` as it was before the runs shared work: two item-by-item runs, the one
+    with fewer packs (ties: opener 0.5)."""
+    a = best_fit_lookahead_reference(arr, budget, max_docs, opener=0.5)
+    b = best_fit_lookahead_reference(arr, budget, max_docs, opener=0.65)
+    return b if b.max() < a.max() else a
+
+
+def test_lookahead_sharing_work_between_openers_gives_the_same_plan():
+    # Sharing the packs opened by an item over half the budget, and skipping the second
+    # opener at the bound, must not change a single item's pack.
+    rng = np.random.default_rng(0)
+    seen = {"shared": 0, "skipped": 0, "second_won": 0}
+    for _ in range(400):
+        n = int(rng.integers(1, 300))
+        arr = rng.integers(1, 61, size=n)
+        if rng.random() < 0.5:  # lengths repeated: packs repeat
+            arr = rng.permutation(np.repeat(arr[: max(n // 4, 1)], 4))
+        budget = int(arr.max()) + int(rng.integers(0, 200))
+        max_docs = [None, None, 2, 4][int(rng.integers(0, 4))]
+        got = lookahead(arr, budget, max_docs)
+        assert got.tolist() == two_separate_runs(arr, budget, max_docs).tolist()
+        a = best_fit_lookahead(arr, budget, max_docs, opener=0.5)
+        b = best_fit_lookahead(arr, budget, max_docs, opener=0.65)
+        differ = bool((a != b).any())
+        bound = min_packs(int(arr.sum()), len(arr), budget, max_docs)
+        seen["shared"] += int(differ and (2 * arr > budget).any() and (2 * arr <= budget).any())
+        seen["skipped"] += int(differ and a.max() + 1 == bound)
+        seen["second_won"] += int(b.max() < a.max())
+    # Every path ran: a shared prefix before the runs diverged, a skipped second run that
+    # would have made another plan, and plans where the second opener wins.
+    assert all(v >= 5 for v in seen.values()), seen
+
+
+@pytest.mark.parametrize("make", [seed_like, uniform_tokens, long_tailed])
+def test_lookahead_equals_two_separate_runs_on_the_benchmark_lengths(make):
+    lengths = make(4000, seed=1)
+    for mult in (4, 4.3, 8):
+        budget = int(mult * np.median(lengths))
+        arr = np.minimum(lengths, budget)
+        assert (lookahead(arr, budget) == two_separate_runs(arr, budget, None)).all()
+
+
+def test_min_packs_is_a_lower_bound_every_planner_respects():
+    assert min_packs(10, 3, 4) == 3 and min_packs(10, 9, 8, 2) == 5 and min_packs(8, 2, 4) == 2
+    rng = np.random.default_rng(0)
+    reached = 0
+    for _ in range(200):
+        arr = rng.integers(1, 50, size=int(rng.integers(1, 60)))
+        budget = int(arr.max()) + int(rng.integers(0, 60))
+        max_docs = [None, 2, 5][int(rng.integers(0, 3))]
+        bound = min_packs(int(arr.sum()), len(arr), budget, max_docs)
+        for fn in (best_fit_decreasing, first_fit_decreasing, lookahead, next_fit):
+            assert fn(arr, budget, max_docs).max() + 1 >= bound
+        reached += int(lookahead(arr, budget, max_docs).max() + 1 == bound)
+    assert reached > 50  # the bound is tight often enough for the skip to matter
 
 
 @pytest.mark.parametrize("max_docs", [None, 3])
