@@ -21,6 +21,7 @@ so: this path is an optimisation, never the only way to read a file.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -330,29 +331,31 @@ class ColumnChunks:
                 start = min(start, cc.data_page_offset)
             rows = metadata.row_group(g).num_rows
             self.groups.append((start, cc.total_compressed_size, _codec(codec), rows, why))
+        # per row group: its pages' (header, body start, body size), once a decode has read
+        # them all: a small episode's read otherwise spends ~40% of its time in Thrift
+        self.pages: dict[int, list[tuple[dict[int, Any], int, int]]] = {}
 
     def decode(self, file: np.ndarray, row_groups: list[int], dtype: Any, per_row: int
                ) -> np.ndarray:  # fmt: skip
         """`decode_fixed_column` over ``file``, the whole file's bytes."""
-        groups = [self.groups[g] for g in row_groups]
-        out = np.empty(sum(g[3] for g in groups) * per_row, dtype=dtype)
+        out = np.empty(sum(self.groups[g][3] for g in row_groups) * per_row, dtype=dtype)
         at = 0
         try:
-            for start, nbytes, codec, rows, why in groups:
+            for g in row_groups:
+                start, nbytes, codec, rows, why = self.groups[g]
                 if why is not None:
                     raise Unsupported(why)
                 chunk = file[start : start + nbytes]
                 end = at + rows * per_row
-                table, pos = None, 0
-                while at < end and pos < len(chunk):
-                    head, body = _struct(memoryview(chunk), pos)
+                table = None
+                for head, body, size in self._headers(g, chunk):
+                    if at >= end:
+                        break
                     if head[1] not in (_DATA_PAGE, _DICTIONARY_PAGE):
                         raise Unsupported("data page v2")  # levels kept outside the values
-                    size = head[3]
                     raw = chunk[body : body + size]
                     if codec is not None:
                         raw = np.frombuffer(codec.decompress(raw, head[2]), dtype=np.uint8)
-                    pos = body + size
                     if head[1] == _DICTIONARY_PAGE:
                         n = head[7][1]
                         # a writable copy (a few KB to 128 KB): torch wants one
@@ -368,6 +371,22 @@ class ColumnChunks:
             # index_select out of range an IndexError; numpy's short buffer a TypeError
             raise Unsupported(f"{type(e).__name__}: {e}") from e
         return out
+
+    def _headers(self, g: int, chunk: np.ndarray) -> Iterator[tuple[dict[int, Any], int, int]]:
+        """Row group ``g``'s pages in ``chunk`` as (header, body start, body size): parsed
+        from the Thrift headers the first time, as far as the caller reads, and kept once
+        they have all been read (the page layout of a file does not change)."""
+        known = self.pages.get(g)
+        if known is not None:
+            yield from known
+            return
+        view, pos, seen = memoryview(chunk), 0, []
+        while pos < len(chunk):
+            head, body = _struct(view, pos)
+            seen.append((head, body, head[3]))
+            yield seen[-1]
+            pos = body + head[3]
+        self.pages[g] = seen
 
 
 def _codec(name: str) -> Any:

@@ -130,6 +130,27 @@ def _max_bit_width(path: Path) -> int:
     return max(widths)
 
 
+@pytest.mark.parametrize("compression", ["none", "snappy"])
+def test_one_reader_reused_over_row_groups_in_any_order(tmp_path: Path, compression: str) -> None:
+    # A reader keeps each row group's page layout once it has read it (as LeRobotEpisodes
+    # does for a file's episodes): later decodes, of any row groups in any order, must still
+    # equal pyarrow, and the layout kept must be each group's own.
+    from packing._parquet_pages import ColumnChunks
+
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((90, 5, 4)).astype(np.float16)
+    path = write(tmp_path / "x.parquet", {"a": nested(values, (5, 4))}, 20,
+                 compression=compression, data_page_size=300)  # fmt: skip
+    md = pq.ParquetFile(path).metadata
+    file = np.frombuffer(pa.memory_map(str(path), "r").read_buffer(), dtype=np.uint8)
+    chunks = ColumnChunks(md, 0)
+    for groups in ([0, 1, 2, 3, 4], [2, 1], [4], [3, 0], [0, 1, 2, 3, 4], [1]):
+        got = chunks.decode(file, groups, np.float16, 20)
+        assert same_bits(got, expected(path, "a", groups)), groups
+    assert sorted(chunks.pages) == [0, 1, 2, 3, 4]
+    assert min(len(p) for p in chunks.pages.values()) > 2  # a dictionary and >= 2 data pages
+
+
 def test_one_wrong_bit_is_seen(tmp_path: Path) -> None:
     # Against a vacuous comparison: flipping one bit of one packed index changes the decode.
     rng = np.random.default_rng(1)
