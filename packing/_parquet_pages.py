@@ -318,6 +318,11 @@ class ColumnChunks:
         self.levels = int(desc.max_repetition_level > 0) + int(desc.max_definition_level > 0)
         # per row group: (first byte, byte count, codec or None, rows, why not decodable)
         self.groups: list[tuple[int, int, Any, int, str | None]] = []
+        # per row group: the value of a flat integer column whose statistics say min == max
+        # (every value lies in [min, max], so each is that one), else None: such a column
+        # (lerobot's episode_index and task_index, one row group per episode) needs no page
+        self.constant: list[int | None] = []
+        flat_int = desc.max_repetition_level == 0 and desc.physical_type in ("INT32", "INT64")
         for g in range(metadata.num_row_groups):
             cc = metadata.row_group(g).column(column)
             codec, why = cc.compression, None
@@ -331,6 +336,8 @@ class ColumnChunks:
                 start = min(start, cc.data_page_offset)
             rows = metadata.row_group(g).num_rows
             self.groups.append((start, cc.total_compressed_size, _codec(codec), rows, why))
+            same = flat_int and why is None and stats.has_min_max and stats.min == stats.max
+            self.constant.append(int(stats.min) if same else None)
         # per row group: its pages' (header, body start, body size), once a decode has read
         # them all: a small episode's read otherwise spends ~40% of its time in Thrift
         self.pages: dict[int, list[tuple[dict[int, Any], int, int]]] = {}
@@ -338,6 +345,10 @@ class ColumnChunks:
     def decode(self, file: np.ndarray, row_groups: list[int], dtype: Any, per_row: int
                ) -> np.ndarray:  # fmt: skip
         """`decode_fixed_column` over ``file``, the whole file's bytes."""
+        constant = [self.constant[g] for g in row_groups]
+        if per_row == 1 and None not in constant:  # from the footer: no page is read
+            counts = [self.groups[g][3] for g in row_groups]
+            return np.repeat(np.array(constant, dtype=dtype), counts)
         out = np.empty(sum(self.groups[g][3] for g in row_groups) * per_row, dtype=dtype)
         at = 0
         try:

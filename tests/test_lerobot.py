@@ -160,7 +160,8 @@ def test_a_column_pyarrow_must_read_is_announced(root: Path, tmp_path: Path) -> 
         for key in KEYS:
             assert item[key].dtype == want[key].dtype and item[key].equal(want[key]), key
         assert item["task"] == want["task"]
-    assert v2._reader.decode_counts["direct"] == 0  # type: ignore[union-attr]
+    # only episode_index / task_index, where a row group holds one value (from the footer)
+    assert v2._reader.decode_counts["direct"] <= 2 * len(items)  # type: ignore[union-attr]
     assert v2._reader.decode_counts["pyarrow"] >= len(LENGTHS)  # type: ignore[union-attr]
 
 

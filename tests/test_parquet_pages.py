@@ -151,6 +151,27 @@ def test_one_reader_reused_over_row_groups_in_any_order(tmp_path: Path, compress
     assert min(len(p) for p in chunks.pages.values()) > 2  # a dictionary and >= 2 data pages
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64], ids=lambda d: d.__name__)
+def test_constant_integer_columns_come_from_the_statistics(tmp_path: Path, dtype) -> None:
+    # lerobot's episode_index: one value per row group. Where min == max the values are
+    # taken from the footer, elsewhere from the pages; both must equal pyarrow.
+    from packing._parquet_pages import ColumnChunks
+
+    values = np.repeat(np.array([7, 3, 3, 9], dtype=dtype), 10)
+    values[35] = -2  # the last row group is not constant
+    path = write(tmp_path / "x.parquet", {"e": pa.array(values)}, 10)
+    md = pq.ParquetFile(path).metadata
+    file = np.frombuffer(pa.memory_map(str(path), "r").read_buffer(), dtype=np.uint8)
+    chunks = ColumnChunks(md, 0)
+    assert chunks.constant == [7, 3, 3, None]
+    for groups in ([0], [1, 2], [2, 0], [3]):
+        got = chunks.decode(file, groups, dtype, 1)
+        assert same_bits(got, expected(path, "e", groups)), groups
+    assert sorted(chunks.pages) == [3]  # the constant groups' pages were never read
+    got = chunks.decode(file, [0, 1, 2, 3], dtype, 1)  # one group not constant: all pages
+    assert same_bits(got, expected(path, "e", [0, 1, 2, 3]))
+
+
 def test_one_wrong_bit_is_seen(tmp_path: Path) -> None:
     # Against a vacuous comparison: flipping one bit of one packed index changes the decode.
     rng = np.random.default_rng(1)
