@@ -348,7 +348,7 @@ def plan_packs(
     """Pack episodes of ``lengths`` tokens into packs of at most ``token_budget`` tokens.
 
     ``algorithm``: ``"lookahead"`` (default: open each pack from the middle of the lengths
-    left, fill it so the shortest still fits, close with the best fit; >= 99% full, 0.3-7M
+    left, fill it so the shortest still fits, close with the best fit; >= 99% full, 0.5-9M
     episodes/s on one core, docs/planning.md), ``"bfd"`` best-fit decreasing (the
     classic; ~96% on narrow length ranges), ``"ffd"`` first-fit decreasing, ``"next_fit"``
     greedy in data order (the naive baseline). ``max_docs`` caps the
