@@ -197,10 +197,69 @@ class PackedCollator:
 
     # -- the one public call ----------------------------------------------------------------
     def __call__(self, episodes: Sequence[Mapping[str, Any]]) -> PackedBatch:
+        columns = self._plain_columns(episodes)
+        if columns is None:  # not a plain pack: the detailed checks name what is wrong
+            columns = self._checked_columns(episodes)
+        if not columns:
+            return self._empty()
+        names = {s.name for s, _ in columns}
+        data: dict[str, torch.Tensor] = {}
+        layouts: dict[str, StreamLayout] = {}
+        for s, tensors in columns:
+            data[s.name], layouts[s.name] = self._copy_stream(s, episodes, tensors)
+        per_episode, kinds, ids = self._stack_values(episodes, names)
+        batch = PackedBatch(
+            streams=data,
+            layouts=layouts,
+            per_episode=per_episode,
+            primary=columns[0][0].name,
+            value_kinds=kinds,
+            host_episode_ids=ids,
+        )
+        for j in self.joint:
+            _joint_layout(batch, j)  # cached on the batch
+        return batch
+
+    def _plain_columns(
+        self, episodes: Sequence[Mapping[str, Any]]
+    ) -> list[tuple[Stream, list[torch.Tensor]]] | None:
+        """Each stream with its K tensors, when the pack is plain: a non-empty list of dicts
+        with the same keys, within ``max_docs``, every stream value a torch tensor of >= 1
+        step and of its stream's trailing shape and dtype. ``None`` otherwise (numpy arrays,
+        a bad pack): `_checked_columns` then converts or raises, naming the episode.
+
+        One pass per pack, no error formatting; what a DataLoader gives on every step.
+        """
+        if type(episodes) not in (list, tuple) or not episodes:
+            return None
+        if self.max_docs is not None and len(episodes) > self.max_docs:
+            return None
+        first = episodes[0]
+        if type(first) is not dict:
+            return None
+        keys = first.keys()
+        if not all(type(ep) is dict and ep.keys() == keys for ep in episodes):
+            return None
+        streams = self.streams if self.streams is not None else self._resolve_streams(episodes)
+        columns = []
+        for s in streams:
+            if s.name not in keys:
+                return None
+            tensors = [ep[s.name] for ep in episodes]
+            if not _plain_tensors(s, tensors):
+                return None
+            columns.append((s, tensors))
+        return columns
+
+    def _checked_columns(
+        self, episodes: Sequence[Mapping[str, Any]]
+    ) -> list[tuple[Stream, list[torch.Tensor]]]:
+        """`_plain_columns` for any input: converts numpy streams to tensors and raises on a
+        bad pack with an error naming the episode and key. ``[]`` for an empty pack."""
         if not isinstance(episodes, Sequence) or isinstance(episodes, str | bytes):
             raise TypeError(f"expected a list of episode dicts, got {type(episodes).__name__}")
         if len(episodes) == 0:
-            return self._empty()
+            return []
         for i, ep in enumerate(episodes):
             if not isinstance(ep, Mapping):
                 raise TypeError(f"episode {i} is a {type(ep).__name__}, expected a dict")
@@ -210,26 +269,8 @@ class PackedCollator:
                 f"with max_docs (packing.plan.plan_packs(..., max_docs={self.max_docs}))"
             )
         streams = self._resolve_streams(episodes)
-        names = {s.name for s in streams}
         self._check_keys(episodes)
-
-        data: dict[str, torch.Tensor] = {}
-        layouts: dict[str, StreamLayout] = {}
-        for s in streams:
-            data[s.name], layouts[s.name] = self._pack_stream(s, episodes)
-        per_episode, kinds = self._stack_values(episodes, names)
-        ids = per_episode["episode_index"][: len(episodes)]
-        batch = PackedBatch(
-            streams=data,
-            layouts=layouts,
-            per_episode=per_episode,
-            primary=streams[0].name,
-            value_kinds=kinds,
-            host_episode_ids=tuple(int(i) for i in ids.tolist()),
-        )
-        for j in self.joint:
-            _joint_layout(batch, j)  # cached on the batch
-        return batch
+        return [(s, self._stream_tensors(s, episodes)) for s in streams]
 
     # -- streams ----------------------------------------------------------------------------
     def _resolve_streams(self, episodes: Sequence[Mapping[str, Any]]) -> list[Stream]:
@@ -280,26 +321,12 @@ class PackedCollator:
         m = math.lcm(self.pad_to_multiple, s.tokens_per_step)
         return padded_length(tokens, m)
 
-    def _pack_stream(
+    def _stream_tensors(
         self, s: Stream, episodes: Sequence[Mapping[str, Any]]
-    ) -> tuple[torch.Tensor, StreamLayout]:
+    ) -> list[torch.Tensor]:
+        """The K tensors of stream ``s``, checked (numpy arrays converted)."""
         tensors = [ep[s.name] for ep in episodes]
-        # Fast check, once per pack: every episode a torch tensor of one trailing shape and
-        # dtype with at least one step. Anything else goes through the slow loop, which
-        # converts numpy arrays and names the episode at fault.
-        first = tensors[0]
-        fast = type(first) is torch.Tensor and first.dim() >= 1
-        if fast:
-            shape = first.shape[1:] if s.step_shape is None else s.step_shape
-            dtype = first.dtype if s.dtype is None else s.dtype
-            fast = all(
-                type(t) is torch.Tensor and t.dim() >= 1 and t.shape[0] > 0
-                and t.shape[1:] == shape and t.dtype == dtype
-                for t in tensors
-            )  # fmt: skip
-        if not fast:
-            tensors = self._checked_tensors(s, episodes)
-        return self._copy_stream(s, episodes, tensors)
+        return tensors if _plain_tensors(s, tensors) else self._checked_tensors(s, episodes)
 
     def _checked_tensors(
         self, s: Stream, episodes: Sequence[Mapping[str, Any]]
@@ -338,35 +365,30 @@ class PackedCollator:
     def _copy_stream(
         self, s: Stream, episodes: Sequence[Mapping[str, Any]], tensors: list[torch.Tensor]
     ) -> tuple[torch.Tensor, StreamLayout]:
-        steps = [int(t.shape[0]) for t in tensors]
+        steps = [t.shape[0] for t in tensors]
         tps = s.tokens_per_step
-        lengths = [n * tps for n in steps]
-        total = sum(lengths)
-        padded = self._padded_tokens(s, total)
-        if total > padded:
-            worst = int(np.argmax(lengths))
-            hint = (
-                f"episode {_name(episodes[worst], worst)} alone has {lengths[worst]:,} tokens; "
-                if lengths[worst] > padded
-                else ""
-            )
-            raise ValueError(
-                f"pack has {total:,} tokens in stream {s.name!r} > budget={padded:,} "
-                f"(episode lengths {lengths}); {hint}plan packs under the budget with "
-                f"packing.plan.plan_packs(lengths, token_budget) or raise the budget"
-            )
+        rows = sum(steps)
+        padded = self._padded_tokens(s, rows * tps)
+        lengths = steps if tps == 1 else [n * tps for n in steps]
+        if rows * tps > padded:
+            raise _over_budget(s, episodes, lengths, padded)
         if s.dtype is None:
             _check_pad_value(s.name, s.pad_value, tensors[0].dtype)
         out = _output_buffer(tensors[0], (padded // tps, *tensors[0].shape[1:]), self.pin_memory)
-        torch.cat(tensors, dim=0, out=out[: total // tps])
-        out[total // tps :].fill_(s.pad_value)
+        if rows == out.shape[0]:
+            torch.cat(tensors, dim=0, out=out)
+        else:
+            torch.cat(tensors, dim=0, out=out[:rows])
+            out[rows:].fill_(s.pad_value)
         layout = layout_from_lengths(lengths, steps, padded, tps, s.grid, self.max_docs)
         return out, layout
 
     # -- per-episode values -------------------------------------------------------------------
     def _stack_values(
         self, episodes: Sequence[Mapping[str, Any]], stream_names: set[str]
-    ) -> tuple[dict[str, Any], dict[str, str]]:
+    ) -> tuple[dict[str, Any], dict[str, str], tuple[int, ...]]:
+        """Every non-stream key stacked per document (padded to ``max_docs``), how each was
+        given (`_kind`), and the K episode indices as host ints."""
         k_real = len(episodes)
         k_out = self.max_docs or k_real
         out: dict[str, Any] = {}
@@ -375,43 +397,28 @@ class PackedCollator:
             if key in stream_names:
                 continue
             values = [ep[key] for ep in episodes]
-            kind = _kind(values[0])
-            same_type = len({type(v) for v in values}) == 1
-            for i, v in enumerate(values if not same_type else ()):
-                if _kind(v) != kind:
-                    raise TypeError(
-                        f"episode {_name(episodes[i], i)} key {key!r} is "
-                        f"{type(v).__name__} but episode {_name(episodes[0], 0)} has "
-                        f"{type(values[0]).__name__}; per-episode values must share a type"
-                    )
-            kinds[key] = kind
-            if kind == "tensor":
-                ts = [_as_tensor(v) for v in values]
-                shapes = {tuple(t.shape) for t in ts if t is not None}
-                dtypes = {t.dtype for t in ts if t is not None}
-                if len(shapes) > 1 or len(dtypes) > 1:
-                    raise ValueError(
-                        f"per-episode value {key!r} has shapes {sorted(shapes)} / dtypes "
-                        f"{sorted(map(str, dtypes))} across episodes; declare it as a Stream "
-                        f"if it has a sequence axis"
-                    )
-                stacked = torch.stack([t for t in ts if t is not None])
-                out[key] = _pad_rows(stacked, k_out, fill=-1 if key == "episode_index" else 0)
-            elif kind in ("int", "float", "bool"):
-                dtype = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}[kind]
-                stacked = torch.tensor(values, dtype=dtype)
-                out[key] = _pad_rows(stacked, k_out, fill=-1 if key == "episode_index" else 0)
+            fill = -1 if key == "episode_index" else 0
+            stacked = _stack_plain(values, k_out, fill)
+            if stacked is None:
+                kinds[key], out[key] = _stack_checked(key, values, episodes, k_out, fill)
             else:
-                out[key] = list(values) + [""] * (k_out - k_real)
+                kinds[key], out[key] = stacked
         if "episode_index" not in out:
             # No identity given: the position in the pack. Per-episode noise is keyed by
             # episode_index, so datasets should provide it (LeRobotEpisodes does).
-            out["episode_index"] = _pad_rows(torch.arange(k_real, dtype=torch.int64), k_out, -1)
+            ids = tuple(range(k_real))
+            out["episode_index"] = torch.tensor(ids + (-1,) * (k_out - k_real))
             kinds["episode_index"] = "absent"
-        else:
-            _check_episode_index(out["episode_index"], kinds["episode_index"], episodes)
-            out["episode_index"] = out["episode_index"].to(torch.int64)
-        return out, kinds
+            return out, kinds, ids
+        index = out["episode_index"]
+        if kinds["episode_index"] == "int" and index.dtype == torch.int64:
+            ids = tuple(index[:k_real].tolist())
+            if min(ids) >= 0:  # the common case, without the checks' torch calls
+                return out, kinds, ids
+        _check_episode_index(index, kinds["episode_index"], episodes)
+        if index.dtype != torch.int64:
+            out["episode_index"] = index = index.to(torch.int64)
+        return out, kinds, tuple(index[:k_real].tolist())
 
     def _empty(self) -> PackedBatch:
         """An all-padding pack: what a rank gets when there are fewer episodes than ranks."""
@@ -443,6 +450,85 @@ class PackedCollator:
             value_kinds={"episode_index": "absent"},
             host_episode_ids=(),
         )
+
+
+def _plain_tensors(s: Stream, tensors: list[Any]) -> bool:
+    """Every value a torch tensor of >= 1 step, of one trailing shape and dtype (the stream's
+    declared ones if it has them): the common case, checked in one pass without formatting."""
+    first = tensors[0]
+    if type(first) is not torch.Tensor or first.dim() == 0:
+        return False
+    shape = first.shape[1:] if s.step_shape is None else s.step_shape
+    dtype = first.dtype if s.dtype is None else s.dtype
+    return all(
+        type(t) is torch.Tensor and t.dim() >= 1 and t.shape[0] > 0
+        and t.shape[1:] == shape and t.dtype == dtype
+        for t in tensors
+    )  # fmt: skip
+
+
+def _over_budget(
+    s: Stream, episodes: Sequence[Mapping[str, Any]], lengths: list[int], padded: int
+) -> ValueError:
+    """The error for a pack whose stream ``s`` has more tokens than its padded length."""
+    worst = int(np.argmax(lengths))
+    hint = (
+        f"episode {_name(episodes[worst], worst)} alone has {lengths[worst]:,} tokens; "
+        if lengths[worst] > padded
+        else ""
+    )
+    return ValueError(
+        f"pack has {sum(lengths):,} tokens in stream {s.name!r} > budget={padded:,} "
+        f"(episode lengths {lengths}); {hint}plan packs under the budget with "
+        f"packing.plan.plan_packs(lengths, token_budget) or raise the budget"
+    )
+
+
+_VALUE_DTYPES = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
+
+
+def _stack_plain(values: list[Any], k_out: int, fill: int) -> tuple[str, Any] | None:
+    """``(kind, stacked)`` when all K values are of one plain type (int, float, bool, str):
+    numbers become one (k_out,) tensor padded with ``fill``, strings a list padded with "".
+    ``None`` for anything else (tensors, numpy scalars, mixed types): see `_stack_checked`."""
+    t0 = type(values[0])
+    kind = _KINDS.get(t0)
+    if kind is None or kind == "tensor" or not all(type(v) is t0 for v in values):
+        return None
+    pad = k_out - len(values)
+    if kind == "object":
+        return kind, values + [""] * pad
+    return kind, torch.tensor(values + [fill] * pad if pad else values, dtype=_VALUE_DTYPES[kind])
+
+
+def _stack_checked(
+    key: str, values: list[Any], episodes: Sequence[Mapping[str, Any]], k_out: int, fill: int
+) -> tuple[str, Any]:
+    """``(kind, stacked)`` for values of any kind, checked: one type across episodes (numbers
+    of different Python types count as one kind), tensors of one shape and dtype."""
+    kind = _kind(values[0])
+    for i, v in enumerate(values):
+        if _kind(v) != kind:
+            raise TypeError(
+                f"episode {_name(episodes[i], i)} key {key!r} is "
+                f"{type(v).__name__} but episode {_name(episodes[0], 0)} has "
+                f"{type(values[0]).__name__}; per-episode values must share a type"
+            )
+    if kind == "tensor":
+        ts = [_as_tensor(v) for v in values]
+        shapes = {tuple(t.shape) for t in ts if t is not None}
+        dtypes = {t.dtype for t in ts if t is not None}
+        if len(shapes) > 1 or len(dtypes) > 1:
+            raise ValueError(
+                f"per-episode value {key!r} has shapes {sorted(shapes)} / dtypes "
+                f"{sorted(map(str, dtypes))} across episodes; declare it as a Stream "
+                f"if it has a sequence axis"
+            )
+        stacked = torch.stack([t for t in ts if t is not None])
+        return kind, _pad_rows(stacked, k_out, fill=fill)
+    if kind in _VALUE_DTYPES:
+        return kind, _pad_rows(torch.tensor(values, dtype=_VALUE_DTYPES[kind]), k_out, fill=fill)
+    return kind, list(values) + [""] * (k_out - len(values))
 
 
 def _check_episode_index(index: Any, kind: str, episodes: Sequence[Mapping[str, Any]]) -> None:

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from packing.layout_math import positions_from_lengths, thw_from_lengths
+from packing.layout_math import layout_arrays
 
 if TYPE_CHECKING:  # packing.joint builds on this module
     from packing.joint import JointLayout
@@ -303,35 +302,22 @@ def layout_from_lengths(
     or per token: positions (and ``thw``) come from `packing.layout_math`, K slices of one
     cached template joined by one ``np.concatenate`` (a memcpy); doc ids are one ``np.repeat``.
     """
-    k = len(lengths)
     total = sum(lengths)
     if total > padded:
         raise ValueError(
             f"{total:,} tokens (lengths {lengths}) do not fit in padded={padded:,}; pass "
             "padded >= the sum of the lengths (the collator pads to the stream's budget)"
         )
-    cu = np.full(max(k, max_docs or 0) + 1, total, dtype=np.int32)
-    cu[0] = 0
-    cu[1 : k + 1] = list(accumulate(lengths))  # for a handful of documents, faster than numpy
-    doc_ids = np.empty(padded, dtype=np.int32)
-    doc_ids[:total] = np.repeat(np.arange(k, dtype=np.int32), lengths)
-    doc_ids[total:] = -1
-    pos = np.empty(padded, dtype=np.int32)
-    pos[total:] = 0
-    positions_from_lengths(lengths, out=pos[:total])
-    thw = None
-    if grid is not None:
-        thw = np.empty((padded, 3), dtype=np.int32)
-        thw[total:] = 0
-        thw_from_lengths(lengths, grid, out=thw[:total])
+    k = len(lengths)
+    arrays = layout_arrays(lengths, padded, grid, max(k, max_docs or 0))
     return StreamLayout(
-        doc_ids_T=torch.from_numpy(doc_ids),
-        position_ids_T=torch.from_numpy(pos),
-        cu_seqlens_K1=torch.from_numpy(cu),
+        doc_ids_T=torch.from_numpy(arrays.doc_ids_T),
+        position_ids_T=torch.from_numpy(arrays.position_ids_T),
+        cu_seqlens_K1=torch.from_numpy(arrays.cu_seqlens_K1),
         max_seqlen=max(lengths, default=0),
         lengths_K=tuple(lengths),
         steps_K=tuple(steps),
         tokens_per_step=tokens_per_step,
         grid=grid,
-        thw_T3=None if thw is None else torch.from_numpy(thw),
+        thw_T3=None if arrays.thw_T3 is None else torch.from_numpy(arrays.thw_T3),
     )

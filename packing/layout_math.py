@@ -23,6 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,7 +33,9 @@ from torch import Tensor
 
 __all__ = [
     "ceil_div",
+    "LayoutArrays",
     "doc_starts",
+    "layout_arrays",
     "local_positions",
     "padded_length",
     "positions_from_lengths",
@@ -82,6 +87,59 @@ def thw_from_lengths(
     return _join([tpl.thw[:n] for n in lengths_K], (0, 3), out)
 
 
+class LayoutArrays(NamedTuple):
+    """One stream's layout as fresh int32 numpy arrays (see `layout_arrays`)."""
+
+    doc_ids_T: np.ndarray
+    position_ids_T: np.ndarray
+    thw_T3: np.ndarray | None
+    cu_seqlens_K1: np.ndarray
+
+
+def layout_arrays(
+    lengths_K: Sequence[int],
+    padded: int,
+    grid: tuple[int, int] | None = None,
+    num_docs: int | None = None,
+) -> LayoutArrays:
+    """A stream's whole layout from its documents' token counts, padding included::
+
+        layout_arrays([2, 4, 3], 12, num_docs=5)
+        doc_ids_T       0 0 1 1 1 1 2 2 2 -1 -1 -1
+        position_ids_T  0 1 0 1 2 3 0 1 2  0  0  0
+        cu_seqlens_K1   [0, 2, 6, 9, 9, 9]       (num_docs + 1 entries; the sum repeats)
+
+    ``thw_T3`` (for a ``grid``) is each token's ``(t, h, w)``, 0 on padding. Each array is
+    made by one numpy call over the whole stream, padding tail included: doc ids by one
+    ``np.repeat`` of ``[0, 1, ..., K - 1, -1]``, positions and ``thw`` by one
+    ``np.concatenate`` of K prefixes of a cached template and a slice of cached zeros. The
+    arrays are new (never views of a cache), writable and contiguous. Requires
+    ``sum(lengths_K) <= padded`` and ``num_docs >= len(lengths_K)`` (callers check).
+    """
+    lengths = list(lengths_K)
+    k = len(lengths)
+    cu = list(accumulate(lengths, initial=0))
+    tail = padded - cu[-1]
+    tpl = _template(max(lengths, default=0), grid)
+    pad = _zeros(tail)
+    doc = np.repeat(_doc_values(k), lengths + [tail])
+    pos = np.concatenate([tpl.pos[:n] for n in lengths] + [pad.pos[:tail]])
+    thw = None
+    if grid is not None:
+        thw = np.concatenate([tpl.thw[:n] for n in lengths] + [pad.thw[:tail]])
+    extra = (k if num_docs is None else num_docs) - k
+    cu_K1 = np.array(cu + [cu[-1]] * extra if extra > 0 else cu, dtype=np.int32)
+    return LayoutArrays(doc, pos, thw, cu_K1)
+
+
+@lru_cache(maxsize=256)
+def _doc_values(k: int) -> np.ndarray:
+    """``[0, 1, ..., k - 1, -1]``: the doc id of each document, then of the padding tail."""
+    out = np.append(np.arange(k, dtype=np.int32), np.int32(-1))
+    out.flags.writeable = False
+    return out
+
+
 def _join(parts: list[np.ndarray], empty: tuple[int, ...], out: np.ndarray | None) -> np.ndarray:
     if not parts:
         return np.zeros(empty, dtype=np.int32) if out is None else out
@@ -125,6 +183,7 @@ class _Template:
 
 
 _TEMPLATES: dict[tuple[int, int] | None, _Template] = {}
+_ZEROS: list[_Template] = []
 
 
 def _template(n: int, grid: tuple[int, int] | None) -> _Template:
@@ -144,3 +203,16 @@ def _template(n: int, grid: tuple[int, int] | None) -> _Template:
     tpl = _Template(pos, thw)
     _TEMPLATES[grid] = tpl
     return tpl
+
+
+def _zeros(n: int) -> _Template:
+    """At least ``n`` zeros, 1-D (``pos``) and ``(n, 3)`` (``thw``): the padding tail of a
+    layout, grown by doubling (read-only, never handed out)."""
+    if _ZEROS and len(_ZEROS[0].pos) >= n:
+        return _ZEROS[0]
+    size = max(n, 2 * len(_ZEROS[0].pos) if _ZEROS else 4096)
+    pos, thw = np.zeros(size, dtype=np.int32), np.zeros((size, 3), dtype=np.int32)
+    pos.flags.writeable = False
+    thw.flags.writeable = False
+    _ZEROS[:] = [_Template(pos, thw)]
+    return _ZEROS[0]
