@@ -24,6 +24,7 @@ Sizes: ``small`` (K ~ 6 episodes of 18-42 latent frames, budget 8K tokens: 2 MB 
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 from functools import partial
@@ -133,18 +134,29 @@ def time_interleaved(
     methods: dict[str, Any], packs: list[Any], iters: int, warmup: int = 3
 ) -> dict[str, common.Timing]:
     """Each method once per round, in turn, rotating the pack: a burst of load from a
-    neighbour hits every method alike, so ratios stay meaningful on a shared machine."""
+    neighbour hits every method alike, so ratios stay meaningful on a shared machine.
+
+    The order of the methods rotates too (round i starts with method i mod M): the first
+    method of a round reads the pack from memory, the others from the cache it left (a small
+    pack fits in L3), so a fixed order would favour every method but the first. Minor page
+    faults per call (``getrusage``, outside the timed region) are returned alongside."""
+    names = list(methods)
     samples: dict[str, list[float]] = {m: [] for m in methods}
+    faults: dict[str, int] = dict.fromkeys(methods, 0)
     for i in range(warmup + iters):
         pk = packs[i % len(packs)]
-        for m, fn in methods.items():
+        for j in range(len(names)):
+            m = names[(i + j) % len(names)]
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
-            out = fn(pk)
+            out = methods[m](pk)
             dt = (time.perf_counter() - t0) * 1e3
+            f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             del out  # freed outside the timed region for every method alike
             if i >= warmup:
                 samples[m].append(dt)
-    return {m: common.summarize(v) for m, v in samples.items()}
+                faults[m] += f1 - f0
+    return {m: (common.summarize(v), faults[m] / max(iters, 1)) for m, v in samples.items()}
 
 
 def main() -> None:
@@ -155,6 +167,9 @@ def main() -> None:
         "--threads", default="1,default", help="torch thread counts, 'default' = torch's own"
     )
     p.add_argument("--dataloader", action="store_true", help="also time DataLoader(workers=1)")
+    p.add_argument(
+        "--regimes", default="small,seed,short", help="which of small,seed,short to run"
+    )
     args = p.parse_args()
     default_threads = torch.get_num_threads()
     threads = [default_threads if t == "default" else int(t) for t in args.threads.split(",")]
@@ -164,6 +179,8 @@ def main() -> None:
         ("seed 4.6K-10.7K / 64K", 65536, 4608, 10752),
         ("short 0.3K-2.5K / 48K", 49152, 320, 2528),
     ]
+    chosen = args.regimes.split(",")
+    regimes = [r for r in regimes if r[0].split()[0] in chosen] or regimes
     if args.quick:
         regimes = [("quick seed", 4096, 640, 1280), ("quick short", 2048, 64, 320)]
         args.packs, args.iters, threads = 2, 3, threads[:1]
@@ -182,9 +199,9 @@ def main() -> None:
 
     dl_rows = []
     if args.dataloader:
-        dl_rows = dataloader_rows(args, regimes[1 if len(regimes) > 2 else 0])
+        dl_rows = dataloader_rows(args, next((r for r in regimes if r[0].startswith("seed")), regimes[0]))
     cols = ["threads", "regime", "dtype", "method", "episodes/pack", "MB/pack", "ms",
-            "p10-p90 ms", "GB/s", "vs bare copy", "vs naive"]  # fmt: skip
+            "p10-p90 ms", "GB/s", "vs bare copy", "vs naive", "page faults/call"]  # fmt: skip
     print(common.markdown_table(rows + dl_rows, cols))
     common.write_json(
         "collate",
@@ -221,7 +238,8 @@ def regime_rows(
         "PackedCollator": collator,
         "pad to longest": pad_longest_collate,
     }
-    res = time_interleaved(methods, packs, args.iters)
+    timed = time_interleaved(methods, packs, args.iters)
+    res = {m: t for m, (t, _) in timed.items()}
     bare_ms, naive_ms = res["bare copy"].median_ms, res["naive full"].median_ms
     return [
         {
@@ -237,6 +255,7 @@ def regime_rows(
             "episodes/s": neps / (t.median_ms * 1e-3),
             "vs bare copy": bare_ms / t.median_ms,
             "vs naive": naive_ms / t.median_ms,
+            "page faults/call": timed[mname][1],
             "timing": t.as_dict(),
         }
         for mname, t in res.items()
