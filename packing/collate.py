@@ -412,11 +412,14 @@ class PackedCollator:
         k_out = self.max_docs or k_real
         out: dict[str, Any] = {}
         kinds: dict[str, str] = {}
+        index_values: list[Any] = []
         for key in episodes[0]:
             if key in stream_names:
                 continue
             values = [ep[key] for ep in episodes]
             fill = -1 if key == "episode_index" else 0
+            if fill:
+                index_values = values
             stacked = _stack_plain(values, k_out, fill)
             if stacked is None:
                 kinds[key], out[key] = _stack_checked(key, values, episodes, k_out, fill)
@@ -430,8 +433,8 @@ class PackedCollator:
             kinds["episode_index"] = "absent"
             return out, kinds, ids
         index = out["episode_index"]
-        if kinds["episode_index"] == "int" and index.dtype == torch.int64:
-            ids = tuple(index[:k_real].tolist())
+        if kinds["episode_index"] == "int" and type(index_values[0]) is int:
+            ids = tuple(index_values)  # Python ints (`_stack_plain`: all of one type)
             if min(ids) >= 0:  # the common case, without the checks' torch calls
                 return out, kinds, ids
         _check_episode_index(index, kinds["episode_index"], episodes)
