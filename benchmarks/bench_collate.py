@@ -167,9 +167,7 @@ def main() -> None:
         "--threads", default="1,default", help="torch thread counts, 'default' = torch's own"
     )
     p.add_argument("--dataloader", action="store_true", help="also time DataLoader(workers=1)")
-    p.add_argument(
-        "--regimes", default="small,seed,short", help="which of small,seed,short to run"
-    )
+    p.add_argument("--regimes", default="small,seed,short", help="which of small,seed,short to run")
     args = p.parse_args()
     default_threads = torch.get_num_threads()
     threads = [default_threads if t == "default" else int(t) for t in args.threads.split(",")]
@@ -199,7 +197,9 @@ def main() -> None:
 
     dl_rows = []
     if args.dataloader:
-        dl_rows = dataloader_rows(args, next((r for r in regimes if r[0].startswith("seed")), regimes[0]))
+        dl_rows = dataloader_rows(
+            args, next((r for r in regimes if r[0].startswith("seed")), regimes[0])
+        )
     cols = ["threads", "regime", "dtype", "method", "episodes/pack", "MB/pack", "ms",
             "p10-p90 ms", "GB/s", "vs bare copy", "vs naive", "page faults/call"]  # fmt: skip
     print(common.markdown_table(rows + dl_rows, cols))

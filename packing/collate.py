@@ -222,7 +222,11 @@ class PackedCollator:
         layouts: dict[str, StreamLayout] = {}
         for s, tensors in columns:
             data[s.name], layouts[s.name] = self._copy_stream(s, episodes, tensors)
-        per_episode, kinds, ids = self._stack_values(episodes, names)
+        try:
+            per_episode, kinds, ids = self._stack_values(episodes, names)
+        except KeyError:  # the lean path compares key counts only: name the missing key
+            self._check_keys(episodes)
+            raise
         batch = PackedBatch(
             streams=data,
             layouts=layouts,
@@ -239,11 +243,14 @@ class PackedCollator:
         self, episodes: Sequence[Mapping[str, Any]]
     ) -> list[tuple[Stream, list[torch.Tensor]]] | None:
         """Each stream with its K tensors, when the pack is plain: a non-empty list of dicts
-        with the same keys, within ``max_docs``, every stream value a torch tensor of >= 1
-        step and of its stream's trailing shape and dtype. ``None`` otherwise (numpy arrays,
-        a bad pack): `_checked_columns` then converts or raises, naming the episode.
+        with as many keys each, within ``max_docs``, every stream value a torch tensor of
+        >= 1 step and of its stream's dtype (see `_plain_tensors`). ``None`` otherwise (numpy
+        arrays, a bad pack): `_checked_columns` then converts or raises, naming the episode.
 
-        One pass per pack, no error formatting; what a DataLoader gives on every step.
+        One pass per pack, no error formatting; what a DataLoader gives on every step. Dicts
+        of as many keys hold the same keys unless one lacks a key of the first, which the
+        reads of the streams or of the per-episode values then find (a KeyError, named by
+        `_check_keys`); counting keys touches only each dict's header, not its key table.
         """
         if type(episodes) not in (list, tuple) or not episodes:
             return None
@@ -252,18 +259,19 @@ class PackedCollator:
         first = episodes[0]
         if type(first) is not dict:
             return None
-        keys = first.keys()
-        if not all(type(ep) is dict and ep.keys() == keys for ep in episodes):
+        n = len(first)
+        if not all(type(ep) is dict and len(ep) == n for ep in episodes):
             return None
         streams = self.streams if self.streams is not None else self._resolve_streams(episodes)
         columns = []
-        for s in streams:
-            if s.name not in keys:
-                return None
-            tensors = [ep[s.name] for ep in episodes]
-            if not _plain_tensors(s, tensors):
-                return None
-            columns.append((s, tensors))
+        try:
+            for s in streams:
+                tensors = [ep[s.name] for ep in episodes]
+                if not _plain_tensors(s, tensors):
+                    return None
+                columns.append((s, tensors))
+        except KeyError:
+            return None
         return columns
 
     def _checked_columns(

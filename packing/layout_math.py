@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "ceil_div",
     "LayoutArrays",
+    "ceil_div",
     "doc_starts",
     "layout_arrays",
     "layout_size",
@@ -127,7 +127,7 @@ def layout_arrays(
     out = split_layout(np.empty(layout_size(padded, grid, num_cu), dtype=np.int32), padded, grid)
     tpl = _template(max(lengths, default=0), grid)
     pad = _zeros(tail)
-    out.doc_ids_T[:] = np.repeat(_doc_values(k), lengths + [tail])
+    out.doc_ids_T[:] = np.repeat(_doc_values(k), [*lengths, tail])
     np.concatenate([tpl.pos[:n] for n in lengths] + [pad.pos[:tail]], out=out.position_ids_T)
     if out.thw_T3 is not None:
         np.concatenate([tpl.thw[:n] for n in lengths] + [pad.thw[:tail]], out=out.thw_T3)
@@ -145,9 +145,7 @@ def split_layout(buffer: np.ndarray, padded: int, grid: tuple[int, int] | None) 
     """The views of a layout buffer: ``[doc ids | positions | thw (grid only) | cu_seqlens]``."""
     end = 2 * padded if grid is None else 5 * padded
     thw = None if grid is None else buffer[2 * padded : end].reshape(padded, 3)
-    return LayoutArrays(
-        buffer[:padded], buffer[padded : 2 * padded], thw, buffer[end:], buffer
-    )
+    return LayoutArrays(buffer[:padded], buffer[padded : 2 * padded], thw, buffer[end:], buffer)
 
 
 @lru_cache(maxsize=256)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 
 from packing.collate import PackedCollator, Stream, pack, unpack
 from packing.joint import joint_layout
-from packing.layout import layout_from_lengths
+from packing.layout import LayoutCache, layout_from_lengths
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -436,3 +436,151 @@ def test_many_documents_of_one_token():
     lay = layout_from_lengths([1] * 5000, [1] * 5000, 5120)
     assert lay.doc_ids_T[:5000].tolist() == list(range(5000))
     assert (lay.position_ids_T == 0).all()
+
+
+# -- the layout cache and the lean path ---------------------------------------------------------
+
+LAYOUT_FIELDS = ("doc_ids_T", "position_ids_T", "cu_seqlens_K1", "thw_T3")
+
+
+def grid_episodes(frames: list[int], dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Episodes of a grid stream (4 tokens a frame) and an action stream, values encoding
+    identity, with the per-episode values of a real dataset (int index, str task)."""
+    return [
+        {
+            "latents": (1000 * i + torch.arange(n * 6).reshape(n, 2, 3)).to(dtype),
+            "action": (1000 * i + torch.arange(n * 2).reshape(n, 2)).float(),
+            "episode_index": 10 + i,
+            "task": f"task {i}",
+        }
+        for i, n in enumerate(frames)
+    ]
+
+
+def grid_collator(**kw) -> PackedCollator:
+    return PackedCollator(
+        [Stream("latents", grid=(2, 2), budget=96), Stream("action", budget=32)], **kw
+    )
+
+
+def assert_same_batch(a, b) -> None:
+    """Every stream, layout field and per-episode value equal (dtypes and shapes included)."""
+    assert list(a.streams) == list(b.streams) and a.value_kinds == b.value_kinds
+    for name in a.streams:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+        la, lb = a.layout(name), b.layout(name)
+        for field in LAYOUT_FIELDS:
+            x, y = getattr(la, field), getattr(lb, field)
+            assert (x is None) == (y is None), field
+            if x is not None:
+                assert x.dtype == y.dtype and x.is_contiguous() and torch.equal(x, y), field
+        assert la.lengths_K == lb.lengths_K and la.steps_K == lb.steps_K
+        assert la.max_seqlen == lb.max_seqlen
+    for key, value in a.per_episode.items():
+        other = b.per_episode[key]
+        same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+        assert same, key
+    assert a.episode_ids == b.episode_ids
+
+
+def test_a_cached_layout_edited_by_the_caller_does_not_reach_the_next_batch():
+    # The pack is seen three times: stored on the second, served from the cache on the third.
+    # Batches mutated in place must leave the cache (and so the next batch) untouched.
+    eps = grid_episodes([3, 5, 2])
+    want = grid_collator(layout_cache_bytes=0)(eps)
+    col = grid_collator()
+    for _ in range(4):
+        batch = col(eps)
+        assert_same_batch(batch, want)
+        for name in batch.streams:
+            for field in LAYOUT_FIELDS:
+                t = getattr(batch.layout(name), field)
+                if t is not None:
+                    t.add_(7)
+    assert col.layout_cache is not None and col.layout_cache.hits >= 4
+
+
+def test_cached_layouts_are_new_memory_for_every_batch():
+    col = grid_collator()
+    eps = grid_episodes([4, 4])
+    batches = [col(eps) for _ in range(4)]
+    ptrs = {getattr(b.layout(n), f).data_ptr() for b in batches for n in b.streams for f in LAYOUT_FIELDS if getattr(b.layout(n), f) is not None}  # fmt: skip
+    assert len(ptrs) == 4 * (4 + 3), "a layout tensor is shared between batches"
+
+
+@SETTINGS
+@given(
+    frames=st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=4), min_size=1, max_size=6),
+    max_docs=st.sampled_from([None, 4]),
+)
+def test_cache_hits_and_misses_give_the_uncached_batch(frames, max_docs):
+    # Random packs, several repeated, through one cached collator: each batch equals the one a
+    # collator without a cache builds, and the cache stays within its byte budget.
+    cached = grid_collator(max_docs=max_docs, layout_cache_bytes=4096)
+    plain = grid_collator(max_docs=max_docs, layout_cache_bytes=0)
+    for f in frames + frames + frames[::-1]:
+        eps = grid_episodes(f)
+        assert_same_batch(cached(eps), plain(eps))
+    assert cached.layout_cache is not None and cached.layout_cache._bytes <= 4096
+
+
+def test_layout_cache_stores_a_key_the_second_time_and_evicts_the_oldest():
+    cache = LayoutCache(max_bytes=3 * 40)
+    bufs = {k: np.full(10, k, dtype=np.int32) for k in range(4)}  # 40 bytes each
+    for k in range(4):
+        cache.offer(k, bufs[k])
+    assert len(cache) == 0 and cache.get(0) is None
+    for k in range(4):
+        cache.offer(k, bufs[k])
+    assert len(cache) == 3 and cache.get(0) is None  # the oldest went first
+    got = cache.get(3)
+    assert got is not None and got.tolist() == [3] * 10
+    got[:] = -5
+    bufs[3][:] = -6
+    assert cache.get(3).tolist() == [3] * 10, "the cache keeps a private copy"
+
+
+def test_the_lean_path_and_the_checked_path_give_the_same_batch():
+    # numpy arrays and per-episode numpy ints are not plain: they take the checked path.
+    eps = grid_episodes([3, 1, 4])
+    slow = [
+        {**e, "latents": e["latents"].numpy(), "episode_index": np.int64(e["episode_index"])}
+        for e in eps
+    ]
+    col = grid_collator(max_docs=5, layout_cache_bytes=0)
+    assert col._plain_columns(eps) is not None and col._plain_columns(slow) is None
+    assert_same_batch(col(eps), col(slow))
+
+
+def test_a_large_pack_in_numpy_memory_behaves_like_any_tensor():
+    # Buffers of >= 4 MiB come from numpy (transparent huge pages): still a plain tensor that
+    # pickles, moves to shared memory, clones and unpacks.
+    eps = [{"x": torch.full((300_000, 2), float(i)), "episode_index": i} for i in range(2)]
+    batch = pack(eps, token_budget=600_064)
+    x = batch["x"]
+    assert x.shape == (600_064, 2) and x.dtype == torch.float32 and x.is_contiguous()
+    assert torch.equal(pickle.loads(pickle.dumps(x)), x)
+    assert torch.equal(x.clone().share_memory_(), x)
+    x.share_memory_()
+    assert x.is_shared() and x[:300_000].eq(0).all() and x[300_000:600_000].eq(1).all()
+    assert x[600_000:].eq(0).all()
+    assert [ep["x"].shape[0] for ep in unpack(batch)] == [300_000, 300_000]
+
+
+def test_the_collator_pickles_without_its_cached_layouts():
+    col = grid_collator()
+    eps = grid_episodes([2, 2])
+    col(eps), col(eps), col(eps)
+    assert col.layout_cache is not None and len(col.layout_cache) == 2
+    copy = pickle.loads(pickle.dumps(col))
+    assert copy.layout_cache is not None and len(copy.layout_cache) == 0
+    assert copy.layout_cache.max_bytes == col.layout_cache.max_bytes
+    assert_same_batch(copy(eps), col(eps))
+
+
+def test_a_later_episode_of_another_step_shape_is_named_for_a_declared_stream():
+    # The lean path checks the first episode's step shape; torch.cat finds the others.
+    col = PackedCollator([Stream("x", step_shape=(3,))])
+    eps = [identity_episode(0, 2), identity_episode(1, 2), identity_episode(2, 2, width=4)]
+    with pytest.raises(ValueError, match=r"episode 2 .*steps of shape \(4,\), expected \(3,\)"):
+        col(eps)
