@@ -9,9 +9,7 @@ subject):
 * ``naive full``: what one writes by hand for the same output: cat, a second cat of a zero
   tail to reach the budget, doc ids / positions from Python lists of ``torch.full`` /
   ``torch.arange``, ``cu_seqlens``. Goal: PackedCollator >= 1.5x its speed.
-* ``PackedCollator``: the library (streams, layouts with 3D positions, per-episode values);
-  the packs rotate, so its layouts come from its `LayoutCache` after the first rounds.
-* ``PackedCollator, no layout cache``: the same, building every layout (packs never seen).
+* ``PackedCollator``: the library (streams, layouts with 3D positions, per-episode values).
 * ``pad to longest``: ``pad_sequence`` + key mask, the padded-batch alternative.
 
 GB/s counts the episodes' bytes (latents + actions), what had to be copied once. "memcpy" is
@@ -218,14 +216,12 @@ def regime_rows(
     rng: torch.Generator,
 ) -> list[dict[str, Any]]:  # fmt: skip
     packs = [make_episodes(rng, budget, lo, hi, dtype) for _ in range(args.packs)]
-    streams = [
-        Stream("latents", grid=(4, 8), budget=budget),
-        Stream("action", budget=budget // TOKENS_PER_FRAME),  # one action per frame
-    ]
-    collator = PackedCollator(streams)
-    # The packs rotate, so from their second round on every layout is a cache hit; packs that
-    # never repeat (a shuffled plan over a large dataset) build theirs: the "no layout cache" row.
-    uncached = PackedCollator(streams, layout_cache_bytes=0)
+    collator = PackedCollator(
+        [
+            Stream("latents", grid=(4, 8), budget=budget),
+            Stream("action", budget=budget // TOKENS_PER_FRAME),  # one action per frame
+        ]
+    )
     nbytes = sum(episode_bytes(p) for p in packs) / len(packs)
     neps = sum(len(p) for p in packs) / len(packs)
     # The alternatives must compute the same packed data before they are timed.
@@ -240,7 +236,6 @@ def regime_rows(
         "bare copy": bare_copy,
         "naive full": partial(naive_collate, budget=budget),
         "PackedCollator": collator,
-        "PackedCollator, no layout cache": uncached,
         "pad to longest": pad_longest_collate,
     }
     timed = time_interleaved(methods, packs, args.iters)

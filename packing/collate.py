@@ -25,7 +25,7 @@ import torch
 
 from packing._lazy import moved_names
 from packing.joint import joint_layout as _joint_layout
-from packing.layout import LayoutCache, PackedBatch, StreamLayout, layout_from_lengths
+from packing.layout import PackedBatch, StreamLayout, layout_from_lengths
 from packing.layout_math import padded_length
 
 __all__ = ["PackedCollator", "Stream", "check_batch", "pack", "unpack"]
@@ -144,10 +144,6 @@ class PackedCollator:
         joint: tuples of stream names to lay out as one attention sequence in the worker
             (see `packing.joint.joint_layout`); cached on the batch (`PackedBatch.joint_layouts`).
         pin_memory: allocate the output buffers in pinned memory.
-        layout_cache_bytes: memory for the layouts of packs seen at least twice (a
-            `packing.layout.LayoutCache`: a repeated pack's layout is one copy instead of a
-            build; every batch gets its own copy). 0 turns it off. Not pickled: each
-            DataLoader worker starts with an empty cache.
     """
 
     def __init__(
@@ -159,7 +155,6 @@ class PackedCollator:
         max_docs: int | None = None,
         joint: Sequence[Sequence[str]] = (),
         pin_memory: bool = False,
-        layout_cache_bytes: int = 16 * 2**20,
     ) -> None:
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple={pad_to_multiple} must be >= 1")
@@ -193,16 +188,6 @@ class PackedCollator:
         self.max_docs = max_docs
         self.joint = [tuple(j) for j in joint]
         self.pin_memory = pin_memory
-        if layout_cache_bytes < 0:
-            raise ValueError(f"layout_cache_bytes={layout_cache_bytes} must be >= 0")
-        self.layout_cache = LayoutCache(layout_cache_bytes) if layout_cache_bytes else None
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled without the cached layouts (a DataLoader worker builds its own)."""
-        state = dict(self.__dict__)
-        if state["layout_cache"] is not None:
-            state["layout_cache"] = LayoutCache(state["layout_cache"].max_bytes)
-        return state
 
     def __repr__(self) -> str:
         return (
@@ -405,9 +390,7 @@ class PackedCollator:
             raise
         if rows < out.shape[0]:
             out[rows:].fill_(s.pad_value)
-        layout = layout_from_lengths(
-            lengths, steps, padded, tps, s.grid, self.max_docs, self.layout_cache
-        )
+        layout = layout_from_lengths(lengths, steps, padded, tps, s.grid, self.max_docs)
         return out, layout
 
     # -- per-episode values -------------------------------------------------------------------

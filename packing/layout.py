@@ -24,20 +24,18 @@ A stream whose steps expand to several tokens (a latent frame of 8x16 with 2x2 p
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from packing.layout_math import layout_arrays, split_layout
+from packing.layout_math import layout_arrays
 
 if TYPE_CHECKING:  # packing.joint builds on this module
     from packing.joint import JointLayout
 
-__all__ = ["LayoutCache", "PackedBatch", "StreamLayout", "layout_from_lengths"]
+__all__ = ["PackedBatch", "StreamLayout", "layout_from_lengths"]
 
 
 @dataclass(frozen=True)
@@ -285,56 +283,6 @@ _LAYOUT_ATTRS = {
 _LAYOUT_KEYS = tuple(_LAYOUT_ATTRS)
 
 
-class LayoutCache:
-    """Whole layouts of packs seen before, by ``(lengths, padded, grid, cu_seqlens size)``.
-
-    Packs repeat when episodes have fixed lengths, when long episodes are cut into equal
-    windows, or when a fixed plan comes round again; for those a layout costs one copy of its
-    int32 buffer instead of a build. Each entry is a private buffer that is never handed out:
-    every hit returns a fresh copy, so a caller that edits a batch's layout in place cannot
-    change the next batch. A key is stored the second time it is seen, so packs that never
-    repeat cost a set lookup and no copy. Least recently used entries go first beyond
-    ``max_bytes``; ``hits`` and ``misses`` count lookups.
-    """
-
-    def __init__(self, max_bytes: int = 16 * 2**20, max_seen: int = 4096) -> None:
-        self.max_bytes = max_bytes
-        self.max_seen = max_seen
-        self.hits = 0
-        self.misses = 0
-        self._entries: OrderedDict[Hashable, np.ndarray] = OrderedDict()
-        self._seen: OrderedDict[Hashable, None] = OrderedDict()
-        self._bytes = 0
-
-    def get(self, key: Hashable) -> np.ndarray | None:
-        """A new copy of the buffer stored under ``key``, or None."""
-        buf = self._entries.get(key)
-        if buf is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(key)
-        return buf.copy()
-
-    def offer(self, key: Hashable, buffer: np.ndarray) -> None:
-        """Keep a private copy of ``buffer`` if ``key`` was offered before (and fits)."""
-        if key not in self._seen:
-            self._seen[key] = None
-            if len(self._seen) > self.max_seen:
-                self._seen.popitem(last=False)
-            return
-        if buffer.nbytes > self.max_bytes or key in self._entries:
-            return
-        self._entries[key] = buffer.copy()
-        self._bytes += buffer.nbytes
-        while self._bytes > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self._bytes -= old.nbytes
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 def layout_from_lengths(
     lengths: list[int],
     steps: list[int],
@@ -342,7 +290,6 @@ def layout_from_lengths(
     tokens_per_step: int = 1,
     grid: tuple[int, int] | None = None,
     max_docs: int | None = None,
-    cache: LayoutCache | None = None,
 ) -> StreamLayout:
     """Token-level layout from per-document token counts (host ints -> CPU tensors).
 
@@ -353,8 +300,6 @@ def layout_from_lengths(
     Runs in the collate of every step, so it costs a few numpy calls, not a few per document
     or per token: positions (and ``thw``) come from `packing.layout_math`, K slices of one
     cached template joined by one ``np.concatenate`` (a memcpy); doc ids are one ``np.repeat``.
-    All four tensors are views of one new int32 buffer. With a `LayoutCache` a layout seen
-    before is a copy of the cached buffer instead (never the cached buffer itself).
     """
     total = sum(lengths)
     if total > padded:
@@ -362,15 +307,8 @@ def layout_from_lengths(
             f"{total:,} tokens (lengths {lengths}) do not fit in padded={padded:,}; pass "
             "padded >= the sum of the lengths (the collator pads to the stream's budget)"
         )
-    num_cu = max(len(lengths), max_docs or 0) + 1
-    key = (tuple(lengths), padded, grid, num_cu)
-    buf = None if cache is None else cache.get(key)
-    if buf is not None:
-        arrays = split_layout(buf, padded, grid)
-    else:
-        arrays = layout_arrays(lengths, padded, grid, num_cu - 1)
-        if cache is not None:
-            cache.offer(key, arrays.buffer)
+    k = len(lengths)
+    arrays = layout_arrays(lengths, padded, grid, max(k, max_docs or 0))
     return StreamLayout(
         doc_ids_T=torch.from_numpy(arrays.doc_ids_T),
         position_ids_T=torch.from_numpy(arrays.position_ids_T),

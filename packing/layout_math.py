@@ -36,12 +36,10 @@ __all__ = [
     "ceil_div",
     "doc_starts",
     "layout_arrays",
-    "layout_size",
     "local_positions",
     "padded_length",
     "positions_from_lengths",
     "round_up",
-    "split_layout",
     "thw_from_lengths",
 ]
 
@@ -90,13 +88,12 @@ def thw_from_lengths(
 
 
 class LayoutArrays(NamedTuple):
-    """One stream's layout: int32 views of one contiguous ``buffer`` (see `layout_arrays`)."""
+    """One stream's layout as fresh int32 numpy arrays (see `layout_arrays`)."""
 
     doc_ids_T: np.ndarray
     position_ids_T: np.ndarray
     thw_T3: np.ndarray | None
     cu_seqlens_K1: np.ndarray
-    buffer: np.ndarray
 
 
 def layout_arrays(
@@ -112,40 +109,27 @@ def layout_arrays(
         position_ids_T  0 1 0 1 2 3 0 1 2  0  0  0
         cu_seqlens_K1   [0, 2, 6, 9, 9, 9]       (num_docs + 1 entries; the sum repeats)
 
-    ``thw_T3`` (for a ``grid``) is each token's ``(t, h, w)``, 0 on padding. Every array is
-    a contiguous view of one new int32 ``buffer`` (laid out as `split_layout` reads it), each
-    written by one numpy call over the whole stream, padding tail included: doc ids by one
+    ``thw_T3`` (for a ``grid``) is each token's ``(t, h, w)``, 0 on padding. Each array is
+    made by one numpy call over the whole stream, padding tail included: doc ids by one
     ``np.repeat`` of ``[0, 1, ..., K - 1, -1]``, positions and ``thw`` by one
-    ``np.concatenate`` of K prefixes of a cached template and a slice of cached zeros.
-    Requires ``sum(lengths_K) <= padded`` and ``num_docs >= len(lengths_K)`` (callers check).
+    ``np.concatenate`` of K prefixes of a cached template and a slice of cached zeros. The
+    arrays are new (never views of a cache), writable and contiguous. Requires
+    ``sum(lengths_K) <= padded`` and ``num_docs >= len(lengths_K)`` (callers check).
     """
     lengths = list(lengths_K)
     k = len(lengths)
     cu = list(accumulate(lengths, initial=0))
     tail = padded - cu[-1]
-    num_cu = max(k, num_docs or 0) + 1
-    out = split_layout(np.empty(layout_size(padded, grid, num_cu), dtype=np.int32), padded, grid)
     tpl = _template(max(lengths, default=0), grid)
     pad = _zeros(tail)
-    out.doc_ids_T[:] = np.repeat(_doc_values(k), [*lengths, tail])
-    np.concatenate([tpl.pos[:n] for n in lengths] + [pad.pos[:tail]], out=out.position_ids_T)
-    if out.thw_T3 is not None:
-        np.concatenate([tpl.thw[:n] for n in lengths] + [pad.thw[:tail]], out=out.thw_T3)
-    out.cu_seqlens_K1[:] = cu + [cu[-1]] * (num_cu - k - 1)
-    return out
-
-
-def layout_size(padded: int, grid: tuple[int, int] | None, num_cu: int) -> int:
-    """int32 elements of a layout buffer: doc ids and positions, ``thw`` for a grid, and
-    ``num_cu`` boundaries."""
-    return (2 if grid is None else 5) * padded + num_cu
-
-
-def split_layout(buffer: np.ndarray, padded: int, grid: tuple[int, int] | None) -> LayoutArrays:
-    """The views of a layout buffer: ``[doc ids | positions | thw (grid only) | cu_seqlens]``."""
-    end = 2 * padded if grid is None else 5 * padded
-    thw = None if grid is None else buffer[2 * padded : end].reshape(padded, 3)
-    return LayoutArrays(buffer[:padded], buffer[padded : 2 * padded], thw, buffer[end:], buffer)
+    doc = np.repeat(_doc_values(k), [*lengths, tail])
+    pos = np.concatenate([tpl.pos[:n] for n in lengths] + [pad.pos[:tail]])
+    thw = None
+    if grid is not None:
+        thw = np.concatenate([tpl.thw[:n] for n in lengths] + [pad.thw[:tail]])
+    extra = (k if num_docs is None else num_docs) - k
+    cu_K1 = np.array(cu + [cu[-1]] * extra if extra > 0 else cu, dtype=np.int32)
+    return LayoutArrays(doc, pos, thw, cu_K1)
 
 
 @lru_cache(maxsize=256)

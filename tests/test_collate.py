@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import hypothesis.strategies as st
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 
 from packing.collate import PackedCollator, Stream, pack, unpack
 from packing.joint import joint_layout
-from packing.layout import LayoutCache, layout_from_lengths
+from packing.layout import layout_from_lengths
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -438,7 +439,7 @@ def test_many_documents_of_one_token():
     assert (lay.position_ids_T == 0).all()
 
 
-# -- the layout cache and the lean path ---------------------------------------------------------
+# -- batches never share state, and the lean path --------------------------------------------------------------
 
 LAYOUT_FIELDS = ("doc_ids_T", "position_ids_T", "cu_seqlens_K1", "thw_T3")
 
@@ -483,29 +484,37 @@ def assert_same_batch(a, b) -> None:
     assert a.episode_ids == b.episode_ids
 
 
-def test_a_cached_layout_edited_by_the_caller_does_not_reach_the_next_batch():
-    # The pack is seen three times: stored on the second, served from the cache on the third.
-    # Batches mutated in place must leave the cache (and so the next batch) untouched.
+def test_a_layout_edited_by_the_caller_does_not_reach_the_next_batch():
+    # Layouts are built from cached read-only templates; batches mutated in place must leave
+    # them (and so the next batch) untouched.
     eps = grid_episodes([3, 5, 2])
-    want = grid_collator(layout_cache_bytes=0)(eps)
+    want = copy.deepcopy(grid_collator()(eps))  # its own tensors, whatever the collator shares
     col = grid_collator()
-    for _ in range(4):
+    for _ in range(3):
         batch = col(eps)
         assert_same_batch(batch, want)
         for name in batch.streams:
+            batch[name].add_(7)
             for field in LAYOUT_FIELDS:
                 t = getattr(batch.layout(name), field)
                 if t is not None:
                     t.add_(7)
-    assert col.layout_cache is not None and col.layout_cache.hits >= 4
+        batch.per_episode["episode_index"].add_(7)
 
 
-def test_cached_layouts_are_new_memory_for_every_batch():
+def test_every_batch_has_its_own_memory():
     col = grid_collator()
     eps = grid_episodes([4, 4])
     batches = [col(eps) for _ in range(4)]
-    ptrs = {getattr(b.layout(n), f).data_ptr() for b in batches for n in b.streams for f in LAYOUT_FIELDS if getattr(b.layout(n), f) is not None}  # fmt: skip
-    assert len(ptrs) == 4 * (4 + 3), "a layout tensor is shared between batches"
+    tensors = [
+        t
+        for b in batches
+        for n in b.streams
+        for t in (b[n], *(getattr(b.layout(n), f) for f in LAYOUT_FIELDS))
+        if t is not None
+    ]
+    ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(ptrs) == len(tensors) == 4 * (5 + 4), "a tensor is shared between batches"
 
 
 @SETTINGS
@@ -513,31 +522,13 @@ def test_cached_layouts_are_new_memory_for_every_batch():
     frames=st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=4), min_size=1, max_size=6),
     max_docs=st.sampled_from([None, 4]),
 )
-def test_cache_hits_and_misses_give_the_uncached_batch(frames, max_docs):
-    # Random packs, several repeated, through one cached collator: each batch equals the one a
-    # collator without a cache builds, and the cache stays within its byte budget.
-    cached = grid_collator(max_docs=max_docs, layout_cache_bytes=4096)
-    plain = grid_collator(max_docs=max_docs, layout_cache_bytes=0)
-    for f in frames + frames + frames[::-1]:
+def test_a_collator_gives_the_same_batch_whatever_it_collated_before(frames, max_docs):
+    # Random packs, some repeated, through one collator (whose templates grow as it goes):
+    # each batch equals the one a new collator builds.
+    col = grid_collator(max_docs=max_docs)
+    for f in frames + frames[::-1]:
         eps = grid_episodes(f)
-        assert_same_batch(cached(eps), plain(eps))
-    assert cached.layout_cache is not None and cached.layout_cache._bytes <= 4096
-
-
-def test_layout_cache_stores_a_key_the_second_time_and_evicts_the_oldest():
-    cache = LayoutCache(max_bytes=3 * 40)
-    bufs = {k: np.full(10, k, dtype=np.int32) for k in range(4)}  # 40 bytes each
-    for k in range(4):
-        cache.offer(k, bufs[k])
-    assert len(cache) == 0 and cache.get(0) is None
-    for k in range(4):
-        cache.offer(k, bufs[k])
-    assert len(cache) == 3 and cache.get(0) is None  # the oldest went first
-    got = cache.get(3)
-    assert got is not None and got.tolist() == [3] * 10
-    got[:] = -5
-    bufs[3][:] = -6
-    assert cache.get(3).tolist() == [3] * 10, "the cache keeps a private copy"
+        assert_same_batch(col(eps), grid_collator(max_docs=max_docs)(eps))
 
 
 def test_the_lean_path_and_the_checked_path_give_the_same_batch():
@@ -547,7 +538,7 @@ def test_the_lean_path_and_the_checked_path_give_the_same_batch():
         {**e, "latents": e["latents"].numpy(), "episode_index": np.int64(e["episode_index"])}
         for e in eps
     ]
-    col = grid_collator(max_docs=5, layout_cache_bytes=0)
+    col = grid_collator(max_docs=5)
     assert col._plain_columns(eps) is not None and col._plain_columns(slow) is None
     assert_same_batch(col(eps), col(slow))
 
@@ -565,17 +556,6 @@ def test_a_large_pack_in_numpy_memory_behaves_like_any_tensor():
     assert x.is_shared() and x[:300_000].eq(0).all() and x[300_000:600_000].eq(1).all()
     assert x[600_000:].eq(0).all()
     assert [ep["x"].shape[0] for ep in unpack(batch)] == [300_000, 300_000]
-
-
-def test_the_collator_pickles_without_its_cached_layouts():
-    col = grid_collator()
-    eps = grid_episodes([2, 2])
-    col(eps), col(eps), col(eps)
-    assert col.layout_cache is not None and len(col.layout_cache) == 2
-    copy = pickle.loads(pickle.dumps(col))
-    assert copy.layout_cache is not None and len(copy.layout_cache) == 0
-    assert copy.layout_cache.max_bytes == col.layout_cache.max_bytes
-    assert_same_batch(copy(eps), col(eps))
 
 
 def test_a_later_episode_of_another_step_shape_is_named_for_a_declared_stream():
