@@ -11,6 +11,8 @@ subject):
   ``torch.arange``, ``cu_seqlens``. Goal: PackedCollator >= 1.5x its speed.
 * ``PackedCollator``: the library (streams, layouts with 3D positions, per-episode values).
 * ``pad to longest``: ``pad_sequence`` + key mask, the padded-batch alternative.
+* ``bare copy (control)``: the bare copy again, timed as a method of its own: how far two
+  runs of one function differ in this setting (its "vs bare copy" would be 1.00 without noise).
 
 GB/s counts the episodes' bytes (latents + actions), what had to be copied once. "memcpy" is
 the machine's bare ``Tensor.copy_`` bandwidth on a 64 MB buffer, measured in the same run.
@@ -24,6 +26,7 @@ Sizes: ``small`` (K ~ 6 episodes of 18-42 latent frames, budget 8K tokens: 2 MB 
 
 from __future__ import annotations
 
+import random
 import resource
 import sys
 import time
@@ -136,17 +139,19 @@ def time_interleaved(
     """Each method once per round, in turn, rotating the pack: a burst of load from a
     neighbour hits every method alike, so ratios stay meaningful on a shared machine.
 
-    The order of the methods rotates too (round i starts with method i mod M): the first
-    method of a round reads the pack from memory, the others from the cache it left (a small
-    pack fits in L3), so a fixed order would favour every method but the first. Minor page
-    faults per call (``getrusage``, outside the timed region) are returned alongside."""
+    The order of the methods is shuffled every round (seeded): the first method of a round
+    reads the pack from memory, the others from the cache it left (a small pack fits in L3),
+    and each call finds the heap as the previous method left it, so a fixed order (or a fixed
+    rotation, where each method always follows the same one) favours some methods: two runs
+    of the same function differed by up to 30% that way. Minor page faults per call
+    (``getrusage``, outside the timed region) are returned alongside."""
     names = list(methods)
+    order = random.Random(0)
     samples: dict[str, list[float]] = {m: [] for m in methods}
     faults: dict[str, int] = dict.fromkeys(methods, 0)
     for i in range(warmup + iters):
         pk = packs[i % len(packs)]
-        for j in range(len(names)):
-            m = names[(i + j) % len(names)]
+        for m in order.sample(names, len(names)):
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             out = methods[m](pk)
@@ -234,6 +239,7 @@ def regime_rows(
 
     methods = {
         "bare copy": bare_copy,
+        "bare copy (control)": bare_copy,  # the same function: the spread of the method
         "naive full": partial(naive_collate, budget=budget),
         "PackedCollator": collator,
         "pad to longest": pad_longest_collate,
