@@ -403,19 +403,19 @@ class PackedCollator:
         k_out = self.max_docs or k_real
         out: dict[str, Any] = {}
         kinds: dict[str, str] = {}
-        index_values: list[Any] = []
+        plain_ids: tuple[int, ...] | None = None  # episode_index given as Python ints
         for key in episodes[0]:
             if key in stream_names:
                 continue
             values = [ep[key] for ep in episodes]
             fill = -1 if key == "episode_index" else 0
-            if fill:
-                index_values = values
             stacked = _stack_plain(values, k_out, fill)
             if stacked is None:
                 kinds[key], out[key] = _stack_checked(key, values, episodes, k_out, fill)
             else:
                 kinds[key], out[key] = stacked
+                if fill and stacked[0] == "int":  # `_stack_plain`: all of type int
+                    plain_ids = tuple(values)
         if "episode_index" not in out:
             # No identity given: the position in the pack. Per-episode noise is keyed by
             # episode_index, so datasets should provide it (LeRobotEpisodes does).
@@ -424,10 +424,8 @@ class PackedCollator:
             kinds["episode_index"] = "absent"
             return out, kinds, ids
         index = out["episode_index"]
-        if kinds["episode_index"] == "int" and type(index_values[0]) is int:
-            ids = tuple(index_values)  # Python ints (`_stack_plain`: all of one type)
-            if min(ids) >= 0:  # the common case, without the checks' torch calls
-                return out, kinds, ids
+        if plain_ids is not None and min(plain_ids) >= 0:
+            return out, kinds, plain_ids  # the common case, without the checks' torch calls
         _check_episode_index(index, kinds["episode_index"], episodes)
         if index.dtype != torch.int64:
             out["episode_index"] = index = index.to(torch.int64)

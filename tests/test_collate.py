@@ -564,3 +564,13 @@ def test_a_later_episode_of_another_step_shape_is_named_for_a_declared_stream():
     eps = [identity_episode(0, 2), identity_episode(1, 2), identity_episode(2, 2, width=4)]
     with pytest.raises(ValueError, match=r"episode 2 .*steps of shape \(4,\), expected \(3,\)"):
         col(eps)
+
+
+def test_host_episode_ids_are_python_ints_however_the_index_was_given():
+    # Mixed int / numpy int indices take the checked path; the host ids are ints either way.
+    for index in ([3, 5], [np.int64(3), 5], [3, np.int32(5)], [torch.tensor(3), torch.tensor(5)]):
+        eps = [identity_episode(i, 2) | {"episode_index": v} for i, v in enumerate(index)]
+        batch = pack(eps)
+        assert batch.episode_ids == (3, 5)
+        assert all(type(i) is int for i in batch.episode_ids), index
+        assert batch["episode_index"].dtype == torch.int64
