@@ -156,7 +156,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="wan_2_2_5b", choices=["wan_1_3b", "wan_2_2_5b"])
     p.add_argument("--depth", type=int, default=30, help="the full depth to predict for")
-    p.add_argument("--modes", default="full,none", help="checkpointing modes")
+    p.add_argument("--modes", default="full,none",
+                   help="checkpointing modes, of full, ops (selective per op), none")  # fmt: skip
     p.add_argument("--headroom", type=float, default=0.08, help="fraction of memory left free")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", required=True)
@@ -165,6 +166,9 @@ def main() -> None:
     if args.refit:
         refit(args.refit, args.out)
         return
+    modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in ("full", "ops", "none")]:
+        p.error(f"--modes {args.modes}: unknown {unknown}; choose from full, ops, none")
     cuda = torch.cuda.is_available() and not args.smoke
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -176,15 +180,15 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(dev)
         capacity = torch.cuda.get_device_properties(dev).total_memory * (1 - args.headroom)
-        shallow = {"full": [16384, 49152], "none": [8192, 16384]}
+        shallow = {"full": [16384, 49152], "ops": [8192, 16384], "none": [8192, 16384]}
     else:
         capacity = 2e9  # a pretend 2 GB GPU: the smoke run exercises the arithmetic
-        shallow = {"full": [512, 1024], "none": [256, 512]}
+        shallow = {"full": [512, 1024], "ops": [256, 512], "none": [256, 512]}
     cfg = DiTConfig.tiny() if args.smoke else getattr(DiTConfig, args.preset)(depth=args.depth)
     depth = 3 if args.smoke else args.depth
     t0 = time.perf_counter()
     rows, fits = [], {}
-    for ac in args.modes.split(","):
+    for ac in modes:
         probes = [pr for d in (2, 4) for pr in measure(cfg, d, ac, shallow[ac], dev, world)]
         mm = fit_memory_model(probes)
         full_params = param_count(DiTConfig(**{**cfg.__dict__, "depth": depth}))

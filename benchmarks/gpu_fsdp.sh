@@ -52,7 +52,7 @@ for STAGE in "$@"; do
       || t 100 $V --fsdp-autocast --json "$R/verify_fsdp_bf16_autocast.json" 2>&1 | tail -12
     t 120 $V --model benchmarks.verify_models:head_dim_128 \
       --json "$R/verify_fsdp_bf16_hd128.json" 2>&1 | tail -22
-    t 240 $TR benchmarks/fsdp_budget.py --out "$R" 2>&1 | quiet | tail -24
+    t 330 $TR benchmarks/fsdp_budget.py --modes full,ops,none --out "$R" 2>&1 | quiet | tail -30
     ;;
   sweep)
     t 540 $TR benchmarks/bench_fsdp.py --regime short --variants "" --sweep "${SWEEP:-1,2,4,8}" \
