@@ -139,24 +139,31 @@ def _pkg_version(name: str) -> str | None:
 
 
 def _source_hash() -> str:
-    """sha1 of packing/*.py: names the library code that ran even where the machine's copy of
+    """sha1 of packing/**/*.py: names the library code that ran even where the machine's copy of
     the tree has a stale .git (the H200's reported the previous commit in session 3)."""
     h = hashlib.sha1()
-    for f in sorted((Path(__file__).resolve().parents[1] / "packing").glob("*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    root = Path(__file__).resolve().parents[1] / "packing"
+    for f in sorted(root.rglob("*.py")):  # integrations/ included
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:12]
 
 
 def _git_commit() -> str | None:
+    """HEAD, with ``+dirty`` when tracked files differ from it (a copied working tree, as on
+    the GPU machine, can carry a stale HEAD: ``packing_src_sha1`` is then what names the
+    code)."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=5, cwd=here
+        ).stdout.strip()
+
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return out.stdout.strip() or None
+        head = git("rev-parse", "--short", "HEAD")
+        if not head:
+            return None
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:
         return None
 
