@@ -19,7 +19,7 @@ place that does it:
    :func:`probe`, which says why it is unusable instead of raising: callers pick another
    kernel.
 3. **Names that moved** (:func:`moved_names`): the old import keeps working for one release
-   and warns ``DeprecationWarning`` naming the new home (CHANGELOG "Moved").
+   and warns ``DeprecationWarning`` naming the new home (CHANGELOG "Deprecated/Moved").
 """
 
 from __future__ import annotations

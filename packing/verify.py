@@ -63,8 +63,8 @@ __all__ = ["compare_packed_unpacked"]
 
 _CLI = "packing.verify_cli"
 _REPORT = "packing.verify_report"
-# One release of the old imports (CHANGELOG "Moved"): the command moved to verify_cli, the
-# measurements and gates to verify_report.
+# One release of the old imports (CHANGELOG "Deprecated/Moved"): the command moved to
+# verify_cli, the measurements and gates to verify_report.
 __getattr__ = moved_names(
     __name__,
     {
