@@ -196,16 +196,17 @@ class GraphedBlockTables:
             )
         key = (q_doc_T.device, q_doc_T.dtype, q_doc_T.shape[0], kv_doc_T.shape[0], rule,
                q_block, kv_block, self_attention)  # fmt: skip
-        g = self._graphs.get(key)
-        if g is None:
-            g = self._graphs[key] = _Graphed.capture(
-                q_doc_T, kv_doc_T, rule, q_block, kv_block, self_attention
-            )
-        g.q_in.copy_(q_doc_T)
-        if g.kv_in is not g.q_in:
-            g.kv_in.copy_(kv_doc_T)
-        g.graph.replay()
-        flat = g.flat_out.clone()
+        with torch.cuda.device(q_doc_T.device):  # capture and replay on the ids' GPU
+            g = self._graphs.get(key)
+            if g is None:
+                g = self._graphs[key] = _Graphed.capture(
+                    q_doc_T, kv_doc_T, rule, q_block, kv_block, self_attention
+                )
+            g.q_in.copy_(q_doc_T)
+            if g.kv_in is not g.q_in:
+                g.kv_in.copy_(kv_doc_T)
+            g.graph.replay()
+            flat = g.flat_out.clone()
         out, start = [], 0
         for shape in g.shapes:
             n = math.prod(shape)
