@@ -64,7 +64,9 @@ __all__ = ["compare_packed_unpacked"]
 _CLI = "packing.verify_cli"
 _REPORT = "packing.verify_report"
 # One release of the old imports (CHANGELOG "Deprecated/Moved"): the command moved to
-# verify_cli, the measurements and gates to verify_report.
+# verify_cli, the measurements and gates to verify_report. Spelled out, not read from those
+# modules' __all__: this is the old API, frozen (a name added there later must not become
+# importable here), and verify_cli imports this module.
 __getattr__ = moved_names(
     __name__,
     {

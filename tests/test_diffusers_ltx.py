@@ -98,9 +98,9 @@ def test_removing_the_document_mask_fails_the_comparison() -> None:
 def test_attending_to_the_padded_text_rows_fails_the_comparison(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from packing.integrations.diffusers import ltx
+    from packing.integrations.diffusers import adapter
 
-    monkeypatch.setattr(ltx, "drop_masked_rows", lambda text, layout, mask: (text, layout))
+    monkeypatch.setattr(adapter, "drop_masked_rows", lambda text, layout, mask: (text, layout))
     report = compare(steps=1)
     assert not report.passed
     assert any("loss differs" in f for f in report.failures)

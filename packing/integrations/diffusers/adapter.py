@@ -45,7 +45,11 @@ from packing.integrations.diffusers.processor import (
     install_processors,
     uninstall_processors,
 )
-from packing.integrations.diffusers.streams import pack_text_embeddings, patchify
+from packing.integrations.diffusers.streams import (
+    drop_masked_rows,
+    pack_text_embeddings,
+    patchify,
+)
 from packing.layout import PackedBatch, StreamLayout, layout_from_lengths
 
 __all__ = [
@@ -229,8 +233,8 @@ class PackedAdapter(FlowMatchingAdapter):
 
     A family passes its attention module class, its q/k/v projection helper, its RoPE rotation
     (`processor.PackedAttnProcessor`) and its block step ``block_forward(block, x, ...)``; it
-    sets ``model_cls`` and ``reference_cls`` and writes `prepare` and `velocity` (with `masks`
-    and `run_blocks`).
+    sets ``model_cls`` and ``reference_cls`` and writes `rope_rows` and `packed_forward` (with
+    `run_blocks`); `prepare` and `velocity` are the same for every family.
     ``attention`` is the `packing.attention` backend (``auto``: FA4 varlen / Flex / SDPA);
     ``document_mask=False`` lets episodes see each other: the broken model verify must fail.
     The model is held as ``self.transformer``, unchanged but for its attention processors
@@ -287,7 +291,19 @@ class PackedAdapter(FlowMatchingAdapter):
         self, latent_layout: StreamLayout, text_layout: StreamLayout, dtype: torch.dtype
     ) -> dict[str, Any]:
         """What every block reads, built once per step outside ``torch.compile``:
-        ``self_mask``, ``cross_mask`` (`masks`) and the family's ``rope``."""
+        ``self_mask``, ``cross_mask`` (`masks`) and ``rope`` (the family's `rope_rows` at each
+        token's doc-local (t, h, w))."""
+        if latent_layout.thw_T3 is None:
+            raise ValueError(
+                f"stream {self.latents_stream!r} must be a grid stream (Stream(grid=...))"
+            )
+        self_mask, cross_mask = self.masks(latent_layout, text_layout, dtype)
+        thw_T3 = latent_layout.thw_T3.to(next(self.transformer.parameters()).device)
+        return {"self_mask": self_mask, "cross_mask": cross_mask, "rope": self.rope_rows(thw_T3)}
+
+    def rope_rows(self, thw_T3: Tensor) -> Any:
+        """The family's RoPE for tokens at doc-local ``(t, h, w)`` ``(T, 3)``, as its rotation
+        takes it (e.g. a ``(cos, sin)`` pair)."""
         raise NotImplementedError
 
     def masks(
@@ -304,14 +320,33 @@ class PackedAdapter(FlowMatchingAdapter):
             q_lay, kv_lay, None, be, **kw
         )
 
-    def step_inputs(
-        self, xt_SCHW: Tensor, latent_layout: StreamLayout, text_layout: StreamLayout
-    ) -> tuple[Tensor, dict[str, Any], Tensor]:
-        """What a family's `velocity` starts from: the latents in the model's dtype, the step's
-        `prepare` (masks and RoPE, built once for every block) and each token's doc id."""
+    def velocity(
+        self,
+        xt_SCHW: Tensor,
+        timestep_K: Tensor,
+        text_TD: Tensor,
+        latent_layout: StreamLayout,
+        text_layout: StreamLayout,
+        text_mask_T: Tensor | None = None,
+    ) -> Tensor:
+        """Every family's packed velocity: a padded prompt's masked rows are dropped (so the
+        cross-attention mask sees real rows only), the latents cast to the model's dtype, the
+        step's `prepare` built once for every block, then the family's `packed_forward`."""
+        if text_mask_T is not None:
+            text_TD, text_layout = drop_masked_rows(text_TD, text_layout, text_mask_T)
         x_in = xt_SCHW.to(self.transformer.dtype)
         prep = self.prepare(latent_layout, text_layout, attention_dtype(x_in))
-        return x_in, prep, latent_layout.doc_ids_T.to(x_in.device)
+        ids_T = latent_layout.doc_ids_T.to(x_in.device)
+        return self.packed_forward(x_in, prep, ids_T, timestep_K, text_TD)
+
+    def packed_forward(
+        self, x_in: Tensor, prep: dict[str, Any], ids_T: Tensor, timestep_K: Tensor,
+        text_TD: Tensor,
+    ) -> Tensor:  # fmt: skip
+        """The family's forward over packed tokens: ``x_in`` the latents ``(S, C, H, W)`` in the model's
+        dtype, `prepare`'s output, each latent token's doc id, timesteps ``(K,)`` in
+        diffusers' units and the real text rows ``(T_txt, D_txt)`` -> velocity ``(S, C, H, W)``."""
+        raise NotImplementedError
 
     def run_blocks(self, blocks: nn.ModuleList, x: Tensor, *args: Any) -> Tensor:
         """``x = block_forward(block, x, *args)`` for every block; honours the model's

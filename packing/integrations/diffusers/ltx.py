@@ -38,8 +38,7 @@ from packing.integrations.diffusers.adapter import (
     toy_text_encoder,
 )
 from packing.integrations.diffusers.processor import separate_qkv
-from packing.integrations.diffusers.streams import drop_masked_rows, patchify, unpatchify
-from packing.layout import StreamLayout
+from packing.integrations.diffusers.streams import patchify, unpatchify
 
 _ltx = require("diffusers.models.transformers.transformer_ltx", extra="diffusers")
 
@@ -167,30 +166,15 @@ class PackedLTX(PackedAdapter):
         return {**super().options(), "rope_interpolation_scale": self.rope_interpolation_scale}
 
     @torch.compiler.disable
-    def prepare(
-        self, latent_layout: StreamLayout, text_layout: StreamLayout, dtype: torch.dtype
-    ) -> dict[str, Any]:
-        """The two attention masks and the RoPE rows, built once per step for every block."""
-        if latent_layout.thw_T3 is None:
-            raise ValueError(f"stream {self.latents_stream!r} must be a grid stream")
-        self_mask, cross_mask = self.masks(latent_layout, text_layout, dtype)
-        thw = latent_layout.thw_T3.to(self.transformer.proj_in.weight.device)
-        rope = ltx_rope(self.transformer.rope, thw, self.rope_interpolation_scale)
-        return {"self_mask": self_mask, "cross_mask": cross_mask, "rope": rope}
+    def rope_rows(self, thw_T3: Tensor) -> tuple[Tensor, Tensor]:
+        """LTX's rotary (cos, sin) at each token's (t, h, w), its interpolation scale applied."""
+        return ltx_rope(self.transformer.rope, thw_T3, self.rope_interpolation_scale)
 
-    def velocity(
-        self,
-        xt_SCHW: Tensor,
-        timestep_K: Tensor,
+    def packed_forward(
+        self, x_in: Tensor, prep: dict[str, Any], ids_T: Tensor, timestep_K: Tensor,
         text_TD: Tensor,
-        latent_layout: StreamLayout,
-        text_layout: StreamLayout,
-        text_mask_T: Tensor | None = None,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         m = self.transformer
-        if text_mask_T is not None:
-            text_TD, text_layout = drop_masked_rows(text_TD, text_layout, text_mask_T)
-        x_in, prep, ids_T = self.step_inputs(xt_SCHW, latent_layout, text_layout)
 
         x = m.proj_in(patchify(x_in, _TOKEN))
         # adaLN-single on K rows, gathered to the T tokens.

@@ -49,7 +49,6 @@ from packing.integrations.diffusers.adapter import (
     toy_text_encoder,
 )
 from packing.integrations.diffusers.streams import unpatchify
-from packing.layout import StreamLayout
 
 _wan = require("diffusers.models.transformers.transformer_wan", extra="diffusers")
 
@@ -180,35 +179,18 @@ class PackedWan(PackedAdapter):
 
     # -- per step, outside torch.compile -----------------------------------------------------
     @torch.compiler.disable
-    def prepare(
-        self, latent_layout: StreamLayout, text_layout: StreamLayout, dtype: torch.dtype
-    ) -> dict[str, Any]:
-        """The two attention masks and the RoPE rows, built once per step for every block."""
-        if latent_layout.thw_T3 is None:
-            raise ValueError(
-                f"stream {self.latents_stream!r} must be a grid stream (Stream(grid=...))"
-            )
+    def rope_rows(self, thw_T3: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows of the model's own ``freqs_cos/sin`` tables at each token's (t, h, w)."""
         rope = self.transformer.rope
         split = (rope.t_dim, rope.h_dim, rope.w_dim)
-        self_mask, cross_mask = self.masks(latent_layout, text_layout, dtype)
-        return {
-            "self_mask": self_mask,
-            "cross_mask": cross_mask,
-            "rope": rope_from_table(rope.freqs_cos, rope.freqs_sin, split, latent_layout.thw_T3),
-        }
+        return rope_from_table(rope.freqs_cos, rope.freqs_sin, split, thw_T3)
 
     # -- the packed forward --------------------------------------------------------------------
-    def velocity(
-        self,
-        xt_SCHW: Tensor,
-        timestep_K: Tensor,
+    def packed_forward(
+        self, x_in: Tensor, prep: dict[str, Any], ids_T: Tensor, timestep_K: Tensor,
         text_TD: Tensor,
-        latent_layout: StreamLayout,
-        text_layout: StreamLayout,
-        text_mask_T: Tensor | None = None,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         m = self.transformer
-        x_in, prep, ids_T = self.step_inputs(xt_SCHW, latent_layout, text_layout)
 
         x = m.patch_embedding(rearrange(x_in, "s c h w -> 1 c s h w"))
         grid = (int(x.shape[-2]), int(x.shape[-1]))
