@@ -147,6 +147,10 @@ def run_fn(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], backward
     grad: list[torch.Tensor] = []
 
     def fwd_bwd() -> None:
+        # Fresh gradients each call, as q/k/v in a model (activations, not accumulating
+        # leaves): no add of every row's old gradient, which grows with the padded length.
+        for t in leaves:
+            t.grad = None
         out = fn(*leaves)
         if not grad:
             grad.append(torch.randn_like(out))
@@ -229,6 +233,7 @@ class PerEpisodeOwn:
         def step() -> None:
             for (q, k, v), g in zip(leaves, grads, strict=True):
                 if backward:
+                    q.grad = k.grad = v.grad = None  # fresh, as in run_fn
                     self.one(q, k, v).backward(g)
                 else:
                     with torch.no_grad():

@@ -6,6 +6,7 @@
 #                                          # installed), with the count of tests that ran
 #   bash benchmarks/gpu_all.sh blockmask   # block-mask build vs create_block_mask (plain mask_mod)
 #   bash benchmarks/gpu_all.sh attention   # every kernel, per-episode baselines, fill axis
+#   bash benchmarks/gpu_all.sh fillprobe   # per-kernel time of a half-empty pack vs tight (Flex)
 #   bash benchmarks/gpu_all.sh verify      # packing verify in bf16 (tiny model; head dim 128)
 #   bash benchmarks/gpu_all.sh step        # 4-block training step, one GPU (REGIMES, VARIANTS)
 #   bash benchmarks/gpu_all.sh budget      # token budget finder, unsharded and under FSDP2
@@ -21,7 +22,7 @@
 #
 # Results: $OUT/<stage>/*.json and $OUT/<stage>.log (OUT defaults to .bench_out/).
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,14p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,15p "$0"; exit 2; }
 OUT=${OUT:-.bench_out}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT" /tmp/whl
@@ -59,6 +60,9 @@ for STAGE in "$@"; do
   attention)
     t "${ATT_LIMIT:-480}" python3 benchmarks/bench_attention.py --fills "${FILLS:-0.5,0.75,1.0}" \
       --masks "${MASKS:-document,frame_causal,cross}" --out "$R/attention.json"
+    ;;
+  fillprobe)
+    t 300 python3 benchmarks/probe_fill.py --out "$R/probe_fill.json"
     ;;
   verify)
     t 90 python3 -m packing verify --device cuda --dtype bfloat16 --json "$R/verify_bf16.json"

@@ -49,16 +49,14 @@ def attention() -> None:
 
 def fill() -> None:
     """Padding cost: the same episodes packed tight vs in the budget (1.0 = padding free)."""
-    # This release's padding design: seed rows from one run, short rows from another.
-    rows = [r for name in ("attention_fill_document", "attention_fill_short")
-            for r in load(name)["rows"] if "vs tight" in r]  # fmt: skip
+    rows = [r for r in load("attention")["rows"] if "vs tight" in r]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, regime in zip(axes, ("seed", "short"), strict=True):
         rs = [r for r in rows if r["regime"] == regime]
         labels = [f"{r['mask']}, {r['kernel']}, {r['fill']:.0%} full" for r in rs]
         ax.barh(labels, [r["vs tight"] for r in rs], color="tab:orange")
         ax.axvline(0.95, color="grey", ls=":", label="goal 0.95")
-        ax.set_xlim(0, 1.05)
+        ax.set_xlim(0, 1.1)
         ax.tick_params(axis="y", labelsize=7)
         ax.set_xlabel("tight time / in-budget time, fwd+bwd (1.0 = padding is free)")
         ax.set_title(f"{regime} regime (H200)", fontsize=10)

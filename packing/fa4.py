@@ -119,15 +119,18 @@ def fa4_varlen_backward(
     q_real: Tensor,
     kv_used: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """FA4 varlen backward: ``dq, dk, dv``; the padding rows' ``dout`` counts as 0, and query
-    rows from ``q_real[0]`` on and key rows from ``kv_used[0]`` on (in no sequence: FA4 leaves
-    them unwritten) get 0."""
+    """FA4 varlen backward: ``dq, dk, dv``; the padding rows' ``dout`` is never read (those rows
+    are in no sequence), and query rows from ``q_real[0]`` on and key rows from ``kv_used[0]``
+    on (in no sequence: FA4 leaves them unwritten) get 0."""
     res = _interface()._flash_attn_bwd(
         q,
         k,
         v,
         out,
-        zero_rows_from(dout.clone(memory_format=torch.contiguous_format), q_real),
+        # Not zeroed: the padding rows (from q_real on) are in no sequence, and FA4's
+        # backward reads dout only inside sequences (the H200 tests give those rows a
+        # nonzero gradient and compare every dq/dk/dv with the per-episode reference).
+        dout.contiguous(),
         lse,
         scale,
         False,  # causal
