@@ -12,6 +12,7 @@ import reference
 import torch
 from hypothesis import given, settings
 
+from packing import collate
 from packing.collate import PackedCollator, Stream, pack, unpack
 from packing.joint import joint_layout
 from packing.layout import layout_from_lengths
@@ -544,18 +545,20 @@ def test_the_lean_path_and_the_checked_path_give_the_same_batch():
 
 
 def test_a_large_pack_in_numpy_memory_behaves_like_any_tensor():
-    # Buffers of >= 4 MiB come from numpy (transparent huge pages): still a plain tensor that
+    # Buffers of > 32 MiB come from numpy (transparent huge pages): still a plain tensor that
     # pickles, moves to shared memory, clones and unpacks.
-    eps = [{"x": torch.full((300_000, 2), float(i)), "episode_index": i} for i in range(2)]
-    batch = pack(eps, token_budget=600_064)
+    n = 2_200_000  # 2 x 2.2M rows x 2 fp32 = 35.2 MB
+    eps = [{"x": torch.full((n, 2), float(i)), "episode_index": i} for i in range(2)]
+    batch = pack(eps, token_budget=2 * n + 64)
     x = batch["x"]
-    assert x.shape == (600_064, 2) and x.dtype == torch.float32 and x.is_contiguous()
+    assert x.shape == (2 * n + 64, 2) and x.dtype == torch.float32 and x.is_contiguous()
+    assert x.numel() * 4 > collate._HUGE_PAGE_BYTES
     assert torch.equal(pickle.loads(pickle.dumps(x)), x)
     assert torch.equal(x.clone().share_memory_(), x)
     x.share_memory_()
-    assert x.is_shared() and x[:300_000].eq(0).all() and x[300_000:600_000].eq(1).all()
-    assert x[600_000:].eq(0).all()
-    assert [ep["x"].shape[0] for ep in unpack(batch)] == [300_000, 300_000]
+    assert x.is_shared() and x[:n].eq(0).all() and x[n : 2 * n].eq(1).all()
+    assert x[2 * n :].eq(0).all()
+    assert [ep["x"].shape[0] for ep in unpack(batch)] == [n, n]
 
 
 def test_a_later_episode_of_another_step_shape_is_named_for_a_declared_stream():
