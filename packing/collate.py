@@ -353,6 +353,12 @@ class PackedCollator:
                     f"episode {_name(ep, i)} has 0 steps in stream {s.name!r}; remove empty "
                     f"episodes before packing (nothing is dropped silently)"
                 )
+            if not t.is_cpu:
+                raise ValueError(
+                    f"episode {_name(ep, i)} stream {s.name!r} is on {t.device}; packs are "
+                    f"built in host memory (DataLoader workers, pinned buffers): keep "
+                    f"episodes on the CPU and move the pack with batch.to(device)"
+                )
             ref = tensors[0] if tensors else None
             want_shape = s.step_shape if s.step_shape is not None else (
                 None if ref is None else tuple(ref.shape[1:]))  # fmt: skip
@@ -477,7 +483,9 @@ def _plain_tensors(s: Stream, tensors: list[Any]) -> bool:
     if s.step_shape is not None and first.shape[1:] != s.step_shape:
         return False
     tensor = torch.Tensor
-    if not all(type(t) is tensor and t.dtype is dtype and t.dim() > 0 for t in tensors):
+    if not all(
+        type(t) is tensor and t.dtype is dtype and t.dim() > 0 and t.is_cpu for t in tensors
+    ):
         return False
     return min(t.shape[0] for t in tensors) > 0
 

@@ -210,6 +210,15 @@ def test_fractional_episode_index_is_refused() -> None:
         pack(eps)
 
 
+def test_an_episode_off_the_cpu_is_named_not_copied_with_a_device_error() -> None:
+    # Packs are host memory (DataLoader workers, pinned buffers). An episode already on a GPU
+    # used to fail inside the copy with torch's "cross-device copies" message, which names
+    # neither the episode nor the fix. The meta device stands in for a GPU on CI.
+    eps = [{"latents": torch.zeros(3, 4)}, {"latents": torch.zeros(2, 4, device="meta")}]
+    with pytest.raises(ValueError, match=r"episode 1 stream 'latents' is on meta.*batch.to"):
+        PackedCollator(token_budget=8)(eps)
+
+
 def test_pad_value_the_stream_dtype_cannot_hold_is_refused() -> None:
     eps = [{"ids": torch.arange(n)} for n in (2, 3)]
     with pytest.raises(
