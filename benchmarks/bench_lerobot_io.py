@@ -35,6 +35,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import common  # the benchmarks/ folder is on sys.path as the script's own
+
 from packing.lerobot import LeRobotEpisodes
 
 LATENT = (48, 8, 16)
@@ -251,6 +253,8 @@ def main() -> None:
         "benchmark": "lerobot_io",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine(),
+        "git_commit": common._git_commit(),
+        "packing_src_sha1": common._source_hash(),
         "config": {
             "episodes": n,
             "frames": sum(lengths),

@@ -34,6 +34,7 @@ from packing import plan as plan_module
 from packing.plan import frames_to_tokens, plan_packs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import common  # the benchmarks/ folder is on sys.path as the script's own
 from reference import best_fit_lookahead_reference
 
 ALGORITHMS = ["lookahead", "lookahead (before)", "bfd", "ffd", "next_fit"]
@@ -218,6 +219,8 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
+        "git_commit": common._git_commit(),
+        "packing_src_sha1": common._source_hash(),
         "cores_used": 1,
         "python": platform.python_version(),
         "numpy": np.__version__,

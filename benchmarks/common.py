@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import hashlib
 import json
 import os
 import platform
@@ -139,13 +138,12 @@ def _pkg_version(name: str) -> str | None:
 
 
 def _source_hash() -> str:
-    """sha1 of packing/**/*.py: names the library code that ran even where the machine's copy of
-    the tree has a stale .git (the H200's reported the previous commit in session 3)."""
-    h = hashlib.sha1()
-    root = Path(__file__).resolve().parents[1] / "packing"
-    for f in sorted(root.rglob("*.py")):  # integrations/ included
-        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:12]
+    """sha1 of packing/**/*.py (`packing.verify_report.source_sha1`): names the library code
+    that ran even where the machine's copy of the tree has a stale .git (the H200's reported
+    the previous commit in session 3)."""
+    from packing.verify_report import source_sha1
+
+    return source_sha1()
 
 
 def _git_commit() -> str | None:

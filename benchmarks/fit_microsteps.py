@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
+import common  # the benchmarks/ folder is on sys.path as the script's own
 import torch
 
 REGIMES = {"seed": (144, 336), "short": (10, 79)}
@@ -63,7 +65,9 @@ def main() -> None:
     c_g = (pk["s/step"] - pk["micro-steps"] * x) / e
     print(f"fit over M = {[m for m, _ in pts]}: step = {a0:.3f} s + M x {x:.3f} s")
     print(f"{regime}, {w} GPUs: c = {c:.3f} s/episode, g = {c / c_g:.2f}")
-    out = {"a": a0, "x": x, "points": pts, "c": c, "g": c / c_g, "predictions": []}
+    out = {"command": " ".join(["python", *sys.argv]), "git_commit": common._git_commit(),
+           "packing_src_sha1": common._source_hash(), "inputs": [args.sweep, args.regime_run],
+           "a": a0, "x": x, "points": pts, "c": c, "g": c / c_g, "predictions": []}  # fmt: skip
     print("| GPUs | x model | unpacked_sync s | packed s | packed gain |\n|---|---|---|---|---|")
     for n in (2, 4, 8):
         for name, xn in (("flat", x), ("ring", x * ((n - 1) / n) / 0.5)):

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common
+
 from packing._block_mask import document_rule
 from packing._compile import BLOCK_MASK_GRAPHS
 from packing.masks import document_mask_mod, make_block_mask
@@ -73,7 +75,8 @@ def probe(T: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"command": " ".join(["python3", *sys.argv]),
+                           "machine": common.machine_info("cuda")}  # fmt: skip
     for T in (8192, 65536):
         out.update(probe(T))
     path = Path(os.environ.get("OUT", ".")) / "block_mask_parts.json"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import math
 import platform
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -57,6 +58,7 @@ from packing.verify_report import (
     params_diverged,
     record_grad_diffs,
     relative_difference,
+    source_sha1,
 )
 
 __all__ = ["compare_packed_unpacked"]
@@ -489,12 +491,23 @@ def _environment(dev: torch.device) -> dict[str, str]:
         "machine": platform.machine(),
         "threads": str(torch.get_num_threads()),
         "device": str(dev),
+        "packing_src_sha1": source_sha1(),
+        "command": _command_line(),
     }
     if dev.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(dev)
         # with the model's head dim this says which kernel `auto` ran (FA4 varlen or Flex)
         env["flash_attn_4"] = _fa4_version()
     return env
+
+
+def _command_line() -> str:
+    """How this process was started: ``python -m packing verify ...`` for the CLI (whose
+    argv[0] is the package's ``__main__.py``), else argv as given."""
+    head, *rest = sys.argv or [""]
+    if head.endswith("__main__.py"):
+        head = "python -m packing"
+    return " ".join([head, *rest])
 
 
 def _fa4_version() -> str:

@@ -13,6 +13,7 @@ elementwise relative error would. The gates (`record_grad_diffs`, `parameter_dif
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import statistics
@@ -40,6 +41,7 @@ __all__ = [
     "params_diverged",
     "record_grad_diffs",
     "relative_difference",
+    "source_sha1",
 ]
 
 __getattr__ = moved_names(__name__, {"StepRecord": "packing.verify_report:StepComparison"})
@@ -73,6 +75,17 @@ def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
     if na == 0.0 or nb == 0.0 or math.isnan(na) or math.isnan(nb):
         return 0.0
     return float(a64 @ b64) / (na * nb)
+
+
+def source_sha1() -> str:
+    """sha1 (12 hex digits) of the installed ``packing`` package's ``*.py`` files, names and
+    bytes: which library code produced a report or a benchmark JSON, also where a copied tree's
+    git HEAD is stale or absent (``benchmarks/common.py`` records the same hash)."""
+    h = hashlib.sha1()
+    root = Path(__file__).resolve().parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 @dataclass(frozen=True, kw_only=True)
