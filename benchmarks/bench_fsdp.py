@@ -27,6 +27,9 @@ same episodes and initial weights in every variant::
     packed_ops       packed with selective per-op checkpointing (attention outputs and every
                      second matmul saved, the rest recomputed; "MFU incl. recompute" counts
                      no recompute for it, so it reads low)
+    packed_attn      packed with every block's forward recomputed but its attention (the
+                     attention kernels' outputs kept: "attention" checkpointing); combine
+                     with a budget as packed_b131072_attn
     packed_acN       packed with N blocks fully checkpointed, the rest keeping activations
 
 Reported per variant (rank 0 prints a markdown table; JSON to --out): s/step (median of the
@@ -88,6 +91,8 @@ REGIMES = {"seed": (144, 336), "short": (10, 79)}  # frames (32 tokens each)
 DEFAULT_BUDGET = {"seed": 65536, "short": 24576}  # pooled packs fill ~92% / ~85%
 MESH: dict[str, Any] = {}  # one DeviceMesh for the whole run (set in main)
 VARIANTS = ("packed", "unpacked_sync", "unpacked_nosync")  # packed first: the headline
+# packed[_b<budget>][_ac<blocks> | _ops | _attn], or an unpacked baseline
+VARIANT_NAME = re.compile(r"unpacked_sync|unpacked_nosync|packed(_b\d+)?(_ac\d+|_ops|_attn)?")
 
 
 # -- episodes and plans ------------------------------------------------------------------------
@@ -319,8 +324,12 @@ def gather_floats(x: dict[str, float], dev: torch.device) -> list[dict[str, floa
 
 
 def variant_checkpointing(kind: str, args: Any) -> str:
-    """``packed_ops`` -> selective per-op checkpointing ("ops"); else ``--checkpointing``."""
-    return "ops" if kind.endswith("_ops") else args.checkpointing
+    """``packed_ops`` -> selective per-op checkpointing ("ops"), ``packed_attn`` (also after a
+    budget, ``packed_b131072_attn``) -> attention outputs kept ("attention"); else
+    ``--checkpointing``."""
+    if kind.endswith("_ops"):
+        return "ops"
+    return "attention" if kind.endswith("_attn") else args.checkpointing
 
 
 def checkpoint_count(kind: str) -> int | None:
@@ -343,10 +352,12 @@ def variant_budget(kind: str, args: Any) -> int:
 
 def recompute_flops(cfg: DiTConfig, eps: list[dict], checkpointing: str,
                     blocks: int | None = None) -> float:  # fmt: skip
-    """FLOPs the full-checkpointing recompute adds: one more forward of each checkpointed
-    block (1/3 of the dense fwd+bwd, 1/3.5 of the attention's); 0 for 'none' and 'ops'."""
-    if checkpointing != "full":
+    """FLOPs the checkpointing recompute adds: one more forward of each checkpointed block
+    (1/3 of the dense fwd+bwd, 1/3.5 of the attention's), its dense part only for
+    'attention' (the attention outputs are kept); 0 for 'none' and 'ops'."""
+    if checkpointing not in ("full", "attention"):
         return 0.0
+    attention = 1.0 if checkpointing == "full" else 0.0
     n = cfg.depth if blocks is None else blocks
     tpf = cfg.tokens_per_frame
     total = 0.0
@@ -354,7 +365,7 @@ def recompute_flops(cfg: DiTConfig, eps: list[dict], checkpointing: str,
         j = ep["latents"].shape[0] * tpf + ep["action"].shape[0]
         n_text = ep["text"].shape[0]
         total += n * (2.0 * block_params(cfg) * j
-                              + 4.0 * (j * j + j * n_text) * cfg.head_dim * cfg.heads)  # fmt: skip
+                      + attention * 4.0 * (j * j + j * n_text) * cfg.head_dim * cfg.heads)  # fmt: skip
     return total
 
 
@@ -543,7 +554,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant")
-    p.add_argument("--checkpointing", default="full", choices=["full", "ops", "none"])
+    p.add_argument("--checkpointing", default="full",
+                   choices=["full", "ops", "attention", "none"])  # fmt: skip
     p.add_argument("--attention", default="auto", help="packed variants' backend")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument(
@@ -639,7 +651,10 @@ def main() -> None:
     watchdog.start()
     say(f"{world} ranks, {dev.type}, regime {args.regime}, depth {cfg.depth}, budget "
         f"{args.pack_budget}, {args.episodes_per_gpu} episodes per GPU per step")  # fmt: skip
-    jobs: list[tuple[str, int | None]] = [(v, None) for v in args.variants.split(",") if v]
+    names = [v for v in args.variants.split(",") if v]
+    if bad := [v for v in names if not VARIANT_NAME.fullmatch(v)]:
+        raise SystemExit(f"--variants: unknown {bad}; see the variants at the top of this file")
+    jobs: list[tuple[str, int | None]] = [(v, None) for v in names]
     jobs += [("packed", int(m)) for m in args.sweep.split(",") if m]
     last_cost = 0.0
     for kind, m in jobs:

@@ -157,7 +157,8 @@ def main() -> None:
     p.add_argument("--preset", default="wan_2_2_5b", choices=["wan_1_3b", "wan_2_2_5b"])
     p.add_argument("--depth", type=int, default=30, help="the full depth to predict for")
     p.add_argument("--modes", default="full,none",
-                   help="checkpointing modes, of full, ops (selective per op), none")  # fmt: skip
+                   help="checkpointing modes, of full, ops (selective per op), attention "
+                   "(attention outputs kept), none")  # fmt: skip
     p.add_argument("--headroom", type=float, default=0.08, help="fraction of memory left free")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", required=True)
@@ -167,8 +168,8 @@ def main() -> None:
         refit(args.refit, args.out)
         return
     modes = args.modes.split(",")
-    if unknown := [m for m in modes if m not in ("full", "ops", "none")]:
-        p.error(f"--modes {args.modes}: unknown {unknown}; choose from full, ops, none")
+    if unknown := [m for m in modes if m not in ("full", "ops", "attention", "none")]:
+        p.error(f"--modes {args.modes}: unknown {unknown}; choose from full, ops, attention, none")
     cuda = torch.cuda.is_available() and not args.smoke
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -180,10 +181,12 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(dev)
         capacity = torch.cuda.get_device_properties(dev).total_memory * (1 - args.headroom)
-        shallow = {"full": [16384, 49152], "ops": [8192, 16384], "none": [8192, 16384]}
+        shallow = {"full": [16384, 49152], "ops": [8192, 16384], "attention": [16384, 32768],
+                   "none": [8192, 16384]}  # fmt: skip
     else:
         capacity = 2e9  # a pretend 2 GB GPU: the smoke run exercises the arithmetic
-        shallow = {"full": [512, 1024], "ops": [256, 512], "none": [256, 512]}
+        shallow = {"full": [512, 1024], "ops": [256, 512], "attention": [512, 1024],
+                   "none": [256, 512]}  # fmt: skip
     cfg = DiTConfig.tiny() if args.smoke else getattr(DiTConfig, args.preset)(depth=args.depth)
     depth = 3 if args.smoke else args.depth
     t0 = time.perf_counter()

@@ -133,7 +133,7 @@ def _add_distributed_options(v: argparse.ArgumentParser) -> None:
     v.add_argument(
         "--checkpointing",
         default="full",
-        choices=["full", "ops", "none"],
+        choices=["full", "ops", "attention", "none"],
         help="distributed run: activation checkpointing of each block (default full)",
     )
     v.add_argument(

@@ -104,8 +104,10 @@ class VerifyConfig:
             )
         if self.nproc < 1:
             raise ValueError(f"nproc={self.nproc} must be >= 1")
-        if self.checkpointing not in ("full", "ops", "none"):
-            raise ValueError(f"checkpointing={self.checkpointing!r}; choose full, ops or none")
+        if self.checkpointing not in ("full", "ops", "attention", "none"):
+            raise ValueError(
+                f"checkpointing={self.checkpointing!r}; choose full, ops, attention or none"
+            )
         if self.noise_key not in ("episode", "rank"):
             raise ValueError(f"noise_key={self.noise_key!r}; choose 'episode' or 'rank'")
         if self.steps < 1:

@@ -185,6 +185,62 @@ def test_a_compiled_caller_never_recompiles_as_the_longest_episode_changes(
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize(
+    ("mode", "fwd_kernels", "mm_recomputed"),
+    [("full", 2, 1), ("attention", 1, 1), ("ops", 1, 0)],
+)
+def test_checkpointing_modes_recompute_what_they_say(
+    fa4: StandIn, mode: str, fwd_kernels: int, mm_recomputed: int
+) -> None:
+    # shard_model's policies, on a block of two matmuls around the FA4 op: "full" runs the
+    # attention kernel again in the backward, "attention" keeps its output and recomputes
+    # the matmul that makes q, "ops" keeps that matmul too (the recompute stops early, once
+    # every saved input is back: the last matmul is never re-run). Counted, not assumed: a
+    # policy that missed the op (a renamed op, a new attention path) would read 2 kernels.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    from packing.fsdp import _ops_policy
+
+    calls: list[int] = []
+    real_fwd = fa4._flash_attn_fwd
+
+    def counted_fwd(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real_fwd(*a, **k)
+
+    fa4._flash_attn_fwd = counted_fwd  # type: ignore[method-assign]
+    sys.modules["flash_attn.cute.interface"]._flash_attn_fwd = counted_fwd  # type: ignore[attr-defined]
+
+    class CountMM(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mm = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.mm += 1
+            return func(*args, **(kwargs or {}))
+
+    lay = layout_from_lengths([5, 9, 3], [5, 9, 3], 20)
+    mask = _mask(lay)
+    w = torch.randn(H * D, H * D, dtype=torch.bfloat16, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        q = (x @ w).unflatten(-1, (H, D))
+        return packed_attention(q, q, q, mask).flatten(1) @ w
+
+    x = torch.randn(20, H * D, dtype=torch.bfloat16, requires_grad=True)
+    kw = {} if mode == "full" else {"context_fn": _ops_policy(save_matmuls=mode == "ops")}
+    out = checkpoint(block, x, use_reentrant=False, **kw)
+    assert len(calls) == 1
+    with CountMM() as counter:
+        out.float().sum().backward()
+    assert len(calls) == fwd_kernels, f"{mode}: attention kernel ran {len(calls)} times"
+    # the backward's own matmuls: 2 per forward matmul (grad of x and of w)
+    assert counter.mm - 4 == mm_recomputed, f"{mode}: {counter.mm - 4} matmuls recomputed"
+
+
 def test_torch_varlen_gets_the_longest_sequence_rounded_up_not_the_padded_length(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

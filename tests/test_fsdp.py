@@ -32,8 +32,9 @@ def verify(tmp_path, *flags: str) -> tuple[int, dict, str]:
 
 @pytest.mark.ddp
 @pytest.mark.parametrize(
-    "checkpointing", ["full", pytest.param("ops", marks=pytest.mark.slow)]
-)  # CI runs "full"; "ops" (selective checkpointing) with the slow tests
+    "checkpointing",
+    ["full", *(pytest.param(m, marks=pytest.mark.slow) for m in ("ops", "attention"))],
+)  # CI runs "full"; "ops" and "attention" (selective checkpointing) with the slow tests
 def test_two_ranks_packed_under_fsdp2_equal_unpacked(tmp_path, checkpointing):
     rc, report, log = verify(tmp_path, "--steps", "2", "--checkpointing", checkpointing)
     assert rc == 0, log
