@@ -411,7 +411,8 @@ def test_a_mask_holds_nothing_that_changes_with_the_composition_of_a_pack() -> N
     assert host_fields([10, 20], [3, 4]) == host_fields([5, 7, 30], [1, 2, 9])
 
 
-def test_a_checkpoint_inside_compile_keeps_one_graph_across_pack_compositions() -> None:
+@pytest.mark.parametrize("mode", ["ops", "attention"])
+def test_a_checkpoint_inside_compile_keeps_one_graph_across_pack_compositions(mode: str) -> None:
     # Selective (per-op) activation checkpointing has to sit inside torch.compile to see the
     # ops; the checkpoint's higher-order op lifts the mask into its inputs. Same budget,
     # different episodes: one graph.
@@ -423,7 +424,7 @@ def test_a_checkpoint_inside_compile_keeps_one_graph_across_pack_compositions() 
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
-    context_fn = _ops_policy()
+    context_fn = _ops_policy(save_matmuls=mode == "ops")
 
     @torch.compile(backend=counter, fullgraph=True)
     def block(x: torch.Tensor, w: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
