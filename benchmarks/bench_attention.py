@@ -424,6 +424,8 @@ def main() -> None:
     p.add_argument("--masks", default="document,frame_causal,cross")
     p.add_argument("--regimes", default="seed,short")
     p.add_argument("--fills", default="", help="fill axis, e.g. 0.5,0.75,1.0 (empty: none)")
+    p.add_argument("--paired", type=int, default=40,
+                   help="pairs for the interleaved packing-vs-FA4-direct ratio (0: off)")  # fmt: skip
     args = p.parse_args()
     # Every budget and tight length of the fill axis gets the static Flex kernel a training
     # run with one budget gets (the library's default keeps 4 per process).
@@ -459,6 +461,7 @@ def main() -> None:
             real = sum(case.lengths)
             g_out = torch.randn(ref.shape, generator=rng).to(dev, dtype)
             ref_grads = grads_of(ref_fn, ins, g_out, mask)
+            built: dict[str, tuple[Callable[..., torch.Tensor], list[torch.Tensor]]] = {}
             for label, factory in methods_for(case, mask, args.quick):
                 aligned = "aligned" in label
                 try:
@@ -506,11 +509,14 @@ def main() -> None:
                 tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
                 if "max err" in row and not (row["max err"] <= tol):
                     row["error"] = f"max err {row['max err']:.3g} > {tol}: WRONG OUTPUT"
+                if "error" not in row and not aligned:
+                    built[label] = (fn, call_ins)  # checked right: may be paired below
                 row.update(tokens=real, episodes=len(case.lengths), budget=case.budget,
                            heads=args.heads, dim=args.dim)  # fmt: skip
                 rows.append(row)
                 print({k: v for k, v in row.items() if "timing" not in k}, flush=True)
             rows += own_tensor_rows(case, mask, ref, ref_grads, g_out, rname, args.iters)
+            rows += paired_rows(built, rname, mask, dev, args.paired)
             common.write_json("attention", args, {"rows": rows, "fa4": fa4_available()},
                               device=dev, partial=True)  # fmt: skip
     if args.fills:
@@ -523,7 +529,12 @@ def main() -> None:
     cols = ["regime", "mask", "method", "kernel", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms",
             "fwd+bwd TFLOP/s", "vs per-episode", "max err", "grad cosine"]  # fmt: skip
     print()
-    print(common.markdown_table([r for r in rows if "fill" not in r], cols))
+    print(common.markdown_table([r for r in rows if "fill" not in r and "paired" not in r], cols))
+    if any("paired" in r for r in rows):
+        print()
+        print(common.markdown_table([r for r in rows if "paired" in r],
+                                    ["regime", "mask", "method", "a ms", "b ms", "a vs b",
+                                     "p10-p90"]))  # fmt: skip
     fill_cols = ["regime", "mask", "backend", "kernel", "fill", "episodes", "budget",
                  "budget ms", "tight budget", "tight ms", "vs tight", "error"]  # fmt: skip
     if any("fill" in r for r in rows):
@@ -574,6 +585,27 @@ def own_tensor_rows(case: Case, mask: str, ref: torch.Tensor, ref_grads: list[to
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         row.update(tokens=real, episodes=len(case.lengths), budget=case.budget)
         print({k: v for k, v in row.items() if "timing" not in k}, flush=True)
+        out.append(row)
+    return out
+
+
+def paired_rows(built: dict[str, tuple[Callable[..., torch.Tensor], list[torch.Tensor]]],
+                rname: str, mask: str, dev: torch.device, pairs: int) -> list[dict[str, Any]]:  # fmt: skip
+    """The library against FA4 called directly, fwd+bwd, calls interleaved (`time_paired`):
+    a gap of a few percent is below the drift between two blocks of timed calls."""
+    out: list[dict[str, Any]] = []
+    b_label = "FA4 varlen (direct)"
+    for a_label in ("packing.attention[auto]", "packing.attention[varlen]"):
+        if pairs <= 0 or a_label not in built or b_label not in built:
+            continue
+        (fa, ia), (fb, ib) = built[a_label], built[b_label]
+        res = common.time_paired(run_fn(fa, ia, True), run_fn(fb, ib, True), device=dev,
+                                 iters=pairs)  # fmt: skip
+        row = {"regime": rname, "mask": mask, "method": f"{a_label} vs {b_label}, paired",
+               "paired": res, "a ms": res["a median ms"], "b ms": res["b median ms"],
+               "a vs b": res["ratio b/a median"],
+               "p10-p90": f"{res['ratio p10']:.3f}-{res['ratio p90']:.3f}"}  # fmt: skip
+        print(row, flush=True)
         out.append(row)
     return out
 

@@ -116,6 +116,42 @@ def time_fn(
     return summarize(samples)
 
 
+def time_paired(
+    fn_a: Callable[[], Any],
+    fn_b: Callable[[], Any],
+    *,
+    device: torch.device | str,
+    warmup: int = 3,
+    iters: int = 40,
+) -> dict[str, float]:
+    """``fn_a`` against ``fn_b``, called alternately (A B B A A B ...), each timed on its own:
+    the median and p10/p90 of the per-pair ratio ``time(b) / time(a)`` (> 1: A is faster).
+
+    Two blocks of calls timed one after the other drift apart with the clocks and whatever
+    else the machine does (the same kernel read 4-14% apart in one run); a pair shares its
+    moment, so a few-percent gap shows in the ratio's spread instead of hiding in it.
+    """
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    pairs: list[tuple[float, float]] = []
+    for i in range(iters):
+        order = (0, 1) if i % 2 == 0 else (1, 0)  # alternate who goes first
+        took = [0.0, 0.0]
+        for who in order:
+            took[who] = time_fn((fn_a, fn_b)[who], device=device, warmup=0, iters=1).median_ms
+        pairs.append((took[0], took[1]))
+    ratios = [b / a for a, b in pairs]
+    return {
+        "ratio b/a median": statistics.median(ratios),
+        "ratio p10": _quantile(ratios, 0.1),
+        "ratio p90": _quantile(ratios, 0.9),
+        "a median ms": statistics.median(a for a, _ in pairs),
+        "b median ms": statistics.median(b for _, b in pairs),
+        "pairs": float(len(pairs)),
+    }
+
+
 def time_host(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 50) -> Timing:
     """Wall time of host-side work (no device sync): collate, mask build launch cost."""
     for _ in range(warmup):

@@ -61,3 +61,19 @@ def test_script_runs_quick_on_cpu(script: str, extra: list[str], tmp_path: Path)
             assert len(r["losses"]) == 3 and all(abs(x) < 1e3 for x in r["losses"]), r
             if not r["variant"].startswith("unpacked"):
                 assert r["loss rel diff"] < 1e-4, r
+
+
+def test_paired_timing_reads_the_ratio_of_two_calls_whatever_runs_first() -> None:
+    # The harness behind the "paired" attention rows (packing vs FA4 called directly): calls
+    # alternate, each is timed alone, and the ratio is time(b) / time(a). Sleeps of 1 and 3 ms
+    # stand in for two kernels; a harness that mixed up A and B, or timed the pair as one,
+    # would read ~1/3 or ~1.
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    res = common.time_paired(lambda: time.sleep(0.001), lambda: time.sleep(0.003),
+                             device="cpu", warmup=1, iters=10)  # fmt: skip
+    assert 2.0 < res["ratio b/a median"] < 4.0, res
+    assert res["a median ms"] < res["b median ms"] and res["pairs"] == 10
