@@ -36,11 +36,12 @@ selective choice when memory allows some blocks to keep their activations.
 
 Full checkpointing wraps the *compiled* block (torchtitan compiles the checkpointed one):
 the recompute calls the same compiled forward with the same arguments, no rebuild, no new
-guard. ``"ops"`` and ``"attention"`` sit inside compile (a policy must see each op); the checkpoint's
-higher-order op guards on everything its inputs hold, which is why `AttentionMask` holds
-only device tensors and ints fixed by the pack's padded shape (it held the layouts' episode
-lengths once, and every new pack composition recompiled). Both keep one graph per block
-across pack compositions (``tests/test_attention.py`` checks the checkpoint inside compile).
+guard. ``"ops"`` and ``"attention"`` sit inside compile (a policy must see each op); the
+checkpoint's higher-order op guards on everything its inputs hold, which is why
+`AttentionMask` holds only device tensors and ints fixed by the pack's padded shape (it held
+the layouts' episode lengths once, and every new pack composition recompiled). All keep one
+graph per block across pack compositions (``tests/test_attention.py`` checks the checkpoint
+inside compile for both policies).
 
 CPU (gloo) runs the same code: FSDP2 shards and reduces on CPU in torch 2.11, which is how
 CI runs the 2-process ``packing verify --nproc 2``.

@@ -35,6 +35,11 @@ def test_readme_main_command_passes_on_the_embedded_dataset(
     assert report["param_rel"] <= 1e-5
     assert report["leak"]["ok"] is True and report["leak"]["num_docs"] >= 2
     assert report["config"]["dataset"] == "embedded default dataset"
+    # The report names the code that produced it (a copied tree's git HEAD can be stale).
+    from packing.verify_report import source_sha1
+
+    assert report["environment"]["packing_src_sha1"] == source_sha1()
+    assert len(source_sha1()) == 12
 
 
 def test_no_document_mask_reports_the_leak_and_exits_1(
