@@ -23,6 +23,7 @@ require("diffusers", extra="diffusers")
 
 from packing.integrations.diffusers.adapter import (  # noqa: E402
     EpisodeReference,
+    FamilyParts,
     FlowMatchingAdapter,
     PackedAdapter,
     toy_text_encoder,
@@ -60,6 +61,7 @@ from packing.integrations.diffusers.wan import (  # noqa: E402
 __all__ = [
     "FAMILIES",
     "EpisodeReference",
+    "FamilyParts",
     "FlowMatchingAdapter",
     "LTXReference",
     "PackedAdapter",

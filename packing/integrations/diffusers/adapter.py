@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, NamedTuple, Self
 
 import torch
 from torch import Tensor, nn
@@ -228,13 +228,26 @@ class FlowMatchingAdapter(nn.Module):
         return {self.latents_stream: torch.where(real, err, 0.0)}
 
 
+class FamilyParts(NamedTuple):
+    """What a model family hands `PackedAdapter`: the attention module class whose processors
+    are swapped, its q/k/v projection helper and RoPE rotation (`processor.PackedAttnProcessor`),
+    its block step ``block_forward(block, x, ...)``, and ``check(model, options) -> options``,
+    which refuses what the family cannot pack and adds its ``patch_hw``/``text_dim``."""
+
+    attention_cls: type
+    qkv: QKV
+    rotate: Rotate
+    block_forward: Callable[..., Tensor]
+    check: Callable[[Any, dict[str, Any]], dict[str, Any]]
+
+
 class PackedAdapter(FlowMatchingAdapter):
     """The packed side: a loaded model, its attention processors swapped, K episodes a call.
 
-    A family passes its attention module class, its q/k/v projection helper, its RoPE rotation
-    (`processor.PackedAttnProcessor`) and its block step ``block_forward(block, x, ...)``; it
-    sets ``model_cls`` and ``reference_cls`` and writes `rope_rows` and `packed_forward` (with
-    `run_blocks`); `prepare` and `velocity` are the same for every family.
+    A family returns its `FamilyParts` from `family_parts`, sets ``model_cls`` and
+    ``reference_cls`` and writes `rope_rows` and `packed_forward` (with `run_blocks`); the
+    constructor, `prepare` and `velocity` are the same for every family, and a family's own
+    ``__init__`` takes only its own options.
     ``attention`` is the `packing.attention` backend (``auto``: FA4 varlen / Flex / SDPA);
     ``document_mask=False`` lets episodes see each other: the broken model verify must fail.
     The model is held as ``self.transformer``, unchanged but for its attention processors
@@ -244,23 +257,25 @@ class PackedAdapter(FlowMatchingAdapter):
     model_cls: ClassVar[type]  # the diffusers model class this family packs
     reference_cls: ClassVar[type[FlowMatchingAdapter]]
 
+    @classmethod
+    def family_parts(cls) -> FamilyParts:
+        """The family's parts (a method, so they may be defined below the class)."""
+        raise NotImplementedError
+
     def __init__(
         self,
         transformer: nn.Module,
         *,
-        attention_cls: type,
-        qkv: QKV,
-        rotate: Rotate,
-        block_forward: Callable[..., Tensor],
         attention: Backend = "auto",
         document_mask: bool = True,
         **options: Any,
     ) -> None:
-        super().__init__(transformer, **options)
+        parts = self.family_parts()
+        super().__init__(transformer, **parts.check(transformer, options))
         self.attention_backend = attention
         self.document_mask = document_mask
-        self._block_forward = self._block_fn = block_forward
-        install_processors(transformer, attention_cls, qkv, rotate)
+        self._block_forward = self._block_fn = parts.block_forward
+        install_processors(transformer, parts.attention_cls, parts.qkv, parts.rotate)
 
     def uninstall(self) -> nn.Module:
         """Put the model's own attention processors back; returns the model."""

@@ -30,10 +30,11 @@ import torch
 from torch import Tensor, nn
 
 from packing._lazy import require
-from packing.attention import AttentionMask, Backend
+from packing.attention import AttentionMask
 from packing.conditioning import broadcast_to_tokens
 from packing.integrations.diffusers.adapter import (
     EpisodeReference,
+    FamilyParts,
     PackedAdapter,
     toy_text_encoder,
 )
@@ -141,25 +142,18 @@ class PackedLTX(PackedAdapter):
     model_cls = _ltx.LTXVideoTransformer3DModel
     reference_cls = LTXReference
 
+    @classmethod
+    def family_parts(cls) -> FamilyParts:
+        return FamilyParts(_ltx.LTXAttention, separate_qkv, rotate, _block_forward, _check_ltx)
+
     def __init__(
         self,
         transformer: nn.Module,
         *,
-        attention: Backend = "auto",
-        document_mask: bool = True,
         rope_interpolation_scale: RopeScale | None = PIPELINE_ROPE_SCALE,
         **options: Any,
     ) -> None:
-        super().__init__(
-            transformer,
-            attention_cls=_ltx.LTXAttention,
-            qkv=separate_qkv,
-            rotate=rotate,
-            block_forward=_block_forward,
-            attention=attention,
-            document_mask=document_mask,
-            **_check_ltx(transformer, options),
-        )
+        super().__init__(transformer, **options)
         self.rope_interpolation_scale = rope_interpolation_scale
 
     def options(self) -> dict[str, Any]:

@@ -41,10 +41,11 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from packing._lazy import require
-from packing.attention import AttentionMask, Backend
+from packing.attention import AttentionMask
 from packing.conditioning import broadcast_to_tokens
 from packing.integrations.diffusers.adapter import (
     EpisodeReference,
+    FamilyParts,
     PackedAdapter,
     toy_text_encoder,
 )
@@ -154,27 +155,18 @@ class PackedWan(PackedAdapter):
     model_cls = _wan.WanTransformer3DModel
     reference_cls = WanReference
 
+    @classmethod
+    def family_parts(cls) -> FamilyParts:
+        return FamilyParts(
+            _wan.WanAttention, _wan._get_qkv_projections, rotate, _block_forward, _check_wan
+        )
+
     def __init__(
-        self,
-        transformer: nn.Module,
-        *,
-        attention: Backend = "auto",
-        conditioning: Conditioning = "per_episode",
-        document_mask: bool = True,
-        **options: Any,
+        self, transformer: nn.Module, *, conditioning: Conditioning = "per_episode", **options: Any
     ) -> None:
         if conditioning not in ("per_episode", "per_token"):
             raise ValueError(f"conditioning={conditioning!r}; use 'per_episode' or 'per_token'")
-        super().__init__(
-            transformer,
-            attention_cls=_wan.WanAttention,
-            qkv=_wan._get_qkv_projections,
-            rotate=rotate,
-            block_forward=_block_forward,
-            attention=attention,
-            document_mask=document_mask,
-            **_check_wan(transformer, options),
-        )
+        super().__init__(transformer, **options)
         self.conditioning = conditioning
 
     # -- per step, outside torch.compile -----------------------------------------------------
