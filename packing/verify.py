@@ -28,6 +28,7 @@ command (options, model factory, dataset) in `packing.verify_cli`.
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 import platform
 import sys
@@ -66,49 +67,25 @@ __all__ = ["compare_packed_unpacked"]
 _CLI = "packing.verify_cli"
 _REPORT = "packing.verify_report"
 # One release of the old imports (CHANGELOG "Deprecated/Moved"): the command moved to
-# verify_cli, the measurements and gates to verify_report. Spelled out, not read from those
-# modules' __all__: this is the old API, frozen (a name added there later must not become
-# importable here), and verify_cli imports this module.
-__getattr__ = moved_names(
+# verify_cli (every name of its __all__ was here), the measurements and gates to
+# verify_report. The report names this module imports for its own use still resolve here
+# without a warning; the two it does not import are served, warning, by the map below.
+# verify_cli is looked up lazily: it imports this module.
+_report_moves = moved_names(
     __name__,
     {
-        **{
-            n: f"{_CLI}:{n}"
-            for n in (
-                "DEFAULT_MODEL",
-                "ModelFactoryError",
-                "VerifyConfig",
-                "build_model",
-                "build_reference",
-                "check_device",
-                "dataset_features",
-                "default_token_budget",
-                "load_episodes",
-                "load_factory",
-                "model_and_episodes",
-                "reference_streams",
-                "run_verify",
-            )
-        },
-        **{
-            n: f"{_REPORT}:{n}"
-            for n in (
-                "GradDiff",
-                "Tolerances",
-                "VerifyReport",
-                "both_diverged_at",
-                "cosine_similarity",
-                "judge",
-                "nonfinite_tensors",
-                "parameter_difference",
-                "params_diverged",
-                "record_grad_diffs",
-                "relative_difference",
-            )
-        },
+        "cosine_similarity": f"{_REPORT}:cosine_similarity",
         "StepRecord": f"{_REPORT}:StepComparison",
     },
 )
+
+
+def __getattr__(name: str) -> Any:
+    cli = importlib.import_module(_CLI)
+    if name in getattr(cli, "__all__", ()):
+        return moved_names(__name__, {name: f"{_CLI}:{name}"})(name)
+    return _report_moves(name)
+
 
 Episode = Mapping[str, Any]
 Collate = Callable[[Sequence[Episode]], PackedBatch]
