@@ -1,4 +1,4 @@
-"""Block mask build: packing.masks.make_block_mask vs create_block_mask (eager and _compile=True).
+"""Block mask build: packing.attention._masks.make_block_mask vs create_block_mask (eager and _compile=True).
 
 For 8K-256K tokens and 1-256 episodes, on GPU and CPU: build time (median of CUDA-event timed
 calls after warm-up; host wall time on CPU), host-device syncs (the build runs under
@@ -25,7 +25,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-from packing.masks import document_mask_mod, frame_causal, make_block_mask
+from packing.attention import document_mask_mod, frame_causal, make_block_mask
 
 
 def doc_ids_for(T: int, k: int, rng: torch.Generator, fill: float = 0.97) -> torch.Tensor:
@@ -209,7 +209,7 @@ def recompile_rows(args: Any, device: torch.device, T: int, steps: int) -> list[
     """Lengths change every step. (a) fixed T (static budget), new episodes each step;
     (b) T changes too (padding to a multiple of 128 only). Count graphs compiled after the
     first step, for create_block_mask(_compile=True) and for compiled flex_attention fed by
-    make_block_mask (what packing.attention runs)."""
+    make_block_mask (what packing.attention._packed runs)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     rng = torch.Generator().manual_seed(args.seed + 3)
@@ -231,7 +231,7 @@ def recompile_rows(args: Any, device: torch.device, T: int, steps: int) -> list[
         if device.type == "cuda":
             rows.append(count_graphs(device, case, "make_block_mask(compile=True)", layouts,
                                      partial(make_block_mask, compile=True)))  # fmt: skip
-            # ours + compiled flex (fwd), as packing.attention calls it
+            # ours + compiled flex (fwd), as packing.attention._packed calls it
             torch._dynamo.reset()
             flex = torch.compile(flex_attention, dynamic=False)
 

@@ -40,7 +40,7 @@ from torch.nn.utils.rnn import pad_sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-from packing.collate import PackedCollator, Stream
+from packing.data import PackedCollator, Stream
 
 TOKENS_PER_FRAME = 32  # a 48x8x16 latent frame with 2x2 patches -> grid (4, 8)
 ACTION_DIM = 14

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_collate as bc
 import common
 
-import packing.collate as pc
+import packing.data._collate as pc
 
 
 def run(mode: str, budget: int, packs_n: int, passes: int) -> float:

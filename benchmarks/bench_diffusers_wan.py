@@ -6,7 +6,7 @@ init, ``--depth`` blocks; bf16 autocast, fused AdamW, the same initial weights a
 episodes every step in both variants:
 
 * ``packed[auto]``: `packing.integrations.diffusers.install(model)`; one pack per optimizer
-  step (static budgets for latents and text, static ``max_docs``), ``packing.attention``
+  step (static budgets for latents and text, static ``max_docs``), ``packing.attention._packed``
   backend ``auto`` (FA4 varlen where installed, else Flex), the block step compiled once
   (`PackedWan.compile_blocks`).
 * ``unpacked[diffusers]``: the unmodified model's ``forward``, one episode per micro-step +
@@ -42,8 +42,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-from packing.collate import PackedCollator
-from packing.integrations.diffusers import PackedWan, WanReference, install, tiny_wan
+from packing.data import PackedCollator
+from packing.integrations.diffusers import PackedWan, install
+from packing.integrations.diffusers.testing import WanReference, tiny_wan
 
 TI2V_5B = dict(
     patch_size=(1, 2, 2),

@@ -6,7 +6,7 @@ Launch one process per GPU::
     torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --smoke --out /tmp/fsdp   # CPU, gloo
 
 The reference DiT at Wan-2.2-5B widths (``--depth``, default 30 blocks), sharded with
-`packing.fsdp.shard_model`: ``fully_shard`` per block and root, bf16 parameters, fp32 gradient
+`packing.train._fsdp.shard_model`: ``fully_shard`` per block and root, bf16 parameters, fp32 gradient
 reduction, per-block activation checkpointing (``--checkpointing``), each block compiled,
 AdamW. Every rank trains 16 episodes per optimizer step (``--episodes-per-gpu``), drawn from
 the regime (seed: 144-336 frames = 4.6K-10.7K tokens; short: 10-79 frames = 0.3K-2.5K); the
@@ -78,14 +78,12 @@ from bench_step import (
     to_device,
 )
 
-import packing.model as pm
-from packing.collate import PackedCollator, Stream
-from packing.fsdp import shard_model
-from packing.layout import PackedBatch
-from packing.losses import LossNormalizer
+import packing.model._dit as pm
+from packing.data import PackedBatch, PackedCollator, Stream
 from packing.model import DiT, DiTConfig
-from packing.plan import plan_packs
-from packing.sampler import PackedBatchSampler, equalise_packs
+from packing.planning import plan_packs
+from packing.planning._sampler import PackedBatchSampler, equalise_packs
+from packing.train import LossNormalizer, shard_model
 
 REGIMES = {"seed": (144, 336), "short": (10, 79)}  # frames (32 tokens each)
 DEFAULT_BUDGET = {"seed": 65536, "short": 24576}  # pooled packs fill ~92% / ~85%
@@ -496,7 +494,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
 
 
 def attention_name(cfg: DiTConfig, dev: torch.device) -> str:
-    from packing.layout import layout_from_lengths
+    from packing.data import layout_from_lengths
 
     lay = layout_from_lengths([256], [256], 256)
     try:

@@ -37,7 +37,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import common  # the benchmarks/ folder is on sys.path as the script's own
 
-from packing.lerobot import LeRobotEpisodes
+from packing.datasets import LeRobotEpisodes
 
 LATENT = (48, 8, 16)
 ACTION = 14

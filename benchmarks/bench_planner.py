@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from packing import plan as plan_module
-from packing.plan import frames_to_tokens, plan_packs
+from packing.planning import _plan as plan_module
+from packing.planning import frames_to_tokens, plan_packs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import common  # the benchmarks/ folder is on sys.path as the script's own
@@ -97,7 +97,7 @@ def time_plan(lengths: np.ndarray, budget: int, algorithm: str, repeats: int) ->
 
 def replan_rows(n: int) -> list[dict]:
     """Fill of a plan re-made every epoch in shuffled windows, against the fixed plan."""
-    from packing.sampler import PackedBatchSampler
+    from packing.planning import PackedBatchSampler
 
     rows = []
     for kind in ["seed_like", "uniform_tokens", "long_tailed"]:

@@ -1,6 +1,6 @@
 """Training step, end to end: packed vs one episode per micro-step vs padded batches.
 
-The reference DiT (`packing.model`, a few blocks at Wan-2.2-5B width: 3072, 24 heads of 128,
+The reference DiT (`packing.model._dit`, a few blocks at Wan-2.2-5B width: 3072, 24 heads of 128,
 FFN 14336), bf16 autocast, fused AdamW, the same episodes and weights in every variant. One
 optimizer step consumes the same set of episodes in every variant:
 
@@ -44,11 +44,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-import packing.model as pm
-from packing.collate import PackedCollator, Stream
-from packing.layout import PackedBatch
+import packing.model._dit as pm
+from packing.data import PackedBatch, PackedCollator, Stream
 from packing.model import DiT, DiTConfig, text_tokens
-from packing.profile import StepProfiler
+from packing.train import StepProfiler
 
 ACTIONS_PER_FRAME = 1
 
@@ -259,7 +258,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
         peak = torch.cuda.max_memory_allocated()
     profile = None
     if args.profile and kind in ("packed", "unpacked", "per_token"):
-        # One extra, untimed step under packing.profile: per-micro-step records and the
+        # One extra, untimed step under packing.train._profile: per-micro-step records and the
         # kernel table of its first micro-step, grouped attention / GEMM / elementwise / other.
         prof = StepProfiler(enabled=True, kernel_step=0, device=dev)
         for mb in plans[-1]:
@@ -334,7 +333,7 @@ def main() -> None:
     p.add_argument("--regimes", default="seed,short")
     p.add_argument("--variants", default="unpacked,packed,packed_flex,padded,per_token,eager")
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--profile", action="store_true", help="packing.profile kernel tables")
+    p.add_argument("--profile", action="store_true", help="packing.train._profile kernel tables")
     args = p.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(args.seed)

@@ -174,10 +174,10 @@ def _pkg_version(name: str) -> str | None:
 
 
 def _source_hash() -> str:
-    """sha1 of packing/**/*.py (`packing.verify_report.source_sha1`): names the library code
+    """sha1 of packing/**/*.py (`packing.verify._report.source_sha1`): names the library code
     that ran even where the machine's copy of the tree has a stale .git (the H200's reported
     the previous commit in session 3)."""
-    from packing.verify_report import source_sha1
+    from packing.verify._report import source_sha1
 
     return source_sha1()
 

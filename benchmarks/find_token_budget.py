@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-from packing.collate import PackedCollator, Stream
+from packing.data import PackedCollator, Stream
 from packing.model import DiT, DiTConfig, param_count, text_tokens
 
 

@@ -6,15 +6,15 @@
                                      # the table again from a run's probes (no GPU)
 
 For each checkpointing mode (``full``, ``none``) the model is sharded with
-`packing.fsdp.shard_model` (bf16 parameters, fp32 reduction, AdamW) and trained two steps on
+`packing.train._fsdp.shard_model` (bf16 parameters, fp32 reduction, AdamW) and trained two steps on
 packs of T tokens per GPU at two shallow depths (2 and 4 blocks) and two pack sizes; the peak
-memory (max over ranks) fits `packing.budget.MemoryModel`::
+memory (max over ranks) fits `packing.train._budget.MemoryModel`::
 
     peak = 16 bytes x params / N  +  fixed  +  T x (per_token + per_token_block x depth)
 
 which predicts the largest pack at full depth for N = 1, 2, 4, 8 GPUs, for one micro-step a
 step and for gradient accumulation without sync (FSDP2 then also keeps an unsharded fp32
-gradient, `packing.budget.ACCUM_BYTES` a parameter). The prediction for
+gradient, `packing.train._budget.ACCUM_BYTES` a parameter). The prediction for
 the N this runs on is then checked: one full-depth probe at 90% of the predicted pack, its
 measured peak against the model's. Probes run eager (no compile): inductor usually keeps
 less, so the answer is on the safe side. Capacity = the GPU's memory minus ``--headroom``.
@@ -40,9 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 from find_token_budget import pack_of
 
-from packing.budget import MemoryModel, Probe, fit_memory_model, probe_peak
-from packing.fsdp import shard_model
 from packing.model import DiT, DiTConfig, param_count
+from packing.train import MemoryModel, Probe, fit_memory_model, probe_peak, shard_model
 
 
 # -- the model: replace these two for your own ----------------------------------------------

@@ -36,9 +36,9 @@ if [ ! -d /tmp/site/flash_attn ] && [ -f /tmp/whl/cu13.part.aa ] && [ -f /tmp/wh
     && echo "FA4 installed to /tmp/site" || echo "FA4 install FAILED"
 fi
 export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
-python3 -c "import torch, packing.attention as a; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0), 'fa4', a.fa4_available())"
+python3 -c "import torch, packing.attention._packed as a; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0), 'fa4', a.fa4_available())"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,memory.used --format=csv
-if [ "${REQUIRE_FA4:-0}" = 1 ] && ! python3 -c "import packing.attention as a, sys; sys.exit(not a.fa4_available())"; then
+if [ "${REQUIRE_FA4:-0}" = 1 ] && ! python3 -c "import packing.attention._packed as a, sys; sys.exit(not a.fa4_available())"; then
   echo "REQUIRE_FA4=1 but flash-attn-4 is not importable (machine not warm?): stopping"; exit 3
 fi
 

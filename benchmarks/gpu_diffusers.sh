@@ -42,7 +42,7 @@ if ! python3 -c "import diffusers" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_diffusers .whl/diffusers/*.whl \
     && echo "diffusers installed to /tmp/site_diffusers" || { echo "diffusers install FAILED"; exit 3; }
 fi
-python3 -c "import torch, diffusers, packing.attention as a; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'gpu', torch.cuda.get_device_name(0), 'fa4', a.fa4_available())"
+python3 -c "import torch, diffusers, packing.attention._packed as a; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'gpu', torch.cuda.get_device_name(0), 'fa4', a.fa4_available())"
 
 t() { local lim=$1; shift; echo "=== $* (limit ${lim}s)"; timeout "$lim" "$@"; echo "=== rc=$? $(date +%T)"; }
 

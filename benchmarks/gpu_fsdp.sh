@@ -25,7 +25,7 @@ if [ ! -d /tmp/site/flash_attn ] && [ -f /tmp/whl/cu13.part.aa ] && [ -f /tmp/wh
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/whl/*.whl \
     && echo "FA4 installed to /tmp/site" || echo "FA4 install FAILED"
 fi
-python3 -c "import torch, packing.attention as a; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'fa4', a.fa4_available())"
+python3 -c "import torch, packing.attention._packed as a; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'fa4', a.fa4_available())"
 TR="torchrun --nproc-per-node $NPROC"
 t() {
   local lim=$1 rc; shift; echo "=== $* (limit ${lim}s) $(date +%T)"

@@ -25,9 +25,9 @@ from torch.nn.attention.flex_attention import BlockMask
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 
-from packing._block_mask import document_rule
-from packing._compile import BLOCK_MASK_GRAPHS
-from packing.masks import document_mask_mod, make_block_mask
+from packing.attention import document_mask_mod, make_block_mask
+from packing.attention._block_tables import document_rule
+from packing.attention._compile import BLOCK_MASK_GRAPHS
 
 
 def median_ms(fn: Callable[[], Any]) -> dict[str, float]:

@@ -3,7 +3,7 @@
     python3 benchmarks/probe_fill.py            # writes $OUT/probe_fill.json (or --out)
 
 The same short-regime episodes (0.3K-2.5K tokens) at 50% of a 49,152-token budget and packed
-tight, fwd+bwd through `packing.attention` with the Flex backends: per CUDA kernel, the time
+tight, fwd+bwd through `packing.attention._packed` with the Flex backends: per CUDA kernel, the time
 in the budgeted and the tight pack (torch.profiler, 10 steps), so the difference splits into
 attention kernels, layout copies and elementwise work. Also times Flex on ``(1, H, T, D)``
 tensors that need no transpose, to see what the ``(T, H, D)`` layout costs per row.
@@ -26,9 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-from packing.attention import fa4_available, packed_attention, prepare_attention
-from packing.layout import layout_from_lengths
-from packing.masks import frame_causal
+from packing.attention import fa4_available, frame_causal, packed_attention, prepare_attention
+from packing.data import layout_from_lengths
 
 TPF, H, D = 32, 12, 128
 torch._dynamo.config.recompile_limit = 64  # one compiled flex per (mask, length) probed

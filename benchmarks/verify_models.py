@@ -38,7 +38,8 @@ def wan_head_dim_128(mask: str = "document", document_mask: bool = True) -> Any:
     """
     import torch
 
-    from packing.integrations.diffusers import install, tiny_wan, toy_text_encoder
+    from packing.integrations.diffusers import install
+    from packing.integrations.diffusers.testing import tiny_wan, toy_text_encoder
 
     if mask != "document":
         raise ValueError(f"mask={mask!r}: Wan attends to whole episodes; use 'document'")

@@ -8,7 +8,7 @@
                                                              # (16, 8, 16) and action (7,)
 
 The model's two streams (``latents``, ``action``) are read from the dataset's features the way
-``packing verify --dataset`` reads them (`packing.verify_cli.reference_streams`: a feature of that
+``packing verify --dataset`` reads them (`packing.verify._command.reference_streams`: a feature of that
 name, else the only 3-D / 1-D float feature; ``--feature STREAM=FEATURE`` to choose), and the
 model is sized from their shapes.
 
@@ -28,16 +28,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from packing.collate import PackedCollator, Stream
-from packing.default_dataset import default_dataset_root
-from packing.joint import joint_layout
-from packing.lerobot import LeRobotEpisodes
-from packing.losses import reduce_loss
-from packing.masks import make_block_mask
+from packing.attention import make_block_mask
+from packing.data import PackedCollator, Stream, joint_layout
+from packing.datasets import LeRobotEpisodes, default_dataset_root
 from packing.model import DiT, DiTConfig
-from packing.plan import plan_packs
-from packing.sampler import PackedBatchSampler
-from packing.verify_cli import reference_streams
+from packing.planning import PackedBatchSampler, plan_packs
+from packing.train import reduce_loss
+from packing.verify._command import reference_streams
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """Everything packing imports later than ``import packing``, each kind of import one way.
 
 ``import packing`` needs only torch, numpy, einops and pyarrow installed, and imports none of
-them until a name is used. Three kinds of import are deferred, and this module is the only
+them until a name is used. Two kinds of import are deferred, and this module is the only
 place that does it:
 
 1. **The package's own names** (:func:`lazy_names`, PEP 562): ``packing.PackedCollator``
-   imports ``packing.collate`` on first use, so ``packing --help`` does not pay for torch.
+   imports ``packing.data._collate`` on first use, so ``packing --help`` does not pay for torch.
 2. **Optional dependencies** (:func:`require`): imported inside the function or constructor
    that needs them, so a missing one fails there, with the command that installs it::
 
@@ -18,21 +18,18 @@ place that does it:
    An optional *accelerator* that no extra installs (flash-attn-4) is asked about with
    :func:`probe`, which says why it is unusable instead of raising: callers pick another
    kernel.
-3. **Names that moved** (:func:`moved_names`): the old import keeps working for one release
-   and warns ``DeprecationWarning`` naming the new home (CHANGELOG "Deprecated/Moved").
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from types import ModuleType
 from typing import Any
 
-__all__ = ["lazy_names", "moved_names", "probe", "require"]
+__all__ = ["lazy_names", "probe", "require"]
 
 
 def require(module: str, *, extra: str | None) -> ModuleType:
@@ -88,32 +85,5 @@ def lazy_names(
             namespace[name] = value
             return value
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
-
-    return __getattr__
-
-
-def moved_names(module: str, moves: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` that serves names that moved away from ``module``, warning.
-
-    ``moves`` maps an old name to its new home, ``"package.module:new_name"``::
-
-        __getattr__ = moved_names(__name__, {"StepRecord": "packing.verify_report:StepComparison"})
-        # from packing.verify import StepRecord ->
-        # DeprecationWarning: packing.verify.StepRecord moved to
-        # packing.verify_report.StepComparison; import it from there (the old name goes in
-        # the next release)
-    """
-
-    def __getattr__(name: str) -> Any:
-        if name not in moves:
-            raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        new_module, _, new_name = moves[name].partition(":")
-        warnings.warn(
-            f"{module}.{name} moved to {new_module}.{new_name}; import it from there (the old "
-            "name goes in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(new_module), new_name)
 
     return __getattr__

@@ -244,7 +244,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from packing.verify_cli import VerifyConfig, run_verify
+    from packing.verify._command import VerifyConfig, run_verify
 
     config = VerifyConfig(
         device=args.device,
@@ -271,7 +271,11 @@ def _run(args: argparse.Namespace) -> int:
         noise_key=args.noise_key,
         fsdp_autocast=args.fsdp_autocast,
     )
-    from packing.verify_dist import launched_by_torchrun, run_verify_distributed, verify_rank
+    from packing.verify._distributed import (
+        launched_by_torchrun,
+        run_verify_distributed,
+        verify_rank,
+    )
 
     if launched_by_torchrun():
         first = int(os.environ["RANK"]) == 0

@@ -1,9 +1,9 @@
-"""Regenerate the embedded default dataset in packing/data/default with lerobot's writer.
+"""Regenerate the embedded default dataset in packing/datasets/_embedded with lerobot's writer.
 
     HF_HUB_OFFLINE=1 python scripts/make_default_dataset.py
 
 Needs ``pip install 'packing[lerobot]'``. Writes to a temporary directory first, checks the
-result reads back exactly through lerobot's own reader, then replaces packing/data/default.
+result reads back exactly through lerobot's own reader, then replaces packing/datasets/_embedded.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from packing.default_dataset import DEFAULT_LENGTHS, write_default_dataset
-from packing.lerobot import LeRobotEpisodes
+from packing.datasets import LeRobotEpisodes
+from packing.datasets._default import DEFAULT_LENGTHS, write_default_dataset
 
 DEST = Path(__file__).resolve().parents[1] / "packing" / "data" / "default"
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from packing.collate import PackedCollator, Stream
-from packing.sampler import PackedBatchSampler
+from packing.data import PackedCollator, Stream
+from packing.planning import PackedBatchSampler
 
 BUDGET = 64
 

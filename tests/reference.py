@@ -8,9 +8,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from packing.binpack import _decreasing, _runs
-from packing.layout import StreamLayout
-from packing.masks import InnerMask
+from packing.attention import InnerMask
+from packing.data import StreamLayout
+from packing.planning._binpack import _decreasing, _runs
 
 
 def per_episode(
@@ -56,7 +56,7 @@ def layout_from_lengths(
     grid: tuple[int, int] | None = None,
     max_docs: int | None = None,
 ) -> StreamLayout:
-    """The layout token by token, in Python: what `packing.layout.layout_from_lengths` must
+    """The layout token by token, in Python: what `packing.data._layout.layout_from_lengths` must
     reproduce exactly (values, dtypes and shapes)."""
     doc, pos, thw = [-1] * padded, [0] * padded, [[0, 0, 0] for _ in range(padded)]
     t = 0
@@ -88,7 +88,7 @@ def best_fit_lookahead_reference(
     lengths: np.ndarray, budget: int, max_docs: int | None = None, *, opener: float = 0.5
 ) -> np.ndarray:
     """The one-item-at-a-time lookahead (as shipped before the counting rewrite): the slow
-    reference `packing.binpack.best_fit_lookahead` must reproduce exactly.
+    reference `packing.planning._binpack.best_fit_lookahead` must reproduce exactly.
 
     One pack at a time: open it, add the longest item that still leaves room for the
     shortest one left, and close with the best fit.
@@ -172,7 +172,7 @@ def best_fit_decreasing_reference(
     lengths: np.ndarray, budget: int, max_docs: int | None = None
 ) -> np.ndarray:
     """Best-fit decreasing one item at a time, O(N * P): the reference of
-    `packing.binpack.best_fit_decreasing`."""
+    `packing.planning._binpack.best_fit_decreasing`."""
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     room: list[int] = []
     docs: list[int] = []

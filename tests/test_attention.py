@@ -1,4 +1,4 @@
-"""packing.attention on CPU: every backend that runs here agrees with one SDPA call per episode.
+"""packing.attention._packed on CPU: every backend that runs here agrees with one SDPA call per episode.
 
 The reference is the unpacked computation itself: for each episode, slice its rows out of the
 pack, run plain SDPA (with the inner mask in episode-local positions), and put the rows back.
@@ -17,9 +17,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import per_episode, rel
 
-from packing.attention import AttentionMask, packed_attention, prepare_attention
-from packing.layout import StreamLayout, layout_from_lengths
-from packing.masks import InnerMask, causal, frame_causal
+from packing.attention import (
+    AttentionMask,
+    InnerMask,
+    causal,
+    frame_causal,
+    packed_attention,
+    prepare_attention,
+)
+from packing.data import StreamLayout, layout_from_lengths
 
 H, D = 2, 8
 TOL = 1e-5  # fp32: the packed and the per-episode softmax sum the same terms
@@ -213,7 +219,7 @@ def test_impossible_requests_raise_naming_the_fix() -> None:
 
 
 def test_flex_flash_without_flash_attn_4_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import packing.attention as pa
+    import packing.attention._packed as pa
 
     monkeypatch.setattr(pa, "fa4_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -262,7 +268,7 @@ def test_varlen_padding_tail_costs_one_key_per_query_or_nothing() -> None:
     # torch's kernel: the tail is a real sequence on both sides (a query sequence with no keys
     # gave NaN gradients on the H200), but its queries attend to ONE padding key: a tail of P
     # tokens costs P pairs, not P^2. FA4 (static): the tail is in no sequence at all.
-    from packing.attention import varlen_sequences
+    from packing.attention._packed import varlen_sequences
 
     lay12 = layout_from_lengths([2, 4, 3], [2, 4, 3], 12)
     s = varlen_sequences(lay12, lay12, 3, static=False)
@@ -301,7 +307,7 @@ def test_varlen_work_does_not_grow_with_the_padding_tail(static: bool) -> None:
     # Query-key pairs the varlen kernel computes, from its cu_seqlens: for every fill of the
     # budget, the real pairs only (FA4) or plus one key per tail query (torch's kernel); it
     # was quadratic in the tail.
-    from packing.attention import varlen_sequences
+    from packing.attention._packed import varlen_sequences
 
     lengths = [300, 200, 100]
 
@@ -321,7 +327,7 @@ def test_a_compiled_call_past_the_recompile_limit_fails_instead_of_running_eager
     # T x T scores, a backward torch flags as possibly wrong); the library must say so.
     import torch._dynamo
 
-    from packing._compile import call_compiled
+    from packing.attention._compile import call_compiled
 
     # config.patch, not monkeypatch: undoing a monkeypatch deletes a dynamo config entry.
     with torch._dynamo.config.patch(recompile_limit=1):
@@ -348,7 +354,7 @@ def test_auto_skips_flash_attn_4_for_head_dims_it_does_not_support(
 ) -> None:
     # FA4's CuTe kernels support head dims 64/96/128; on an H200 the tiny model's head dim 16
     # went through them and came back with wrong gradients.
-    import packing.attention as pa
+    import packing.attention._packed as pa
 
     monkeypatch.setattr(pa, "fa4_available", lambda: True)
     cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
@@ -372,7 +378,7 @@ def test_flash_attn_4_kernels_refuse_an_unsupported_head_dim_at_call_time() -> N
 def test_flex_gives_each_of_the_first_shapes_a_static_kernel_then_warns_once() -> None:
     # On the H200 the dynamic-shape flex kernel was 1.41x slower than the static one; with
     # dynamo's automatic dynamic, one new length would have moved every call onto it.
-    from packing._compile import FLEX_KERNELS as flex
+    from packing.attention._compile import FLEX_KERNELS as flex
 
     before = flex.static_shapes
     flex.reset(static_shapes=2)
@@ -420,7 +426,7 @@ def test_a_checkpoint_inside_compile_keeps_one_graph_across_pack_compositions(mo
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch.utils.checkpoint import checkpoint
 
-    from packing.fsdp import _ops_policy
+    from packing.train._fsdp import _ops_policy
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")

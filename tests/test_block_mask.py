@@ -28,9 +28,7 @@ from torch.nn.attention.flex_attention import (
     or_masks,
 )
 
-from packing._block_mask import block_tables
-from packing.layout_math import local_positions
-from packing.masks import (
+from packing.attention import (
     causal,
     dense_mask,
     frame_causal,
@@ -38,7 +36,9 @@ from packing.masks import (
     sliding_window,
     with_block_rule,
 )
-from packing.render import EMPTY, FULL, PARTIAL, ascii_blocks, block_classes
+from packing.attention._block_tables import block_tables
+from packing.attention._render import EMPTY, FULL, PARTIAL, ascii_blocks, block_classes
+from packing.data._layout_math import local_positions
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BLOCKS = st.sampled_from([1, 3, 16, 16, 32, 128, (16, 32), (32, 16)])
@@ -359,7 +359,7 @@ def test_the_builder_compiled_by_inductor_equals_eager_and_never_recompiles():
     the graph, for the document mask and for a ruled inner mask."""
     from torch._dynamo.utils import counters
 
-    from packing.masks import _compiled_block_tables
+    from packing.attention._masks import _compiled_block_tables
 
     torch._dynamo.reset()
     _compiled_block_tables.cache_clear()

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_masks import INNERS, RANDOM_MASKS
 
-import packing.masks as masks
-from packing._block_mask import block_tables, document_rule
-from packing.masks import make_block_mask
+import packing.attention._masks as masks
+from packing.attention import make_block_mask
+from packing.attention._block_tables import block_tables, document_rule
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,8 +57,8 @@ def test_host_memory_at_512k_tokens_stays_near_the_tables() -> None:
     code = textwrap.dedent(
         """
         import resource, torch
-        from packing.layout import layout_from_lengths
-        from packing.masks import causal, make_block_mask
+        from packing.data import layout_from_lengths
+        from packing.attention import causal, make_block_mask
 
         T = 524288
         g = torch.Generator().manual_seed(0)

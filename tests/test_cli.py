@@ -36,7 +36,7 @@ def test_readme_main_command_passes_on_the_embedded_dataset(
     assert report["leak"]["ok"] is True and report["leak"]["num_docs"] >= 2
     assert report["config"]["dataset"] == "embedded default dataset"
     # The report names the code that produced it (a copied tree's git HEAD can be stale).
-    from packing.verify_report import source_sha1
+    from packing.verify._report import source_sha1
 
     assert report["environment"]["packing_src_sha1"] == source_sha1()
     assert len(source_sha1()) == 12
@@ -138,7 +138,7 @@ def test_user_model_factory_without_the_flag_parameter_is_refused(
     ("argv", "message"),
     [
         (["--model", "nowhere_such_module:build"], "cannot import module 'nowhere_such_module'"),
-        (["--model", "packing.model:nope"], "has no callable 'nope'"),
+        (["--model", "packing.model._dit:nope"], "has no callable 'nope'"),
         (["--model", "no_colon"], "expected 'module:factory'"),
         (["--dataset", "/nonexistent/robot"], "expected a local LeRobot v3 dataset root"),
         (["--episodes", "1"], "at least 2 episodes"),
@@ -188,7 +188,7 @@ def test_dataset_flag_reads_a_users_lerobot_root(
     """--dataset takes any local LeRobot v3 root: here a copy of the embedded one."""
     import shutil
 
-    from packing.default_dataset import default_dataset_root
+    from packing.datasets import default_dataset_root
 
     root = tmp_path / "my_robot"
     shutil.copytree(default_dataset_root(), root)

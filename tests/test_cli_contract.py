@@ -110,7 +110,7 @@ def test_traceback_flag_adds_the_traceback(
 def test_a_truncated_parquet_exits_2_naming_the_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from packing.default_dataset import default_dataset_root
+    from packing.datasets import default_dataset_root
 
     root = tmp_path / "ds"
     shutil.copytree(default_dataset_root(), root)
@@ -124,7 +124,7 @@ def test_a_truncated_parquet_exits_2_naming_the_file(
 def test_invalid_info_json_exits_2_naming_the_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from packing.default_dataset import default_dataset_root
+    from packing.datasets import default_dataset_root
 
     root = tmp_path / "ds"
     shutil.copytree(default_dataset_root(), root)

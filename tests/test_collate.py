@@ -12,10 +12,8 @@ import reference
 import torch
 from hypothesis import given, settings
 
-from packing import collate
-from packing.collate import PackedCollator, Stream, pack, unpack
-from packing.joint import joint_layout
-from packing.layout import layout_from_lengths
+from packing.data import PackedCollator, Stream, joint_layout, layout_from_lengths, pack, unpack
+from packing.data import _collate as collate
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -175,8 +173,7 @@ def test_joint_layout_puts_each_episodes_tokens_side_by_side_and_back():
     assert torch.equal(back["latents"], xv) and torch.equal(back["action"], xa)
     assert joint_layout(b, ("latents", "action")) is j, "cached on the batch"
     assert j.padded_lens == (v.padded_len, a.padded_len)
-    with pytest.warns(DeprecationWarning, match="padded_lens"):
-        assert j.lengths == j.padded_lens  # the old name, for one release
+    assert not hasattr(j, "lengths"), "no old names in an unreleased package"
 
 
 @SETTINGS

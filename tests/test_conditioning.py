@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packing.collate import Stream, pack
-from packing.conditioning import (
+from packing.data import Stream, layout_from_lengths, pack
+from packing.train._conditioning import (
     _splitmix64,
     broadcast_to_tokens,
     cfg_dropout_mask,
@@ -23,7 +23,6 @@ from packing.conditioning import (
     packed_noise,
     step_doc_ids,
 )
-from packing.layout import layout_from_lengths
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DOC_IDS = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2, 2, -1, -1, -1], dtype=torch.int32)

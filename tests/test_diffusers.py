@@ -19,18 +19,12 @@ pytest.importorskip("diffusers")
 from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from packing.collate import PackedCollator
-from packing.integrations.diffusers import (
-    PackedAttnProcessor,
-    install,
-    pack_text_embeddings,
-    patchify,
-    rope_from_table,
-    tiny_wan,
-    unpatchify,
-)
-from packing.layout import PackedBatch
-from packing.plan import plan_packs
+from packing.data import PackedBatch, PackedCollator
+from packing.integrations.diffusers import install, pack_text_embeddings, patchify, unpatchify
+from packing.integrations.diffusers._processor import PackedAttnProcessor
+from packing.integrations.diffusers._wan import rope_from_table
+from packing.integrations.diffusers.testing import tiny_wan
+from packing.planning import plan_packs
 from packing.verify import compare_packed_unpacked
 
 HW = (4, 6)  # latent height, width -> a (2, 3) grid of 6 tokens a frame
@@ -213,7 +207,7 @@ def test_packing_verify_runs_the_unmodified_model_on_the_embedded_dataset(
 ) -> None:
     from packing.cli import main
 
-    model = ["--model", "packing.integrations.diffusers.wan:tiny_wan_2_2"]
+    model = ["--model", "packing.integrations.diffusers.testing:tiny_wan_2_2"]
     args = ["verify", *model, "--steps", "1", "--episodes", "6", *flags]
     assert main(args) == 0
     out = capsys.readouterr().out

@@ -20,18 +20,17 @@ pytest.importorskip("diffusers")
 from diffusers import LTXVideoTransformer3DModel
 from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
 
-from packing.collate import PackedCollator
+from packing.data import PackedCollator
 from packing.integrations.diffusers import (
-    PackedAttnProcessor,
     PackedLTX,
     drop_masked_rows,
     install,
-    ltx_rope,
     pack_text_embeddings,
-    tiny_ltx_model,
 )
-from packing.integrations.diffusers.ltx import PIPELINE_ROPE_SCALE
-from packing.plan import plan_packs
+from packing.integrations.diffusers._ltx import PIPELINE_ROPE_SCALE, ltx_rope
+from packing.integrations.diffusers._processor import PackedAttnProcessor
+from packing.integrations.diffusers.testing import tiny_ltx_model
+from packing.planning import plan_packs
 from packing.verify import compare_packed_unpacked
 
 HW = (3, 4)  # latent height, width: 12 tokens a frame (LTX: one latent pixel is a token)
@@ -98,7 +97,7 @@ def test_removing_the_document_mask_fails_the_comparison() -> None:
 def test_attending_to_the_padded_text_rows_fails_the_comparison(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from packing.integrations.diffusers import adapter
+    from packing.integrations.diffusers import _adapter as adapter
 
     monkeypatch.setattr(adapter, "drop_masked_rows", lambda text, layout, mask: (text, layout))
     report = compare(steps=1)
@@ -207,7 +206,7 @@ def test_packing_verify_runs_the_unmodified_ltx_on_the_embedded_dataset(
 ) -> None:
     from packing.cli import main
 
-    args = ["verify", "--model", "packing.integrations.diffusers.ltx:tiny_ltx", "--steps", "1"]
+    args = ["verify", "--model", "packing.integrations.diffusers.testing:tiny_ltx", "--steps", "1"]
     args += ["--episodes", "6"]
     assert main(args) == 0
     assert "unpacked side: PackedLTX.reference()" in capsys.readouterr().out

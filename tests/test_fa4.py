@@ -17,10 +17,10 @@ import pytest
 import torch
 from reference import per_episode
 
-import packing.attention as pa
+import packing.attention._packed as pa
 from packing.attention import AttentionMask, packed_attention, prepare_attention
-from packing.fa4 import fa4_varlen
-from packing.layout import StreamLayout, layout_from_lengths
+from packing.attention._fa4 import fa4_varlen
+from packing.data import StreamLayout, layout_from_lengths
 
 H, D = 2, 64
 
@@ -200,7 +200,7 @@ def test_checkpointing_modes_recompute_what_they_say(
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
-    from packing.fsdp import _ops_policy
+    from packing.train._fsdp import _ops_policy
 
     calls: list[int] = []
     real_fwd = fa4._flash_attn_fwd
@@ -259,7 +259,7 @@ def test_torch_varlen_gets_the_longest_sequence_rounded_up_not_the_padded_length
 def test_flex_flash_keeps_a_static_kernel_for_every_shape() -> None:
     # torch 2.11 cannot compile FlexAttention's FLASH backend with dynamic shapes (a captured
     # SymInt); on the H200 the 5th shape of a process raised an InductorError.
-    from packing._compile import FLEX_KERNELS as flex
+    from packing.attention._compile import FLEX_KERNELS as flex
 
     before = flex.static_shapes
     flex.reset(static_shapes=1)

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from packing.budget import ACCUM_BYTES, MemoryModel, Probe, fit_memory_model
-from packing.fsdp import checkpointed_blocks, strip_wrapper_names
+from packing.train._budget import ACCUM_BYTES, MemoryModel, Probe, fit_memory_model
+from packing.train._fsdp import checkpointed_blocks, strip_wrapper_names
 
 
 def verify(tmp_path, *flags: str) -> tuple[int, dict, str]:
@@ -145,7 +145,7 @@ def test_memory_model_needs_two_depths_and_two_sizes():
 
 
 def test_shard_model_refuses_a_model_without_its_blocks():
-    from packing.fsdp import shard_model
+    from packing.train import shard_model
 
     if not torch.distributed.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
@@ -224,10 +224,10 @@ def one_rank_group():
 
 
 def test_mask_is_built_once_per_micro_step_and_reused_by_the_recompute(one_rank_group, monkeypatch):
-    import packing.model as pm
-    from packing.collate import PackedCollator
-    from packing.fsdp import shard_model
+    import packing.model._dit as pm
+    from packing.data import PackedCollator
     from packing.model import DiT, DiTConfig
+    from packing.train import shard_model
 
     torch.manual_seed(0)
     model = DiT(DiTConfig.tiny(depth=2))

@@ -1,4 +1,4 @@
-"""packing.attention and the reference DiT on CUDA: every backend against one SDPA per episode.
+"""packing.attention._packed and the reference DiT on CUDA: every backend against one SDPA per episode.
 
 Skipped without a GPU. Run on the H200 with
 ``python -m pytest tests/test_gpu.py -q -p no:cacheprovider`` (flash-attn-4 on PYTHONPATH to
@@ -17,9 +17,15 @@ import torch
 import torch.nn.functional as F
 from reference import per_episode, rel
 
-from packing.attention import fa4_available, packed_attention, prepare_attention
-from packing.layout import StreamLayout, layout_from_lengths
-from packing.masks import InnerMask, causal, frame_causal
+from packing.attention import (
+    InnerMask,
+    causal,
+    fa4_available,
+    frame_causal,
+    packed_attention,
+    prepare_attention,
+)
+from packing.data import StreamLayout, layout_from_lengths
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -176,8 +182,8 @@ def test_cuda_graph_block_mask_equals_eager_without_syncs_or_aliasing(
     """make_block_mask(compile='cuda_graph'): the same tables as the eager builder on every
     layout of one length, no host sync after the capture, and a mask built earlier is not
     overwritten by the next build (the replay writes into the graph's own buffer)."""
-    from packing._compile import BLOCK_MASK_GRAPHS
-    from packing.masks import make_block_mask
+    from packing.attention import make_block_mask
+    from packing.attention._compile import BLOCK_MASK_GRAPHS
 
     BLOCK_MASK_GRAPHS.reset()
     layouts = ([1000, 24], [232, 1, 129, 600], [17, 900], [3, 3, 3, 3, 1000], [1024])
@@ -216,7 +222,7 @@ def _episodes() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("frame_causal_", [False, True], ids=["document", "frame_causal"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 def test_model_packed_equals_per_episode_on_cuda(frame_causal_: bool, autocast: bool) -> None:
-    from packing.collate import PackedCollator
+    from packing.data import PackedCollator
     from packing.model import DiT, DiTConfig
 
     torch.manual_seed(0)
@@ -253,7 +259,7 @@ def _with_keys(batch: Any) -> Any:
 def test_model_with_a_static_max_docs_matches_without() -> None:
     # max_docs pads cu_seqlens of the video/action layouts with empty documents while the text
     # (packed by the model from the task strings) has none: varlen must pair them anyway.
-    from packing.collate import PackedCollator
+    from packing.data import PackedCollator
     from packing.model import DiT, DiTConfig
 
     torch.manual_seed(0)

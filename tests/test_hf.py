@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from packing._arrow import arrow_to_numpy, plan_columns
-from packing.collate import PackedCollator, Stream, unpack
-from packing.hf import HFEpisodes, group_rows
+from packing.data import PackedCollator, Stream, unpack
+from packing.datasets._arrow import arrow_to_numpy, plan_columns
+from packing.datasets._hf import HFEpisodes, group_rows
 
 datasets = pytest.importorskip(
     "datasets", reason="datasets is not installed (pip install 'packing[hf]'); CI installs it"
@@ -190,7 +190,7 @@ def test_import_does_not_load_datasets() -> None:
     code = textwrap.dedent(
         """
         import sys
-        import packing, packing.hf
+        import packing, packing.datasets._hf
         bad = [m for m in ("datasets", "lerobot", "pyarrow") if m in sys.modules]
         assert not bad, bad
         print("ok")

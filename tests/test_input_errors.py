@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from packing.collate import PackedCollator, Stream, check_batch, pack, unpack
-from packing.plan import frames_to_tokens, plan_packs
-from packing.sampler import PackedBatchSampler
+from packing.data._collate import PackedCollator, Stream, check_batch, pack, unpack
+from packing.planning import PackedBatchSampler, frames_to_tokens, plan_packs
 
 LENGTHS = [3, 5, 2, 7, 4, 6, 1, 8, 2, 5, 3, 4]
 
@@ -257,7 +256,7 @@ def _edit_episodes(root: Path, edit: Any) -> None:
 def test_metadata_shortened_consistently_is_caught(user_dataset: Path, tmp_path: Path) -> None:
     """Episode 1 is 2 frames shorter in meta/episodes and every index after it shifted: each
     episode still reads its own rows, but 2 frames of the data would never be served."""
-    from packing.lerobot import LeRobotEpisodes
+    from packing.datasets import LeRobotEpisodes
 
     root = tmp_path / "short"
     shutil.copytree(user_dataset, root)
@@ -275,7 +274,7 @@ def test_metadata_shortened_consistently_is_caught(user_dataset: Path, tmp_path:
 
 
 def test_total_frames_in_info_json_is_checked(user_dataset: Path, tmp_path: Path) -> None:
-    from packing.lerobot import LeRobotEpisodes
+    from packing.datasets import LeRobotEpisodes
 
     root = tmp_path / "total"
     shutil.copytree(user_dataset, root)
@@ -287,7 +286,7 @@ def test_total_frames_in_info_json_is_checked(user_dataset: Path, tmp_path: Path
 
 
 def test_corrupt_metadata_files_are_named(user_dataset: Path, tmp_path: Path) -> None:
-    from packing.lerobot import LeRobotEpisodes, episode_lengths
+    from packing.datasets import LeRobotEpisodes, episode_lengths
 
     root = tmp_path / "corrupt"
     shutil.copytree(user_dataset, root)
@@ -303,7 +302,7 @@ def test_corrupt_metadata_files_are_named(user_dataset: Path, tmp_path: Path) ->
 
 
 def test_lerobot_keys_and_episodes_are_not_coerced(user_dataset: Path) -> None:
-    from packing.lerobot import LeRobotEpisodes
+    from packing.datasets import LeRobotEpisodes
 
     with pytest.raises(ValueError, match=r"keys=\[\] requests no feature"):
         LeRobotEpisodes(user_dataset, keys=[])
@@ -314,7 +313,7 @@ def test_lerobot_keys_and_episodes_are_not_coerced(user_dataset: Path) -> None:
 def test_a_lossy_cast_to_the_declared_dtype_warns_once(user_dataset: Path, tmp_path: Path) -> None:
     """info.json declares action float16 while the file stores float32: items follow the
     declaration (as before), and now say once that the cast can round."""
-    from packing.lerobot import LeRobotEpisodes
+    from packing.datasets import LeRobotEpisodes
 
     root = tmp_path / "declared16"
     shutil.copytree(user_dataset, root)

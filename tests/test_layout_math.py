@@ -1,4 +1,4 @@
-"""Spec of packing.layout_math: the one home of rounding up and of doc-local positions.
+"""Spec of packing.data._layout_math: the one home of rounding up and of doc-local positions.
 
 Every way in (host lengths -> numpy, device doc ids -> torch) must give what a per-document
 ``arange`` gives, on random ragged layouts with padding between and after documents.
@@ -14,9 +14,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packing.binpack import opener_index
-from packing.layout import layout_from_lengths
-from packing.layout_math import (
+from packing.data import layout_from_lengths
+from packing.data._layout_math import (
     ceil_div,
     doc_starts,
     local_positions,
@@ -25,6 +24,7 @@ from packing.layout_math import (
     round_up,
     thw_from_lengths,
 )
+from packing.planning._binpack import opener_index
 
 LENGTHS = st.lists(st.integers(1, 300), min_size=0, max_size=12)
 SEEN = {"interior_start": 0, "gap": 0}
@@ -102,11 +102,3 @@ def test_thw_agrees_with_a_per_document_grid():
         want = [(t, i, j) for s in steps for t in range(s) for i in range(h) for j in range(w)]
         assert [tuple(r) for r in thw_from_lengths(lengths, grid).tolist()] == want
 
-
-def test_the_old_import_path_warns():
-    with pytest.warns(DeprecationWarning, match="packing.layout_math.local_positions"):
-        from packing.block_mask import local_positions as old
-    assert old is local_positions
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        from packing.layout_math import local_positions as new  # noqa: F401

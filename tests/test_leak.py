@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from packing.collate import Stream, pack
-from packing.layout import PackedBatch
-from packing.leak import PADDING, assert_no_leaks, find_leaks
+from packing.data import PackedBatch, Stream, pack
+from packing.verify._leak import PADDING, assert_no_leaks, find_leaks
 
 DIM = 8
 
@@ -219,7 +218,7 @@ class _DeterminismSpy(torch.autograd.Function):
 def test_fn_and_its_backward_run_under_torchs_determinism_switch(deterministic: bool) -> None:
     # On an H200, FA4's atomic dQ gave two identical clean runs, then flipped one bf16 ulp of
     # episode 0's gradient when episode 1 was perturbed: reported as a leak. Kernels with a
-    # deterministic mode (FA4's backward through packing.attention) use it during the check.
+    # deterministic mode (FA4's backward through packing.attention._packed) use it during the check.
     class Spy(DocAttention):
         def forward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
             return {"x": _DeterminismSpy.apply(super().forward(batch)["x"])}
@@ -235,8 +234,7 @@ def test_fn_and_its_backward_run_under_torchs_determinism_switch(deterministic: 
 
 
 def _reference_pack(document_mask: bool = True):
-    from packing.default_dataset import default_dataset_root
-    from packing.lerobot import LeRobotEpisodes
+    from packing.datasets import LeRobotEpisodes, default_dataset_root
     from packing.model import DiT, DiTConfig
 
     torch.manual_seed(0)

@@ -24,14 +24,14 @@ from torch.utils.data import DataLoader
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from packing.collate import PackedCollator, Stream, unpack
-from packing.default_dataset import (
+from packing.data import PackedCollator, Stream, unpack
+from packing.datasets import LeRobotEpisodes, episode_lengths
+from packing.datasets._default import (
     DEFAULT_LENGTHS,
     DEFAULT_TASKS,
     default_dataset_root,
     write_default_dataset,
 )
-from packing.lerobot import LeRobotEpisodes, episode_lengths
 
 lerobot_dataset = pytest.importorskip(
     "lerobot.datasets.lerobot_dataset",
@@ -202,7 +202,7 @@ def test_lengths_equal_metadata(root: Path, reference: LeRobotDataset) -> None:
 
 
 def test_token_lengths_use_the_planners_formula(root: Path) -> None:
-    from packing import plan
+    from packing.planning import _plan as plan
 
     eps = LeRobotEpisodes(root, keys=["latents"])
     kw = {"latent_hw": (8, 16), "patch": (1, 2, 2), "action_tokens_per_frame": 1}
@@ -267,13 +267,13 @@ def test_is_pad_becomes_a_loss_mask_and_nothing_padded_reaches_the_loss(root: Pa
 
 
 def test_the_loss_mask_key_the_docs_name_is_in_an_adapter_batch(root: Path) -> None:
-    # packing.losses and docs/losses.md tell users to pass batch["action_loss_mask"]; it must be
+    # packing.train._losses and docs/losses.md tell users to pass batch["action_loss_mask"]; it must be
     # what the adapter serves (the docs once said ~batch["action_is_pad"]: a KeyError).
-    import packing.losses
-    from packing.losses import LossNormalizer
+    import packing.train._losses
+    from packing.train import LossNormalizer
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "losses.md").read_text()
-    assert 'b["action_loss_mask"]' in (packing.losses.LossNormalizer.__doc__ or "")
+    assert 'b["action_loss_mask"]' in (packing.train._losses.LossNormalizer.__doc__ or "")
     assert 'batch["action_loss_mask"]' in docs and '~batch["action_is_pad"]' not in docs
     eps = LeRobotEpisodes(root, keys=["action"])
     collate = PackedCollator(["action", "action_loss_mask"], pad_to_multiple=16)
@@ -366,13 +366,13 @@ def test_reads_offline_without_importing_lerobot_or_datasets(root: Path) -> None
             raise OSError("network access attempted")
         socket.socket.connect = no_network
         socket.create_connection = no_network
-        import packing, packing.lerobot, packing.hf, packing.default_dataset, packing._lazy
-        from packing.lerobot import LeRobotEpisodes, episode_lengths
+        import packing, packing.datasets._lerobot, packing.datasets._hf, packing.datasets._default, packing._lazy
+        from packing.datasets import LeRobotEpisodes, episode_lengths
         assert "lerobot" not in sys.modules and "datasets" not in sys.modules
         eps = LeRobotEpisodes({str(root)!r}, keys=["latents", "action"])
         assert eps[1]["latents"].shape[0] == {LENGTHS[1]}
         assert episode_lengths({str(root)!r}).tolist() == {list(LENGTHS)}
-        d = LeRobotEpisodes(packing.default_dataset.default_dataset_root(), keys=["latents"])
+        d = LeRobotEpisodes(packing.datasets._default.default_dataset_root(), keys=["latents"])
         assert d[0]["latents"].dtype.is_floating_point
         bad = [m for m in ("lerobot", "datasets") if m in sys.modules]
         assert not bad, bad
@@ -559,7 +559,7 @@ def test_declared_shapes_and_dtypes_are_enforced(root: Path, tmp_path: Path) -> 
 
 
 def test_file_handles_are_bounded(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import packing.lerobot as lr
+    import packing.datasets._lerobot as lr
 
     monkeypatch.setattr(lr, "_MAX_OPEN_FILES", 1)
     eps, full = LeRobotEpisodes(root, keys=["action"]), LeRobotEpisodes(root, keys=["action"])

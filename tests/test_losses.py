@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packing.layout import StreamLayout, layout_from_lengths
-from packing.losses import (
+from packing.data import StreamLayout, layout_from_lengths
+from packing.train import (
     LossNormalizer,
     Reduction,
     global_denominator,

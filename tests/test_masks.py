@@ -1,6 +1,6 @@
 """Spec of the mask_mods: who attends to whom inside a pack, checked against an obvious reference.
 
-The reference below knows nothing of packing.masks: it walks the doc ids to find each token's
+The reference below knows nothing of packing.attention._masks: it walks the doc ids to find each token's
 episode-local position and writes the rule of the spec as a broadcast expression.
 """
 
@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import and_masks, create_mask
 
-from packing import masks
-from packing.masks import (
+from packing.attention import _masks as masks
+from packing.attention import ascii_mask
+from packing.attention._masks import (
     causal,
     dense_mask,
     document_mask_mod,
@@ -26,7 +27,6 @@ from packing.masks import (
     validate_doc_ids,
     with_block_rule,
 )
-from packing.render import ascii_mask
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -277,7 +277,7 @@ def test_with_block_rule_names_and_attaches():
 
 def test_render_png_and_ascii(tmp_path):
     pytest.importorskip("matplotlib")
-    from packing.render import ascii_blocks, save_png
+    from packing.attention import ascii_blocks, save_png
 
     doc = torch.tensor([0] * 20 + [1] * 5 + [2] * 30 + [-1] * 9)
     bm = make_block_mask(doc, inner=causal(), block_size=16)

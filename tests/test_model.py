@@ -12,9 +12,8 @@ import pytest
 import torch
 from reference import rel
 
-from packing.collate import PackedCollator, Stream
-from packing.layout import PackedBatch
-from packing.model import (
+from packing.data import PackedBatch, PackedCollator, Stream
+from packing.model._dit import (
     BOS,
     DiT,
     DiTConfig,
@@ -253,7 +252,7 @@ def test_verify_factory() -> None:
 
 
 def test_leak_detector_finds_nothing_bit_exact_and_catches_the_broken_model() -> None:
-    from packing.leak import find_leaks
+    from packing.verify import find_leaks
 
     for frame_causal, gradients in ((False, True), (True, False)):
         m = model(frame_causal=frame_causal).eval()

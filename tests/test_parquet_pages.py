@@ -1,6 +1,6 @@
 """Direct page decoding of fixed-shape parquet columns equals pyarrow's, or declines.
 
-`packing._parquet_pages.read_fixed_column` skips the repetition/definition levels and decodes
+`packing.datasets._parquet_pages.read_fixed_column` skips the repetition/definition levels and decodes
 only the values of a column with no nulls; every case here is checked bit for bit against
 pyarrow reading the same file, and the cases it does not handle must return None (the caller
 then reads with pyarrow), never wrong values.
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from packing._parquet_pages import read_fixed_column
+from packing.datasets._parquet_pages import read_fixed_column
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -107,7 +107,7 @@ def test_wide_indices_and_page_ends(tmp_path: Path, dtype, rows: int) -> None:
 
 
 def _max_bit_width(path: Path) -> int:
-    from packing._parquet_pages import _struct
+    from packing.datasets._parquet_pages import _struct
 
     md = pq.ParquetFile(path).metadata
     file = np.frombuffer(pa.memory_map(str(path), "r").read_buffer(), dtype=np.uint8)
@@ -135,7 +135,7 @@ def test_one_reader_reused_over_row_groups_in_any_order(tmp_path: Path, compress
     # A reader keeps each row group's page layout once it has read it (as LeRobotEpisodes
     # does for a file's episodes): later decodes, of any row groups in any order, must still
     # equal pyarrow, and the layout kept must be each group's own.
-    from packing._parquet_pages import ColumnChunks
+    from packing.datasets._parquet_pages import ColumnChunks
 
     rng = np.random.default_rng(3)
     values = rng.standard_normal((90, 5, 4)).astype(np.float16)
@@ -155,7 +155,7 @@ def test_one_reader_reused_over_row_groups_in_any_order(tmp_path: Path, compress
 def test_constant_integer_columns_come_from_the_statistics(tmp_path: Path, dtype) -> None:
     # lerobot's episode_index: one value per row group. Where min == max the values are
     # taken from the footer, elsewhere from the pages; both must equal pyarrow.
-    from packing._parquet_pages import ColumnChunks
+    from packing.datasets._parquet_pages import ColumnChunks
 
     values = np.repeat(np.array([7, 3, 3, 9], dtype=dtype), 10)
     values[35] = -2  # the last row group is not constant
@@ -209,7 +209,7 @@ def test_columns_it_does_not_handle_return_none(tmp_path: Path) -> None:
 
 
 def test_only_schemas_that_guarantee_a_shape_are_decoded_directly() -> None:
-    from packing._parquet_pages import fixed_shape
+    from packing.datasets._parquet_pages import fixed_shape
 
     ext = pa.field("latents", pa.list_(pa.list_(pa.float16())), metadata={
         b"ARROW:extension:name": b"datasets.features.features.Array2DExtensionType",
@@ -224,7 +224,7 @@ def test_only_schemas_that_guarantee_a_shape_are_decoded_directly() -> None:
 
 def test_registered_datasets_extension_type_gives_its_shape() -> None:
     datasets_features = pytest.importorskip("datasets.features.features")
-    from packing._parquet_pages import fixed_shape
+    from packing.datasets._parquet_pages import fixed_shape
 
     ext = datasets_features.Array3DExtensionType((48, 8, 16), "float16")
     assert fixed_shape(pa.field("latents", ext)) == (48, 8, 16)

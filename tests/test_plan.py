@@ -13,7 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import best_fit_decreasing_reference, best_fit_lookahead_reference
 
-from packing.binpack import (
+from packing.planning import (
+    BufferedPacker,
+    PackPlan,
+    frames_to_tokens,
+    plan_packs,
+    slice_piece,
+    split_windows,
+)
+from packing.planning._binpack import (
     best_fit_decreasing,
     best_fit_lookahead,
     first_fit_decreasing,
@@ -21,9 +29,6 @@ from packing.binpack import (
     min_packs,
     next_fit,
 )
-from packing.online import BufferedPacker
-from packing.pieces import slice_piece, split_windows
-from packing.plan import PackPlan, frames_to_tokens, plan_packs
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ALGORITHMS = ["bfd", "ffd", "lookahead", "next_fit"]
@@ -354,7 +359,7 @@ def test_import_needs_only_numpy_and_torch():
             return {m.split(".")[0] for m in sys.modules} - std - {"packing", "__main__"}
         import numpy, torch
         before = third_party()
-        import packing.plan, packing.sampler, packing.online
+        import packing.planning._plan, packing.planning._sampler, packing.planning._online
         print(sorted(third_party() - before))
         """
     )

@@ -1,4 +1,4 @@
-"""packing.profile: per-micro-step records, the grouped kernel table, and off means off."""
+"""packing.train._profile: per-micro-step records, the grouped kernel table, and off means off."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from packing.layout import PackedBatch, StreamLayout
-from packing.profile import (
+from packing.data import PackedBatch, StreamLayout
+from packing.train._profile import (
     CATEGORIES,
     KernelRow,
     KernelTable,

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from packing.plan import plan_packs
-from packing.sampler import PackedBatchSampler, equalise_packs
+from packing.planning import plan_packs
+from packing.planning._sampler import PackedBatchSampler, equalise_packs
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

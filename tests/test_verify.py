@@ -14,17 +14,16 @@ import torch
 from torch import nn
 
 from packing.attention import packed_attention, prepare_attention
-from packing.collate import PackedCollator, Stream
-from packing.conditioning import (
+from packing.data import PackedBatch, PackedCollator, Stream
+from packing.train import (
     broadcast_to_tokens,
     episode_timesteps,
     flow_matching_inputs,
     packed_noise,
 )
-from packing.layout import PackedBatch
 from packing.verify import compare_packed_unpacked
-from packing.verify_cli import default_token_budget
-from packing.verify_report import Tolerances, cosine_similarity, relative_difference
+from packing.verify._command import default_token_budget
+from packing.verify._report import Tolerances, cosine_similarity, relative_difference
 
 A = 6  # action dim
 
@@ -250,8 +249,7 @@ def test_packs_must_cover_every_episode_once() -> None:
 @pytest.fixture(scope="module")
 def default_episodes() -> list[dict]:
     """The first five episodes of the embedded dataset, through the user's loading path."""
-    from packing.default_dataset import default_dataset_root
-    from packing.lerobot import LeRobotEpisodes
+    from packing.datasets import LeRobotEpisodes, default_dataset_root
 
     ds = LeRobotEpisodes(default_dataset_root(), keys=["latents", "action"])
     return [ds[i] for i in range(5)]  # 5, 2, 9, 3, 7 latent frames
@@ -266,7 +264,7 @@ def _small_dit(**overrides):
 
 
 def _compare_dit(model: nn.Module, episodes: list[dict], **kw):
-    from packing.plan import plan_packs
+    from packing.planning import plan_packs
 
     budget = 384
     lengths = [e["latents"].shape[0] * 32 for e in episodes]
@@ -309,13 +307,13 @@ def test_reference_dit_without_document_mask_fails(
 def test_reference_dit_with_global_rng_noise_fails(
     default_episodes: list[dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import packing.model
+    import packing.model._dit
 
     def global_noise(batch, *, seed, step, stream, dtype=None, **_):
         x = batch.streams[stream]
         return torch.randn(x.shape, dtype=dtype or torch.float32)  # the mistake
 
-    monkeypatch.setattr(packing.model, "packed_noise", global_noise)
+    monkeypatch.setattr(packing.model._dit, "packed_noise", global_noise)
     report = _compare_dit(_small_dit(), default_episodes, leak_check=False, steps=1)
     assert not report.passed
     assert report.loss_rel > 1e-3

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import torch
 
-from packing.masks import dense_mask, frame_causal, make_block_mask
-from packing.render import ascii_blocks, save_png
+from packing.attention import ascii_blocks, dense_mask, frame_causal, make_block_mask, save_png
 
 HERE = Path(__file__).parent
 

@@ -1,0 +1,51 @@
+"""Attention over a packed sequence: masks built from doc boundaries, and the kernels.
+
+- mask_mod factories that compose (inner rules see episode-local positions):
+  `document_mask_mod`, `causal`, `frame_causal`, `sliding_window`, `with_block_rule`;
+  `dense_mask` is the T x T reference of any of them.
+- `make_block_mask(doc_ids)`: the FlexAttention `BlockMask` from doc boundaries, no T x T and
+  no host sync (``compile=`` "cuda_graph" for the fastest build on a GPU).
+- `packed_attention(q, k, v, mask)` over `prepare_attention(...)`'s `AttentionMask`:
+  ``backend`` "flex", "flex_flash", "varlen" (FA4), "sdpa" or "auto".
+- `ascii_mask`, `ascii_blocks`, `save_png`: pictures of a mask (docs/img).
+"""
+
+from packing.attention._masks import (
+    BlockRule,
+    InnerMask,
+    causal,
+    dense_mask,
+    document_mask_mod,
+    frame_causal,
+    make_block_mask,
+    sliding_window,
+    with_block_rule,
+)
+from packing.attention._packed import (
+    AttentionMask,
+    Backend,
+    fa4_available,
+    packed_attention,
+    prepare_attention,
+)
+from packing.attention._render import ascii_blocks, ascii_mask, save_png
+
+__all__ = [
+    "AttentionMask",
+    "Backend",
+    "BlockRule",
+    "InnerMask",
+    "ascii_blocks",
+    "ascii_mask",
+    "causal",
+    "dense_mask",
+    "document_mask_mod",
+    "fa4_available",
+    "frame_causal",
+    "make_block_mask",
+    "packed_attention",
+    "prepare_attention",
+    "save_png",
+    "sliding_window",
+    "with_block_rule",
+]

@@ -1,0 +1,499 @@
+"""Document masks for packed sequences: FlexAttention mask_mods, a dense reference, a BlockMask.
+
+A pack holds K episodes back to back; ``doc_ids_T`` names the episode of each token (-1 on
+padding). A token attends only inside its own episode, and an optional *inner* mask (causal,
+frame-causal, sliding window) is applied in episode-local positions, as if the episode were
+alone. Three episodes of lengths ``[3, 2, 3]`` padded to 9, ``document_mask_mod`` with no inner
+mask (``#`` attends, ``.`` does not; the pad token attends to nothing)::
+
+    kv ->      0 0 0 1 1 2 2 2 -
+    q  0       # # # . . . . . .
+       0       # # # . . . . . .
+       0       # # # . . . . . .
+       1       . . . # # . . . .
+       1       . . . # # . . . .
+       2       . . . . . # # # .
+       2       . . . . . # # # .
+       2       . . . . . # # # .
+       -1      . . . . . . . . .
+
+Padding rule, self- and cross-attention alike: a padding query attends to nothing (every
+backend of `packing.attention._packed` returns exactly 0 for it) and a padding key is never attended.
+So no tile holds padding work: a pack's attention costs the same whatever its empty tail.
+
+Layout requirement: each document is one contiguous run and ids increase along the sequence
+(padding -1 may sit between documents and at the tail), which is what ``PackedCollator``
+emits. It is checked for CPU tensors; on an accelerator it is trusted, because checking would
+need a host-device sync (call :func:`validate_doc_ids` yourself if in doubt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from packing.attention._block_tables import (
+    BlockRule,
+    BlockTables,
+    block_tables,
+    classify_blocks,
+    doc_side,
+    document_rule,
+    evaluate_tiles,
+    tables_from_flags,
+    unknown_rule,
+)
+from packing.attention._compile import BLOCK_MASK_GRAPHS
+from packing.data._layout_math import ceil_div, local_positions
+
+__all__ = [
+    "BlockRule",
+    "InnerMask",
+    "causal",
+    "dense_mask",
+    "document_mask_mod",
+    "frame_causal",
+    "make_block_mask",
+    "sliding_window",
+    "validate_doc_ids",
+    "with_block_rule",
+]
+
+# inner(b, h, q_local, kv_local) -> bool tensor, positions inside the episode.
+InnerMask = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+# --------------------------------------------------------------------------- inner masks
+
+
+def with_block_rule(inner: InnerMask, rule: BlockRule, name: str | None = None) -> InnerMask:
+    """Attach a block rule to an inner mask so ``make_block_mask`` needs no pair evaluation.
+
+    ``rule(a, b, c, d) -> (any, all)`` answers, for q rows ``a..b`` and kv columns ``c..d`` of
+    one episode (inclusive, episode-local, elementwise over int64 tensors): may any pair be
+    true, and is every pair true. ``any`` may over-approximate and ``all`` under-approximate
+    (the attention stays exact; only sparsity is lost), but the rules shipped here are exact.
+    """
+    inner.block_rule = rule  # type: ignore[attr-defined]
+    if name is not None:
+        inner.__name__ = name
+    return inner
+
+
+def _band_rule(lo: int, hi: int | None) -> BlockRule:
+    """Rule for ``lo <= q - kv <= hi`` (``hi=None``: no upper bound): over a rectangle of rows
+    ``a..b`` and columns ``c..d``, ``q - kv`` takes every value in ``[a - d, b - c]``."""
+
+    def rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+        if hi is None:  # integer compares only: a float bound would promote to float32
+            return b - c >= lo, a - d >= lo
+        return (b - c >= lo) & (a - d <= hi), (a - d >= lo) & (b - c <= hi)
+
+    return rule
+
+
+# Cached so that the same arguments give the same object: torch.compile guards on the mask
+# function, and a fresh closure per step would look like a new function.
+@functools.cache
+def causal() -> InnerMask:
+    """``q_local >= kv_local``: each token sees its episode's past and itself."""
+
+    def causal_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return q >= kv
+
+    return with_block_rule(causal_mask, _band_rule(0, None), "causal")
+
+
+@functools.cache
+def frame_causal(tokens_per_frame: int, kv_tokens_per_frame: int | None = None) -> InnerMask:
+    """``q_local // F >= kv_local // F``: a token sees its whole frame and every earlier frame.
+
+    ``kv_tokens_per_frame`` (default ``tokens_per_frame``) lets cross-attention relate streams
+    of different frame sizes, e.g. 32 video tokens per frame querying 1 action per step.
+    With ``tokens_per_frame=2`` on one episode of 6 tokens::
+
+        # # . . . .
+        # # . . . .
+        # # # # . .
+        # # # # . .
+        # # # # # #
+        # # # # # #
+    """
+    fq = _positive_int("tokens_per_frame", tokens_per_frame)
+    fk = (
+        fq
+        if kv_tokens_per_frame is None
+        else _positive_int("kv_tokens_per_frame", kv_tokens_per_frame)
+    )
+
+    def frame_causal_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return q // fq >= kv // fk
+
+    def rule(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+        # Floor division is monotone: the extreme frames sit at the rectangle's corners.
+        return b // fq >= c // fk, a // fq >= d // fk
+
+    name = f"frame_causal_{fq}" if fk == fq else f"frame_causal_{fq}x{fk}"
+    return with_block_rule(frame_causal_mask, rule, name)
+
+
+@functools.cache
+def sliding_window(window: int, *, causal: bool = False) -> InnerMask:
+    """Token window inside the episode, counted in tokens of episode-local position.
+
+    ``causal=False``: ``|q_local - kv_local| <= window``, the token itself plus ``window``
+    tokens on each side (up to ``2 * window + 1`` keys). ``causal=True``:
+    ``0 <= q_local - kv_local <= window``, itself plus the ``window`` previous tokens (the
+    attention-gym sliding window). The window never crosses into another episode. ``window=1``
+    on one episode of 5 tokens, bidirectional::
+
+        # # . . .
+        # # # . .
+        . # # # .
+        . . # # #
+        . . . # #
+    """
+    w = _non_negative_int("window", window)
+
+    if causal:
+
+        def causal_sliding_window_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+            return (q >= kv) & (q - kv <= w)
+
+        return with_block_rule(
+            causal_sliding_window_mask, _band_rule(0, w), f"causal_sliding_window_{w}"
+        )
+
+    def sliding_window_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return (q - kv <= w) & (kv - q <= w)
+
+    return with_block_rule(sliding_window_mask, _band_rule(-w, w), f"sliding_window_{w}")
+
+
+# --------------------------------------------------------------------------- document mask
+
+
+def document_mask_mod(
+    doc_ids: Tensor, kv_doc_ids: Tensor | None = None, inner: InnerMask | None = None
+) -> MaskMod:
+    """FlexAttention mask_mod: ``doc_id[q] == doc_id[kv]``, then ``inner`` in episode-local terms.
+
+    ``inner(b, h, q_local, kv_local)`` sees ``q - start[doc[q]]`` and ``kv - start[doc[kv]]``
+    (precomputed per token, so the closure is pure tensor indexing and traces under vmap and
+    torch.compile). ``kv_doc_ids`` (length may differ) gives packed cross-attention: queries of
+    one stream attend to the same episode's keys of another. Padding: see the module docstring.
+    The closure is named e.g. ``document_causal`` or ``cross_document_frame_causal_32``.
+    """
+    q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
+    # int32 halves the bytes the attention kernel reads per gather.
+    q_doc_T = q_doc.to(torch.int32)
+    kv_doc_T = q_doc_T if self_attention else kv_doc.to(torch.int32)
+
+    if inner is None:  # no positions needed: a document mask reads doc ids only
+
+        def same_doc(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+            return (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0)
+
+    else:
+        inner_fn = inner
+        q_pos_T = local_positions(q_doc)
+        kv_pos_T = q_pos_T if self_attention else local_positions(kv_doc)
+
+        def same_doc(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+            same = (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0)
+            return same & inner_fn(b, h, q_pos_T[q], kv_pos_T[kv])
+
+    mask_mod: MaskMod = same_doc
+    prefix = "document" if self_attention else "cross_document"
+    mask_mod.__name__ = prefix if inner is None else f"{prefix}_{_name(inner)}"
+    return mask_mod
+
+
+def dense_mask(
+    doc_ids: Tensor, kv_doc_ids: Tensor | None = None, inner: InnerMask | None = None
+) -> Tensor:
+    """bool ``(T_q, T_kv)``: the mask ``document_mask_mod`` describes, by broadcasting it.
+
+    The reference for tests and the mask an SDPA backend passes as ``attn_mask`` (True =
+    attend). ``O(T_q x T_kv)`` memory: for checking and small packs, not for 64K tokens.
+    """
+    mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
+    T_q = doc_ids.shape[0]
+    T_kv = T_q if kv_doc_ids is None else kv_doc_ids.shape[0]
+    dev = doc_ids.device
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    q = torch.arange(T_q, device=dev)[:, None]
+    kv = torch.arange(T_kv, device=dev)[None, :]
+    return mask_mod(zero, zero, q, kv).expand(T_q, T_kv).contiguous()
+
+
+# --------------------------------------------------------------------------- block mask
+
+
+def make_block_mask(
+    doc_ids: Tensor,
+    kv_doc_ids: Tensor | None = None,
+    inner: InnerMask | None = None,
+    block_size: int | tuple[int, int] = 128,
+    *,
+    inner_fallback: Literal["evaluate", "partial", "error"] = "evaluate",
+    compile: bool | Literal["cuda_graph"] = False,
+) -> BlockMask:
+    """FlexAttention ``BlockMask`` for ``document_mask_mod(doc_ids, kv_doc_ids, inner)``.
+
+    Built from the document boundaries on the tensors' device, never from the ``T x T`` pairs:
+    ``O(T + R x C)`` tensor work (R q tiles, C kv tiles), no host-device sync, output shapes
+    fixed by ``(T_q, T_kv, block_size)`` alone (not by the number of episodes), so a compiled
+    model sees the same shapes every step. Tiles where every pair attends are listed as *full* (Flex skips
+    the mask_mod there), tiles without a true pair are not listed, the rest are *partial*; a
+    tile that spans several episodes is partial when any of them attends. The last ragged tile
+    (T not a multiple of the block) is never full, as with ``create_block_mask``.
+
+    Three episodes ``[5, 2, 4]`` + 1 pad, ``block_size=4`` (``#`` full, ``+`` partial)::
+
+        doc_ids  0 0 0 0 | 0 1 1 2 | 2 2 2 -1
+        document             causal
+          # + .                + . .
+          + + +                + + .
+          . + +                . + +
+
+    ``inner`` with a ``block_rule`` (``causal``, ``frame_causal``, ``sliding_window``, or your
+    own through :func:`with_block_rule`) is classified tile by tile without a sync. An inner
+    mask *without* a rule, e.g. ``torch``'s ``and_masks(causal(), my_mask)``, is handled as
+    ``inner_fallback`` says:
+
+    * ``"evaluate"`` (default): evaluate the full mask_mod on the pairs of the *candidate* tiles
+      only (those the documents allow). Exact tiles, but one host-device sync (to gather the
+      candidates) and ``O(#candidates x q_block x kv_block)`` work.
+    * ``"partial"``: list every candidate tile as partial. No sync, exact attention, but no
+      full tiles and no sparsity from the inner mask.
+    * ``"error"``: raise, for hot paths that must stay sync-free.
+
+    ``block_size`` is an int or ``(q_block, kv_block)``. ``compile=True`` runs the tile
+    classification through ``torch.compile`` (static shapes, one graph per ``(T_q, T_kv,
+    block_size, inner)``; the first call compiles): eager it is ~140 small kernels, which on a
+    GPU costs launch overhead rather than work. Reuse the same inner object (the factories here
+    are cached) so the compiled graph is reused. ``compile="cuda_graph"`` (CUDA tensors only)
+    also captures that compiled graph in a CUDA graph per shape, so a call is three launches
+    (copy the doc ids in, replay, copy the tables out) instead of the compiled graph's dozens;
+    the returned tables are the caller's own (a later call never overwrites them). Each
+    captured shape keeps its graph and memory pool (tens of MB at 64K tokens) until
+    ``packing.attention._compile.BLOCK_MASK_GRAPHS.reset()``.
+    """
+    q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
+    bq, bkv = _block_sizes(block_size)
+    if inner_fallback not in ("evaluate", "partial", "error"):
+        raise ValueError(f"inner_fallback={inner_fallback!r}; use 'evaluate', 'partial' or 'error'")
+    mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
+
+    rule: BlockRule | None = document_rule if inner is None else getattr(inner, "block_rule", None)
+    if compile not in (False, True, "cuda_graph"):
+        raise ValueError(f"compile={compile!r}; use False, True or 'cuda_graph'")
+    if rule is not None and not compile and _num_tiles(q_doc, kv_doc, bq, bkv) > _CHUNK_TILES:
+        tables = _chunked_block_tables(q_doc, kv_doc, rule, bq, bkv, self_attention)
+    elif rule is not None:
+        build: Callable[..., BlockTables]
+        if compile == "cuda_graph":
+            build = BLOCK_MASK_GRAPHS
+        else:
+            build = _compiled_block_tables() if compile else block_tables
+        tables = build(q_doc, kv_doc, rule, bq, bkv, self_attention)
+    elif inner_fallback == "error":
+        raise ValueError(
+            f"inner mask {_name(inner)!r} has no block_rule and inner_fallback='error'; attach "
+            "one with packing.attention._masks.with_block_rule(inner, rule) or pass "
+            "inner_fallback='evaluate' (one sync) or 'partial' (no full tiles)"
+        )
+    elif compile == "cuda_graph":
+        raise ValueError(
+            f"compile='cuda_graph' needs an inner mask with a block_rule; {_name(inner)!r} has "
+            "none (attach one with packing.attention._masks.with_block_rule, or use compile=True)"
+        )
+    else:
+        q_side = doc_side(q_doc, bq)
+        kv_side = doc_side(kv_doc, bkv)
+        any_RC, all_RC = classify_blocks(q_side, kv_side, unknown_rule)
+        if inner_fallback == "evaluate":
+            T_q, T_kv = q_doc.shape[0], kv_doc.shape[0]
+            any_RC, all_RC = evaluate_tiles(mask_mod, any_RC, T_q, T_kv, bq, bkv)
+        tables = tables_from_flags(any_RC, all_RC)
+
+    # The constructor, not from_kv_blocks: the q-side tables are already built (from the
+    # transposed tile flags), which saves a scatter and two vmaps per call.
+    return BlockMask(
+        seq_lengths=(q_doc.shape[0], kv_doc.shape[0]),
+        **tables._asdict(),
+        BLOCK_SIZE=(bq, bkv),
+        mask_mod=mask_mod,
+    )
+
+
+# Tiles classified per chunk on the eager path. Unchunked, the classification holds about a
+# dozen int64 (R, C) intermediates at once: 13.8 GB of host memory at 1M tokens (8,192 x 8,192
+# tiles), 13x the tables themselves (1.07 GB); a chunk of 1M tiles needs ~200 MB.
+_CHUNK_TILES = 1 << 20
+
+
+def _num_tiles(q_doc: Tensor, kv_doc: Tensor, bq: int, bkv: int) -> int:
+    return ceil_div(q_doc.shape[0], bq) * ceil_div(kv_doc.shape[0], bkv)
+
+
+def _chunked_block_tables(
+    q_doc_T: Tensor,
+    kv_doc_T: Tensor,
+    rule: BlockRule,
+    bq: int,
+    bkv: int,
+    self_attention: bool,
+) -> BlockTables:
+    """`block_tables` in row chunks of ``_CHUNK_TILES`` tiles: the same tables, built with
+    peak memory a small multiple of the tables' own (the tile flags are 2 bytes a tile, the
+    tables 16). Rows of q tiles are classified chunk by chunk, then each side's tables are
+    ordered chunk by chunk (kv side over q-tile rows, q side over kv-tile rows)."""
+    q = doc_side(q_doc_T, bq)
+    kv = q if self_attention and bq == bkv else doc_side(kv_doc_T, bkv)
+    R, C = q.first_B.shape[0], kv.first_B.shape[0]
+    any_RC = torch.empty((R, C), dtype=torch.bool, device=q_doc_T.device)
+    all_RC = torch.empty_like(any_RC)
+    rows = max(1, _CHUNK_TILES // max(C, 1))
+    for lo in range(0, R, rows):
+        part = dataclasses.replace(
+            q,
+            first_B=q.first_B[lo : lo + rows],
+            last_B=q.last_B[lo : lo + rows],
+            all_real_B=q.all_real_B[lo : lo + rows],
+            start_B=q.start_B[lo : lo + rows],
+            stop_B=q.stop_B[lo : lo + rows],
+        )
+        any_RC[lo : lo + rows], all_RC[lo : lo + rows] = classify_blocks(part, kv, rule)
+    kv_num, kv_idx, full_kv_num, full_kv_idx = _side_tables(any_RC, all_RC)
+    q_num, q_idx, full_q_num, full_q_idx = _side_tables(
+        any_RC.t().contiguous(), all_RC.t().contiguous()
+    )
+    return BlockTables(
+        kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx
+    )
+
+
+def _side_tables(any_RC: Tensor, all_RC: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The row side's (num, indices, full num, full indices), ``tables_from_flags`` applied
+    to chunks of rows (its column side, for a chunk, is not needed and is dropped)."""
+    R, C = any_RC.shape
+    num = torch.empty((1, 1, R), dtype=torch.int32, device=any_RC.device)
+    idx = torch.empty((1, 1, R, C), dtype=torch.int32, device=any_RC.device)
+    full_num, full_idx = torch.empty_like(num), torch.empty_like(idx)
+    rows = max(1, _CHUNK_TILES // max(C, 1))
+    for lo in range(0, R, rows):
+        t = tables_from_flags(any_RC[lo : lo + rows], all_RC[lo : lo + rows])
+        num[..., lo : lo + rows], idx[..., lo : lo + rows, :] = t.kv_num_blocks, t.kv_indices
+        full_num[..., lo : lo + rows] = t.full_kv_num_blocks
+        full_idx[..., lo : lo + rows, :] = t.full_kv_indices
+    return num, idx, full_num, full_idx
+
+
+@functools.cache
+def _compiled_block_tables() -> Callable[..., BlockTables]:
+    # Static shapes (dynamic=False): one graph per (T_q, T_kv, block, inner), reused for every
+    # document layout. fullgraph=True: a graph break would mean a sync crept in.
+    return torch.compile(block_tables, dynamic=False, fullgraph=True)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_doc_ids(doc_ids: Tensor, name: str = "doc_ids") -> None:
+    """Raise if ``doc_ids`` is not int (T,) of contiguous runs in increasing id order.
+
+    Reads the values, so on an accelerator it syncs; the mask builders call it for CPU tensors.
+    """
+    _check_tensor(doc_ids, name)
+    _check_values(doc_ids, name)
+
+
+def _check_tensor(t: Tensor, name: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of document ids, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(
+            f"{name} must be an integer tensor (int32 or int64) of document ids, got {t.dtype}; "
+            "use batch['doc_ids'] from PackedCollator"
+        )
+    if t.ndim != 1:
+        raise ValueError(
+            f"{name} must be 1-D (T,), one packed sequence, got shape {tuple(t.shape)}; "
+            "build one mask per pack"
+        )
+    if t.shape[0] == 0:
+        raise ValueError(f"{name} is empty; a pack needs at least one token")
+
+
+def _check_values(t: Tensor, name: str) -> None:
+    ids = t.detach().to("cpu", torch.int64)
+    if ids.min() < -1:
+        pos = int((ids < -1).nonzero()[0])
+        raise ValueError(f"{name}[{pos}] = {int(ids[pos])}; ids are >= 0, or -1 for padding")
+    real = ids >= 0
+    prev = torch.cat([ids.new_full((1,), -2), ids[:-1]])
+    run_start = (real & (ids != prev)).nonzero().flatten()  # first token of each run
+    run_ids = ids[run_start]
+    bad = (run_ids[1:] <= run_ids[:-1]).nonzero().flatten()
+    if bad.numel():
+        k = int(bad[0])
+        raise ValueError(
+            f"{name}: document {int(run_ids[k + 1])} at position {int(run_start[k + 1])} follows "
+            f"document {int(run_ids[k])}; each document must be one contiguous run and ids must "
+            "increase along the sequence (padding -1 may sit between documents); pack with "
+            "PackedCollator or renumber the documents in order"
+        )
+
+
+def _check_pair(doc_ids: Tensor, kv_doc_ids: Tensor | None) -> tuple[Tensor, Tensor, bool]:
+    _check_tensor(doc_ids, "doc_ids")
+    if kv_doc_ids is None:
+        if doc_ids.device.type == "cpu":
+            _check_values(doc_ids, "doc_ids")
+        return doc_ids, doc_ids, True
+    _check_tensor(kv_doc_ids, "kv_doc_ids")
+    if kv_doc_ids.device != doc_ids.device:
+        raise ValueError(
+            f"doc_ids is on {doc_ids.device} but kv_doc_ids on {kv_doc_ids.device}; "
+            "move both to the attention's device"
+        )
+    if doc_ids.device.type == "cpu":
+        _check_values(doc_ids, "doc_ids")
+        _check_values(kv_doc_ids, "kv_doc_ids")
+    return doc_ids, kv_doc_ids, False
+
+
+def _block_sizes(block_size: int | tuple[int, int]) -> tuple[int, int]:
+    sizes = (block_size, block_size) if isinstance(block_size, int) else block_size
+    ok = isinstance(sizes, tuple | list) and len(sizes) == 2
+    if not ok or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+        raise ValueError(
+            f"block_size={block_size!r}; use a positive int or a (q_block, kv_block) pair of "
+            "positive ints (FlexAttention kernels want multiples of 16, default 128)"
+        )
+    return sizes[0], sizes[1]
+
+
+def _positive_int(name: str, v: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{name}={v!r}; use a positive int (tokens)")
+    return v
+
+
+def _non_negative_int(name: str, v: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{name}={v!r}; use an int >= 0 (tokens on each side)")
+    return v
+
+
+def _name(inner: InnerMask | None) -> str:
+    return getattr(inner, "__name__", type(inner).__name__)

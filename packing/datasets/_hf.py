@@ -1,0 +1,137 @@
+"""Whole episodes from a plain Hugging Face ``datasets.Dataset`` with an episode column.
+
+For users outside LeRobot: rows are frames, one column names the episode of each row, and
+item ``i`` of :class:`HFEpisodes` is the ``i``-th episode (sorted by id) with every requested
+column stacked on a leading sequence axis. Three episodes of lengths ``[2, 4, 3]``::
+
+    row            0 1 2 3 4 5 6 7 8
+    episode_index  0 0 1 1 1 1 2 2 2
+    item 1 = {"action": rows 2..5 -> (4, A), "episode_index": 1, "task": "..."}
+
+Rows of an episode need not be contiguous: they are gathered in row order with one Arrow
+``take`` (contiguous episodes are one zero-copy slice). Declared dtypes are kept (a float16
+column stays float16). A boolean ``{key}_is_pad`` column becomes ``{key}_loss_mask =
+~{key}_is_pad`` (see `packing.datasets._arrow.plan_columns`), so padded targets never enter a loss by
+mistake. The Arrow-to-tensor conversion (`packing.datasets._arrow`) is shared with `packing.datasets._lerobot`;
+``datasets`` is imported only when an ``HFEpisodes`` is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from packing._lazy import require
+from packing.datasets import _arrow
+
+__all__ = ["HFEpisodes"]
+
+
+def group_rows(episode_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows grouped by episode: ``(ids_E, offsets_E1, order_N)``, ids sorted ascending.
+
+    Episode ``ids_E[j]`` owns rows ``order_N[offsets_E1[j]:offsets_E1[j + 1]]``, in row order::
+
+        episode_ids [1, 0, 1, 2, 0]  ->  ids [0, 1, 2], offsets [0, 2, 4, 5],
+                                         order [1, 4, 0, 2, 3]
+    """
+    order = np.argsort(episode_ids, kind="stable")
+    ids, starts = np.unique(episode_ids[order], return_index=True)
+    offsets = np.append(starts, len(order)).astype(np.int64)
+    return ids, offsets, order.astype(np.int64)
+
+
+class HFEpisodes(Dataset):
+    """Episode-level dataset over a ``datasets.Dataset`` whose rows are frames.
+
+    Args:
+        dataset: a ``datasets.Dataset`` (after ``select``/``shuffle``/``filter`` too).
+        keys: columns to serve, each as a tensor ``(F, *shape)`` in its stored dtype.
+        episode_column: the integer column that names each row's episode.
+        episodes: episode ids to serve, in this order (default: all, sorted).
+        task_column: a string column; its value (constant within an episode) becomes
+            ``item["task"]``. Without it, items carry no ``"task"``.
+
+    ``.lengths`` (frames per item) comes from the episode column alone.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        keys: Sequence[str],
+        *,
+        episode_column: str = "episode_index",
+        episodes: Sequence[int] | None = None,
+        task_column: str | None = None,
+    ) -> None:
+        datasets = require("datasets", extra="hf")
+        if not isinstance(dataset, datasets.Dataset):
+            raise TypeError(
+                f"expected a datasets.Dataset, got {type(dataset).__name__}"
+                + ("; pick a split, e.g. ds['train']" if isinstance(dataset, dict) else "")
+            )
+        columns = list(dataset.column_names)
+        for col in (episode_column, task_column):
+            if col is not None and col not in columns:
+                raise KeyError(f"unknown column {col!r}; available columns: {columns}")
+        self.keys = tuple(keys)
+        self._plan = _arrow.plan_columns(self.keys, [c for c in columns if c != episode_column])
+        self.task_column = task_column
+        ep_ids = _arrow.arrow_to_numpy(
+            dataset.select_columns([episode_column]).with_format("arrow")[episode_column],
+            key=episode_column,
+        )
+        if ep_ids.ndim != 1 or ep_ids.dtype.kind not in "iu":
+            raise TypeError(
+                f"episode column {episode_column!r} must be one integer per row, "
+                f"got {ep_ids.dtype} of shape {ep_ids.shape[1:]}"
+            )
+        schema = dataset.data.schema  # validate early, not in a DataLoader worker
+        for _, col, _ in self._plan:
+            _arrow.check_numeric(schema.field(col).type, key=col)
+        ids, offsets, self._order = group_rows(ep_ids)
+        # "arrow" format: indexing returns pyarrow Tables and honours select/shuffle indices;
+        # selecting columns first keeps a gather of scattered rows to the columns we serve.
+        read = sorted({col for _, col, _ in self._plan} | ({task_column} if task_column else set()))
+        self._rows = dataset.select_columns(read).with_format("arrow")
+        pos = {int(e): j for j, e in enumerate(ids)}
+        wanted = ids.tolist() if episodes is None else [int(e) for e in episodes]
+        missing = [e for e in wanted if e not in pos]
+        if missing:
+            raise KeyError(
+                f"episodes {missing[:10]} not found in column {episode_column!r} "
+                f"({len(ids)} episodes, ids {ids.min()}..{ids.max()})"
+            )
+        sel = np.array([pos[e] for e in wanted], dtype=np.int64)
+        self.episode_ids = np.array(wanted, dtype=np.int64)
+        self._starts = offsets[sel]
+        self.lengths = (offsets[sel + 1] - offsets[sel]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.episode_ids)
+
+    def _episode_rows(self, i: int) -> Any:
+        rows = self._order[self._starts[i] : self._starts[i] + self.lengths[i]]
+        if rows[-1] - rows[0] + 1 == len(rows):  # contiguous: one zero-copy slice
+            return self._rows[int(rows[0]) : int(rows[-1]) + 1]
+        return self._rows[rows.tolist()]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"episode position {i} out of range for {len(self)} episodes")
+        i = i % len(self)
+        table = self._episode_rows(i)
+        item: dict[str, Any] = _arrow.table_to_episode(table, self._plan)
+        item["episode_index"] = int(self.episode_ids[i])
+        if self.task_column is not None:
+            tasks = table.column(self.task_column).unique().to_pylist()
+            if len(tasks) != 1:
+                raise ValueError(
+                    f"episode {item['episode_index']} has {len(tasks)} values in task column "
+                    f"{self.task_column!r} ({tasks[:3]}); a task must be constant per episode"
+                )
+            item["task"] = str(tasks[0])
+        return item
