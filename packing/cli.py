@@ -225,6 +225,12 @@ def _add_optimizer_and_output_options(v: argparse.ArgumentParser) -> None:
         help="AdamW eps (default 1e-6: keeps fp32 rounding noise of zero gradients below eps)",
     )
     v.add_argument("--no-leak-check", dest="leak_check", action="store_false")
+    v.add_argument(
+        "--no-check-finite",
+        dest="check_finite",
+        action="store_false",
+        help="do not refuse data holding NaN or inf (by default the episode and key are named)",
+    )
     v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     v.add_argument(
         "--threads",

@@ -37,6 +37,7 @@ __all__ = [
     "build_model",
     "build_reference",
     "check_device",
+    "check_finite_episodes",
     "dataset_features",
     "default_token_budget",
     "load_episodes",
@@ -92,6 +93,7 @@ class VerifyConfig:
     noise_key: str = "episode"
     fsdp_autocast: bool = False  # bf16: fp32 sharded parameters + autocast, not bf16 params
     threads: int | None = None  # CPU threads for torch in every process (None: 1)
+    check_finite: bool = True  # a NaN/inf in the data is named before the run, not DIVERGED
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -508,6 +510,23 @@ def token_budget(
     return budget
 
 
+def check_finite_episodes(episodes: Sequence[Mapping[str, Any]], where: str) -> None:
+    """A NaN or inf in the data is named (episode, key, first index, value) before the run:
+    trained on, it makes both runs diverge, which would read as the model's fault."""
+    for i, ep in enumerate(episodes):
+        for key, value in ep.items():
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                continue
+            bad = ~torch.isfinite(value)
+            if bool(bad.any()):
+                first = tuple(int(j) for j in bad.nonzero()[0])
+                raise ValueError(
+                    f"episode {ep.get('episode_index', i)} of {where}: {key}{list(first)} is "
+                    f"{float(value[first])}; the data holds non-finite values (fix or drop the "
+                    "episode, or pass --no-check-finite to train on them anyway)"
+                )
+
+
 def prepare(config: VerifyConfig) -> Setup:
     """Model, episodes, collates and budget of a verify run, from its config (both harnesses).
 
@@ -518,6 +537,8 @@ def prepare(config: VerifyConfig) -> Setup:
 
     torch.manual_seed(config.seed)
     model, episodes, where, mapping = model_and_episodes(config)
+    if config.check_finite:
+        check_finite_episodes(episodes, where)
     streams = list(model.streams)  # type: ignore[arg-type]
     multiple = 128 if all(128 % s.tokens_per_step == 0 for s in streams) else 8
     unpacked = PackedCollator(streams, pad_to_multiple=multiple)
