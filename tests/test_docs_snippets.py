@@ -24,6 +24,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK_S = 120  # per block: the slowest (the diffusers loop) takes ~5 s on an idle core
 MAX_SKIPS = 4  # a skip is for a pretrained download or a GPU only; more means rewrite blocks
 SKIP = re.compile(r"<!--\s*skip:\s*(\S.*?)\s*-->")
+INDEX = ROOT / "docs" / "index.md"
+FOLDERS = ("data", "attention", "planning", "train", "datasets", "model", "verify")
 
 
 @dataclass(frozen=True)
@@ -167,3 +169,23 @@ def test_the_runner_reports_a_broken_block_and_isolates_the_next() -> None:
     assert "NameError: name 'undefined_name'" in str(first["error"])
     assert "NameError: name 'name'" in str(second["error"]) and second["stdout"] == "ran\n"
     assert third["error"] is None and third["stdout"] == "fine\n"
+
+
+def test_the_index_names_every_public_name_on_its_folders_row() -> None:
+    """docs/index.md's package table: a newcomer finds any public name's home from it."""
+    import importlib
+
+    rows = {
+        m.group(1): m.group(2)
+        for m in re.finditer(
+            r"^\| `packing/([a-z_/.]+?)/?` \|[^|]*\|(.*)\|$", INDEX.read_text(), re.M
+        )
+    }
+    for folder in (*FOLDERS, "integrations/diffusers", "cli.py"):
+        assert folder in rows, f"docs/index.md has no row for packing/{folder}"
+        module = "packing." + folder.removesuffix(".py").replace("/", ".")
+        names = set(importlib.import_module(module).__all__)
+        if folder == "integrations/diffusers":
+            names |= set(importlib.import_module(module + ".testing").__all__)
+        missing = sorted(n for n in names if f"`{n}`" not in rows[folder])
+        assert not missing, f"docs/index.md's row for packing/{folder} lacks {missing}"
