@@ -5,7 +5,8 @@ cores); each block gets fresh globals, an empty temporary working directory and 
 so a block that needs a name or a file from an earlier block fails here, as it would for a
 reader who copies it alone. A block that cannot run on a CPU without a download (a pretrained
 checkpoint, a GPU) says so on the line before it, ``<!-- skip: why -->``; those are counted and
-kept rare. The README's loops must also print what a user needs to see (their losses).
+kept rare. The README's loops must also print what a user needs to see (their losses), and
+docs/index.md's package table must name every public name on its folder's row.
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ def test_the_index_names_every_public_name_on_its_folders_row() -> None:
             r"^\| `packing/([a-z_/.]+?)/?` \|[^|]*\|(.*)\|$", INDEX.read_text(), re.M
         )
     }
-    for folder in (*FOLDERS, "integrations/diffusers", "cli.py"):
+    serve = ("serve",) if (ROOT / "packing" / "serve" / "__init__.py").exists() else ()
+    for folder in (*FOLDERS, *serve, "integrations/diffusers", "cli.py"):
         assert folder in rows, f"docs/index.md has no row for packing/{folder}"
         module = "packing." + folder.removesuffix(".py").replace("/", ".")
         names = set(importlib.import_module(module).__all__)
