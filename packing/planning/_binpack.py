@@ -427,7 +427,7 @@ def _run_lookahead(
 
     One loop on purpose (~60 lines): it is the planner's hot path, ~1.2 us an item, and each
     choice depends on the previous one; inlining the opener and one dict lookup per item
-    made it 1.2-1.3x faster with identical plans (docs/benchmarks.md §3).
+    made it 1.2-1.3x faster with identical plans (docs/benchmarks.md §7).
     """
     vals, span, b, half = state.vals, state.span, state.b, state.half
     take = state.one_pos.append
