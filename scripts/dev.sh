@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # The two commands of the README, on a fresh machine:
 #   scripts/dev.sh verify [packing verify options]   packed vs unpacked loss and gradients
-#   scripts/dev.sh test   [pytest options]           lint, type-check, the suite but `slow` (CI)
-# and the rest of the suite:
+#   scripts/dev.sh test   [pytest options]           lint, type-check, the suite but `slow` (CI),
+#                                                    at both ends of the tested torch range
+# and the rest:
+#   scripts/dev.sh test-oldest | test-newest [pytest options]   the suite on one end only
 #   scripts/dev.sh test-slow [pytest options]        the `slow` tests: verify --compile, the
 #                                                    benchmark scripts' smoke runs, FSDP variants
-# Both create .venv with the Python of .python-version (found through pyenv) and install
-# the package with its lerobot/hf/dev/diffusers/plot extras; the install is redone when pyproject.toml,
-# constraints.txt or this script change.
+#
+# Two virtualenvs, with the Python of .python-version (found through pyenv), one per end of the
+# range pyproject.toml declares (docs/compatibility.md):
+#   .venv         oldest: constraints.txt (torch 2.11, numpy 2.0, lerobot 0.6.1), extras
+#                 lerobot,hf,dev,diffusers,plot; `verify`, lint, mypy and `test-slow` run here
+#   .venv-newest  newest: constraints-newest.txt (torch 2.15, numpy 2.5), extras
+#                 hf,dev,diffusers,plot; no lerobot (0.6.1 needs torch < 2.12), so the tests
+#                 that need lerobot's writer skip there, saying so
+# Each is made on first use and redone when pyproject.toml, its constraints file or this script
+# change. PACKING_VENV and PACKING_VENV_NEWEST move them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -24,21 +33,51 @@ find_python() {
   exit 1
 }
 
-venv=${PACKING_VENV:-$root/.venv}
-stamp_want=$(cat pyproject.toml constraints.txt scripts/dev.sh | sha256sum | cut -c1-16)
-if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.packing-stamp" 2>/dev/null)" != "$stamp_want" ]; then
+# setup VENV CONSTRAINTS EXTRAS: make VENV (once per content of the files it is made from).
+setup() {
+  local venv=$1 constraints=$2 extras=$3
+  local stamp_want
+  stamp_want=$(cat pyproject.toml "$constraints" scripts/dev.sh | sha256sum | cut -c1-16)
+  if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.packing-stamp" 2>/dev/null)" = "$stamp_want" ]; then
+    return
+  fi
+  local py log start
   py=$(find_python)
-  echo "setting up $venv with $("$py" --version) ..." >&2
+  start=$SECONDS
+  echo "setting up $venv with $("$py" --version) and $constraints ..." >&2
+  # A venv made from other pins would keep packages the new pins don't want: start afresh
+  # (only where a venv is: PACKING_VENV may name any folder).
+  if [ -f "$venv/pyvenv.cfg" ]; then rm -rf "$venv"; fi
   "$py" -m venv "$venv"
   log="$venv/install.log"
   if ! { "$venv/bin/python" -m pip install --upgrade pip &&
-         "$venv/bin/python" -m pip install -c constraints.txt -e ".[lerobot,hf,dev,diffusers,plot]"; } >"$log" 2>&1; then
+         "$venv/bin/python" -m pip install -c "$constraints" -e ".[$extras]"; } >"$log" 2>&1; then
     grep -v '^WARNING: Location' "$log" | tail -n 40 >&2
+    if grep -q "(constraint) torch<=" "$log"; then
+      echo "note: a pip constraint of this machine caps torch below $constraints's pin" >&2
+    fi
     echo "error: installing into $venv failed; the whole log is $log" >&2
     exit 1
   fi
   echo "$stamp_want" > "$venv/.packing-stamp"
-fi
+  echo "$venv ready in $((SECONDS - start)) s" >&2
+}
+
+venv=${PACKING_VENV:-$root/.venv}
+venv_newest=${PACKING_VENV_NEWEST:-$root/.venv-newest}
+setup_oldest() { setup "$venv" constraints.txt lerobot,hf,dev,diffusers,plot; }
+setup_newest() { setup "$venv_newest" constraints-newest.txt hf,dev,diffusers,plot; }
+
+# suite VENV [pytest options]: the suite but `slow` on one end of the range, headed by the
+# versions it runs (the suite's own closing line follows).
+suite() {
+  local py=$1/bin/python start=$SECONDS rc=0
+  shift
+  echo "== suite on $("$py" -c 'import sys, numpy, torch; print(f"torch {torch.__version__}, numpy {numpy.__version__}, Python {sys.version.split()[0]}")') ($1) ==" >&2
+  "$py" -m pytest -n 2 -q -m "not slow" "${@:2}" || rc=$?
+  echo "== $((SECONDS - start)) s, exit $rc ==" >&2
+  return $rc
+}
 
 # Everything runs offline: datasets are local, nothing may reach a hub.
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -46,19 +85,36 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   verify)
+    setup_oldest
     exec "$venv/bin/packing" verify "$@"
     ;;
   test)
+    # Lint and types once (they do not depend on torch's version); the suite on both ends,
+    # the second even when the first fails, so one run shows both.
+    setup_oldest
     "$venv/bin/ruff" check packing tests benchmarks
     "$venv/bin/ruff" format --check packing tests benchmarks
     "$venv/bin/mypy" packing
-    exec "$venv/bin/python" -m pytest -n 2 -q -m "not slow" "$@"
+    rc=0
+    suite "$venv" constraints.txt "$@" || rc=$?
+    setup_newest
+    suite "$venv_newest" constraints-newest.txt "$@" || rc=$?
+    exit $rc
+    ;;
+  test-oldest)
+    setup_oldest
+    suite "$venv" constraints.txt "$@"
+    ;;
+  test-newest)
+    setup_newest
+    suite "$venv_newest" constraints-newest.txt "$@"
     ;;
   test-slow)
+    setup_oldest
     exec "$venv/bin/python" -m pytest -n 2 -q -m slow "$@"
     ;;
   *)
-    echo "usage: scripts/dev.sh {verify|test|test-slow} [options]" >&2
+    echo "usage: scripts/dev.sh {verify|test|test-oldest|test-newest|test-slow} [options]" >&2
     exit 2
     ;;
 esac
