@@ -15,7 +15,7 @@ restores both, also when the call raises. Nothing is cached.
 - *keyed by*: the call's ``(q tokens, kv tokens)``. The first ``static_shapes`` (4) distinct
   shapes a process runs get the static kernel; a later new shape gets the dynamic one, with a
   warning (once). The FLASH backend always runs static (torch 2.11 cannot compile it with
-  dynamic shapes);
+  dynamic shapes, and inductor's FLASH template still says "TODO(dynamic shapes)" in 2.15);
 - *inspect*: ``FLEX_KERNELS.shapes`` (the shapes holding a static slot, in order seen);
 - *reset*: ``FLEX_KERNELS.reset()`` forgets them and drops both compiled functions;
   ``reset(static_shapes=64)`` also changes the number of slots (a benchmark that sweeps
@@ -37,6 +37,14 @@ the unpacked reference of `packing verify` has one per episode length.
   them;
 - *inspect*: ``BLOCK_MASK_GRAPHS.keys``; *reset*: ``BLOCK_MASK_GRAPHS.reset()`` drops the
   graphs and their memory pools (tens of MB each at 64K tokens, ~16x more at 256K).
+
+**Torch internals read here**, the same in every release of the range pyproject.toml allows
+(read in the source of 2.11.0, 2.12.0, 2.13.0, 2.14.1 and 2.15.0; tests/test_versions.py
+checks them on both ends CI runs): ``torch._dynamo.config.recompile_limit`` and
+``fail_on_recompile_limit_hit``, and the exception dynamo raises then,
+``torch._dynamo.exc.FailOnRecompileLimitHit`` (matched by name, wherever it lives). A torch
+outside ``TESTED_TORCH`` gets one warning at the first compile (`check_torch_version`): these
+names may have moved, and `call_compiled` would then fail or miss the limit.
 """
 
 from __future__ import annotations
@@ -53,10 +61,45 @@ __all__ = [
     "BLOCK_MASK_GRAPHS",
     "FLEX_GRAPH_LIMIT",
     "FLEX_KERNELS",
+    "TESTED_TORCH",
     "GraphedBlockTables",
     "ShapeKernels",
     "call_compiled",
+    "check_torch_version",
 ]
+
+# (major, minor) of the oldest and the newest torch CI runs the suite on (constraints.txt,
+# constraints-newest.txt); pyproject.toml's torch range is exactly this (tests/test_versions.py).
+TESTED_TORCH = ((2, 11), (2, 15))
+
+
+def _torch_minor(version: str) -> tuple[int, int]:
+    """``"2.15.0+cu132"`` -> ``(2, 15)``; ``"2.16.0a0+git1234"`` -> ``(2, 16)``."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+@functools.cache
+def check_torch_version(version: str | None = None) -> bool:
+    """Warn once when torch is outside ``TESTED_TORCH``; True when inside.
+
+    pip keeps a plain install inside (pyproject.toml caps torch), but a source build, a nightly
+    or ``--no-deps`` gets past it, and the dynamo internals this module reads are only known to
+    hold inside the range. Called at the first compile, not per call.
+    """
+    version = torch.__version__ if version is None else version
+    got, (lo, hi) = _torch_minor(version), TESTED_TORCH
+    if lo <= got <= hi:
+        return True
+    warnings.warn(
+        f"torch {version} is outside the range packing is tested on "
+        f"({lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}, docs/compatibility.md): the compiled paths "
+        "rely on torch._dynamo.config.recompile_limit and fail_on_recompile_limit_hit; if "
+        "a compiled call fails oddly, install a torch inside the range",
+        stacklevel=3,
+    )
+    return False
+
 
 # Graphs the shared compiled FlexAttention may hold in one process. Each (mask_mod kind, grad
 # mode, autocast, dtype, static/dynamic shape) is one graph: a model with a self- and a
@@ -146,6 +189,7 @@ class ShapeKernels:
         """The compiled function for ``shape`` (``always_static``: never the dynamic one)."""
         static = always_static or self.is_static(shape)
         if static not in self._compiled:
+            check_torch_version()
             self._compiled[static] = torch.compile(self._load(), dynamic=not static)
         return self._compiled[static]
 
@@ -257,6 +301,7 @@ def _compiled_flat_tables() -> Callable[..., torch.Tensor]:
     def flat_tables(*args: Any) -> torch.Tensor:
         return torch.cat([t.flatten() for t in block_tables(*args)])
 
+    check_torch_version()
     return torch.compile(flat_tables, dynamic=False, fullgraph=True)
 
 

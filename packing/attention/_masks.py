@@ -49,7 +49,7 @@ from packing.attention._block_tables import (
     tables_from_flags,
     unknown_rule,
 )
-from packing.attention._compile import BLOCK_MASK_GRAPHS
+from packing.attention._compile import BLOCK_MASK_GRAPHS, check_torch_version
 from packing.data._layout_math import ceil_div, local_positions
 
 __all__ = [
@@ -402,6 +402,7 @@ def _side_tables(any_RC: Tensor, all_RC: Tensor) -> tuple[Tensor, Tensor, Tensor
 def _compiled_block_tables() -> Callable[..., BlockTables]:
     # Static shapes (dynamic=False): one graph per (T_q, T_kv, block, inner), reused for every
     # document layout. fullgraph=True: a graph break would mean a sync crept in.
+    check_torch_version()
     return torch.compile(block_tables, dynamic=False, fullgraph=True)
 
 

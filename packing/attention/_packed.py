@@ -422,7 +422,8 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float | N
     if q.device.type == "cuda":
         # Compiled, one static kernel per shape for a process's first few shapes (the FLASH
         # backend always static: torch 2.11 cannot compile it with dynamic shapes, an
-        # InductorError on the H200); the contract is in packing/attention/_compile.py.
+        # InductorError on the H200, and 2.15's template still has it as a TODO); the
+        # contract is in packing/attention/_compile.py.
         fn = _compile.FLEX_KERNELS.get(
             (q.shape[0], k.shape[0]), always_static=mask.kernel == "flash"
         )
