@@ -398,9 +398,7 @@ def methods_for(case: Case, mask: str, quick: bool) -> list[tuple[str, Callable[
     if cuda:
         out.append(("packing.attention[flex]", lambda: library(case, mask, "flex")))
         if fa4:
-            out.append(
-                ("packing.attention[flex_flash]", lambda: library(case, mask, "flex_flash"))
-            )
+            out.append(("packing.attention[flex_flash]", lambda: library(case, mask, "flex_flash")))
         if mask != "frame_causal":
             out.append(("packing.attention[varlen]", lambda: library(case, mask, "varlen")))
         if mask == "document":
