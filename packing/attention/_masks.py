@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from packing._validate import check_int, is_int
 from packing.attention._block_tables import (
     BlockRule,
     BlockTables,
@@ -192,9 +193,10 @@ def document_mask_mod(
     The closure is named e.g. ``document_causal`` or ``cross_document_frame_causal_32``.
     """
     q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
-    # int32 halves the bytes the attention kernel reads per gather.
-    q_doc_T = q_doc.to(torch.int32)
-    kv_doc_T = q_doc_T if self_attention else kv_doc.to(torch.int32)
+    # The ids keep their own dtype: narrowing int64 to int32 would make ids 0 and 2**32 one
+    # document. PackedCollator's ids are already int32 (half the bytes per gather).
+    q_doc_T = q_doc
+    kv_doc_T = q_doc_T if self_attention else kv_doc
 
     if inner is None:  # no positions needed: a document mask reads doc ids only
 
@@ -473,26 +475,27 @@ def _check_pair(doc_ids: Tensor, kv_doc_ids: Tensor | None) -> tuple[Tensor, Ten
 
 
 def _block_sizes(block_size: int | tuple[int, int]) -> tuple[int, int]:
-    sizes = (block_size, block_size) if isinstance(block_size, int) else block_size
+    sizes = (block_size, block_size) if is_int(block_size) else block_size
     ok = isinstance(sizes, tuple | list) and len(sizes) == 2
-    if not ok or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+    if not ok or not all(is_int(s) and s > 0 for s in sizes):
         raise ValueError(
             f"block_size={block_size!r}; use a positive int or a (q_block, kv_block) pair of "
             "positive ints (FlexAttention kernels want multiples of 16, default 128)"
         )
-    return sizes[0], sizes[1]
+    return check_int("block_size", sizes[0]), check_int("block_size", sizes[1])
 
 
+# ValueError for a wrong type too (not TypeError): these messages are pinned by tests and docs.
 def _positive_int(name: str, v: int) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+    if not is_int(v) or v <= 0:
         raise ValueError(f"{name}={v!r}; use a positive int (tokens)")
-    return v
+    return check_int(name, v)
 
 
 def _non_negative_int(name: str, v: int) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+    if not is_int(v) or v < 0:
         raise ValueError(f"{name}={v!r}; use an int >= 0 (tokens on each side)")
-    return v
+    return check_int(name, v)
 
 
 def _name(inner: InnerMask | None) -> str:
