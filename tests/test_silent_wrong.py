@@ -30,3 +30,43 @@ def test_block_size_accepts_numpy_ints():
     ids = torch.tensor([0, 0, 1, 1])
     a = make_block_mask(ids, block_size=np.int64(2)).to_dense()
     assert torch.equal(a, make_block_mask(ids, block_size=2).to_dense())
+
+
+# -- losses -----------------------------------------------------------------------------------
+from packing.data import layout_from_lengths  # noqa: E402
+from packing.train import LossNormalizer, reduce_loss  # noqa: E402
+
+
+@pytest.mark.parametrize("denominator", [0, -3, 0.0, float("nan")])
+def test_reduce_loss_refuses_a_denominator_that_is_not_positive(denominator):
+    ids = torch.tensor([0, 0, 1])
+    with pytest.raises(ValueError, match=r"denominator=.* must be"):
+        reduce_loss(torch.ones(3), ids, "token", denominator=denominator)
+
+
+def test_reduce_loss_refuses_a_zero_tensor_denominator_with_loss_to_normalise():
+    ids = torch.tensor([0, 0, 1])
+    with pytest.raises(ValueError, match=r"denominator=0.0 must be > 0"):
+        reduce_loss(torch.ones(3), ids, "token", denominator=torch.tensor(0.0))
+    # Nothing to learn (an all-padding pack) stays 0, as documented.
+    pad = torch.tensor([-1, -1, -1])
+    assert reduce_loss(torch.ones(3), pad, "token", denominator=torch.tensor(0.0)) == 0
+
+
+def test_loss_normalizer_for_an_empty_step_is_refused():
+    with pytest.raises(ValueError, match=r"for_step\(\[\]\): no micro-batch"):
+        LossNormalizer.for_step([], "token")
+
+
+def test_reduce_loss_refuses_non_contiguous_doc_ids_like_make_block_mask():
+    ids = torch.tensor([0, 0, 1, 1, 0, 0])
+    with pytest.raises(ValueError, match=r"doc_ids: document 0 at position 4 follows document 1"):
+        reduce_loss(torch.ones(6), ids, "episode")
+    with pytest.raises(ValueError, match=r"document 0 at position 4"):
+        make_block_mask(ids)
+
+
+def test_reduce_loss_refuses_a_0d_loss():
+    lay = layout_from_lengths([2, 1], [2, 1], 4)
+    with pytest.raises(ValueError, match=r"loss must be the per-token loss.*reduction='none'"):
+        reduce_loss(torch.tensor(1.5), lay, "token")

@@ -416,7 +416,7 @@ def validate_doc_ids(doc_ids: Tensor, name: str = "doc_ids") -> None:
     Reads the values, so on an accelerator it syncs; the mask builders call it for CPU tensors.
     """
     _check_tensor(doc_ids, name)
-    _check_values(doc_ids, name)
+    check_doc_runs(doc_ids, name)
 
 
 def _check_tensor(t: Tensor, name: str) -> None:
@@ -436,7 +436,8 @@ def _check_tensor(t: Tensor, name: str) -> None:
         raise ValueError(f"{name} is empty; a pack needs at least one token")
 
 
-def _check_values(t: Tensor, name: str) -> None:
+def check_doc_runs(t: Tensor, name: str) -> None:
+    """Raise unless ids are >= -1, each document one contiguous run, ids increasing."""
     ids = t.detach().to("cpu", torch.int64)
     if ids.min() < -1:
         pos = int((ids < -1).nonzero()[0])
@@ -460,7 +461,7 @@ def _check_pair(doc_ids: Tensor, kv_doc_ids: Tensor | None) -> tuple[Tensor, Ten
     _check_tensor(doc_ids, "doc_ids")
     if kv_doc_ids is None:
         if doc_ids.device.type == "cpu":
-            _check_values(doc_ids, "doc_ids")
+            check_doc_runs(doc_ids, "doc_ids")
         return doc_ids, doc_ids, True
     _check_tensor(kv_doc_ids, "kv_doc_ids")
     if kv_doc_ids.device != doc_ids.device:
@@ -469,8 +470,8 @@ def _check_pair(doc_ids: Tensor, kv_doc_ids: Tensor | None) -> tuple[Tensor, Ten
             "move both to the attention's device"
         )
     if doc_ids.device.type == "cpu":
-        _check_values(doc_ids, "doc_ids")
-        _check_values(kv_doc_ids, "kv_doc_ids")
+        check_doc_runs(doc_ids, "doc_ids")
+        check_doc_runs(kv_doc_ids, "kv_doc_ids")
     return doc_ids, kv_doc_ids, False
 
 
