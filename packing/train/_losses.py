@@ -345,12 +345,15 @@ def reduce_loss(
             f"denominator must be a number or a 0-d tensor, got shape "
             f"{tuple(denominator.shape)}; pass global_denominator(...)"
         )
-    elif denominator.device.type == "cpu" and not bool(denominator.reshape(()) > 0):
-        if bool(total != 0):  # D = 0 with nothing to learn is an all-padding step: 0
-            raise ValueError(
-                f"denominator={denominator.item()} must be > 0 when the pack has loss to "
-                "normalise; pass global_denominator(...) of this optimizer step"
-            )
+    elif (
+        denominator.device.type == total.device.type == "cpu"
+        and not bool(denominator.reshape(()) > 0)
+        and bool(total != 0)  # D = 0 with nothing to learn is an all-padding step: 0
+    ):
+        raise ValueError(
+            f"denominator={denominator.item()} must be > 0 when the pack has loss to "
+            "normalise; pass global_denominator(...) of this optimizer step"
+        )
     d = _to(denominator.reshape(()).to(total.dtype), total.device)
     # D <= 0 with loss to normalise (a device tensor, unread): NaN, loud, not the plain sum.
     nothing = torch.where(total == 0, 0.0, float("nan")).to(total.dtype)
