@@ -70,3 +70,59 @@ def test_reduce_loss_refuses_a_0d_loss():
     lay = layout_from_lengths([2, 1], [2, 1], 4)
     with pytest.raises(ValueError, match=r"loss must be the per-token loss.*reduction='none'"):
         reduce_loss(torch.tensor(1.5), lay, "token")
+
+
+# -- planning ---------------------------------------------------------------------------------
+from packing.planning import (  # noqa: E402
+    BufferedPacker,
+    PackedBatchSampler,
+    frames_to_tokens,
+    plan_packs,
+    split_windows,
+)
+
+
+def test_negative_split_overlap_is_refused():
+    with pytest.raises(ValueError, match=r"split_overlap=-1 must be >= 0"):
+        plan_packs([10], 4, oversize="split", split_overlap=-1)
+    with pytest.raises(ValueError, match=r"overlap=-1 must be >= 0"):
+        split_windows(10, 4, overlap=-1)
+
+
+def test_plan_packs_of_no_episode_is_an_empty_plan_again():
+    for empty in ([], (), np.array([], dtype=np.int64), np.array([])):
+        plan = plan_packs(empty, 8)
+        assert len(plan) == 0 and plan.packs == [] and plan.efficiency == 0.0
+
+
+def test_frames_to_tokens_refuses_negative_action_tokens():
+    with pytest.raises(ValueError, match=r"action_tokens_per_frame=-40 must be >= 0"):
+        frames_to_tokens([9], action_tokens_per_frame=-40)
+    with pytest.raises(ValueError, match=r"text_tokens=-1 must be >= 0"):
+        frames_to_tokens([9], text_tokens=-1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(replan="no"), r"replan='no' must be True or False"),
+        (dict(replan=True, replan_window=2.5), r"replan_window=2.5 must be an int"),
+        (dict(num_replicas=2.5, rank=0), r"num_replicas=2.5 must be an int"),
+    ],
+)
+def test_sampler_options_are_not_coerced(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        PackedBatchSampler([3, 4, 5], 8, **kwargs)
+
+
+def test_buffered_packer_refuses_float_lengths_instead_of_overfilling():
+    packer = BufferedPacker(8, length=lambda ep: ep, buffer_size=2)
+    with pytest.raises(TypeError, match=r"length\(episode 0 of the stream\)=4.9 must be an int"):
+        list(packer([4.9, 3.9]))
+
+
+def test_a_sampler_state_of_the_previous_release_names_the_versions():
+    s = PackedBatchSampler([3, 4, 5], 8)
+    old = {k: v for k, v in s.state_dict().items() if k not in ("version", "replan_window")}
+    with pytest.raises(KeyError, match=r"older packing release .*version 1.*reads version 2"):
+        PackedBatchSampler([3, 4, 5], 8).load_state_dict(old)
