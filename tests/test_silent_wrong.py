@@ -126,3 +126,56 @@ def test_a_sampler_state_of_the_previous_release_names_the_versions():
     old = {k: v for k, v in s.state_dict().items() if k not in ("version", "replan_window")}
     with pytest.raises(KeyError, match=r"older packing release .*version 1.*reads version 2"):
         PackedBatchSampler([3, 4, 5], 8).load_state_dict(old)
+
+
+# -- collate ----------------------------------------------------------------------------------
+from packing.data import PackedCollator, Stream  # noqa: E402
+
+
+def test_a_string_is_not_a_list_of_streams():
+    with pytest.raises(TypeError, match=r"streams='obs' is a string.*streams=\['obs'\]"):
+        PackedCollator("obs")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(token_budget=128.0), r"token_budget=128.0 must be an int"),
+        (dict(pad_to_multiple=2.5), r"pad_to_multiple=2.5 must be an int"),
+        (dict(pin_memory="no"), r"pin_memory='no' must be True or False"),
+        (dict(check_finite=1), r"check_finite=1 must be True or False"),
+    ],
+)
+def test_collator_sizes_and_flags_are_not_coerced(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        PackedCollator(["x"], **kwargs)
+
+
+def test_stream_grid_of_floats_is_refused_at_construction():
+    with pytest.raises(TypeError, match=r"stream 'x': grid\[0\]=2.0 must be an int"):
+        Stream("x", grid=(2.0, 2))
+    assert Stream("x", grid=(np.int64(2), 2)).tokens_per_step == 4
+
+
+def test_a_tensor_that_requires_grad_is_named_not_crashed_on_in_cat():
+    x = torch.ones(3, 2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"episode 0 stream 'x' requires grad.*x.detach\(\)"):
+        PackedCollator(["x"], pad_to_multiple=1)([{"x": x}])
+
+
+def test_a_pad_value_out_of_a_float_dtypes_range_is_refused():
+    with pytest.raises(ValueError, match=r"pad_value=1000000.0 is out of the range.*float16"):
+        Stream("x", dtype=torch.float16, pad_value=1e6)
+    collate = PackedCollator([Stream("x", pad_value=1e6)], pad_to_multiple=4)
+    with pytest.raises(ValueError, match=r"out of the range of its dtype torch.float16"):
+        collate([{"x": torch.zeros(3, dtype=torch.float16)}])
+
+
+def test_check_finite_names_the_episode_the_stream_and_the_index():
+    eps = [
+        {"x": torch.zeros(2, 3), "episode_index": 4},
+        {"x": torch.tensor([[0.0, 1.0, 2.0], [3.0, float("nan"), 5.0]]), "episode_index": 9},
+    ]
+    PackedCollator(["x"])(eps)  # off by default: no cost on the hot path
+    with pytest.raises(ValueError, match=r"episode 1 \(episode_index 9\) 'x' holds nan at index"):
+        PackedCollator(["x"], check_finite=True)(eps)
