@@ -179,3 +179,136 @@ def test_check_finite_names_the_episode_the_stream_and_the_index():
     PackedCollator(["x"])(eps)  # off by default: no cost on the hot path
     with pytest.raises(ValueError, match=r"episode 1 \(episode_index 9\) 'x' holds nan at index"):
         PackedCollator(["x"], check_finite=True)(eps)
+
+
+# -- datasets ---------------------------------------------------------------------------------
+import json  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from packing.datasets import LeRobotEpisodes, default_dataset_root, episode_lengths  # noqa: E402
+
+
+def _copy_default(tmp_path: Path) -> Path:
+    root = tmp_path / "ds"
+    shutil.copytree(default_dataset_root(), root)
+    return root
+
+
+def _rewrite(path: Path, edit) -> None:
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pq.read_table(path)
+    pq.write_table(edit(table), path)
+
+
+def test_two_episodes_with_one_episode_index_are_refused(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    root = _copy_default(tmp_path)
+    meta = next((root / "meta" / "episodes").glob("*/*.parquet"))
+
+    def duplicate(table):
+        ids = table.column("episode_index").to_numpy().copy()
+        ids[1] = ids[0]
+        i = table.schema.get_field_index("episode_index")
+        return table.set_column(i, "episode_index", pa.array(ids))
+
+    _rewrite(meta, duplicate)
+    with pytest.raises(ValueError, match=r"two episodes of meta/episodes carry episode_index 0"):
+        LeRobotEpisodes(root, keys=["action"])
+    with pytest.raises(ValueError, match=r"carry episode_index 0"):
+        episode_lengths(root)
+
+
+def test_an_episode_asked_for_twice_is_refused():
+    with pytest.raises(ValueError, match=r"episodes lists episode 1 twice"):
+        LeRobotEpisodes(default_dataset_root(), keys=["action"], episodes=[1, 0, 1])
+
+
+def test_token_lengths_use_the_datasets_latent_shape(tmp_path):
+    root = _copy_default(tmp_path)
+    info_path = root / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["latents"]["shape"] = [12, 6, 10]
+    info_path.write_text(json.dumps(info))
+    eps = LeRobotEpisodes(root, keys=["action"])
+    # (6 / 2) * (10 / 2) = 15 tokens a frame, not the default latent_hw (8, 16)'s 32.
+    assert eps.token_lengths().tolist() == (15 * eps.lengths).tolist()
+    with pytest.raises(ValueError, match=r"latent_hw=\(8, 16\) but feature 'latents'.*\(6, 10\)"):
+        eps.token_lengths(latent_hw=(8, 16))
+    same = LeRobotEpisodes(default_dataset_root(), keys=["action"])
+    assert same.token_lengths(latent_hw=(8, 16)).tolist() == (32 * same.lengths).tolist()
+
+
+def test_check_finite_names_the_lerobot_episode_key_and_index(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    root = _copy_default(tmp_path)
+    data = next((root / "data").glob("*/*.parquet"))
+
+    def poison(table):
+        i = table.schema.get_field_index("action")
+        flat = table.column("action").combine_chunks().flatten().to_numpy().copy()
+        flat[14 * 5 + 3] = np.inf  # row 5, joint 3
+        col = pa.FixedSizeListArray.from_arrays(pa.array(flat), 14)
+        return table.set_column(i, table.schema.field(i), col)
+
+    _rewrite(data, poison)
+    eps = LeRobotEpisodes(root, keys=["action"], check_finite=True)
+    ends = np.cumsum(eps.lengths)  # one data file, episodes in index order
+    pos = int(np.searchsorted(ends, 5, side="right"))
+    start = int(ends[pos] - eps.lengths[pos])
+    with pytest.raises(
+        ValueError,
+        match=rf"episode {eps.episode_ids[pos]} 'action' holds inf at index \({5 - start}, 3\)",
+    ):
+        eps[pos]
+    assert torch.isinf(LeRobotEpisodes(root, keys=["action"])[pos]["action"]).any()  # off: served
+
+
+datasets = pytest.importorskip("datasets")
+
+
+def _frames(order: list[tuple[int, int]], with_frame_index: bool = True):
+    """Rows (episode, t) in the given order; action = 100 * episode + t encodes both."""
+    cols = {
+        "episode_index": [e for e, _ in order],
+        "action": [[float(100 * e + t)] * 2 for e, t in order],
+    }
+    if with_frame_index:
+        cols["frame_index"] = [t for _, t in order]
+    return datasets.Dataset.from_dict(cols)
+
+
+def test_hf_episodes_of_a_shuffled_dataset_are_in_frame_order():
+    from packing.datasets import HFEpisodes
+
+    rows = [(e, t) for e, n in enumerate([3, 5, 4]) for t in range(n)]
+    ds = _frames(rows).shuffle(seed=1)
+    eps = HFEpisodes(ds, ["action"])
+    for i, n in enumerate([3, 5, 4]):
+        assert eps[i]["action"][:, 0].tolist() == [100.0 * i + t for t in range(n)]
+    # Rows already contiguous but out of order are not one slice in row order.
+    eps = HFEpisodes(_frames([(0, 0), (0, 2), (0, 1), (0, 3)]), ["action"])
+    assert eps[0]["action"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_hf_episodes_refuse_a_repeated_frame_index_and_a_string_for_keys():
+    from packing.datasets import HFEpisodes
+
+    with pytest.raises(ValueError, match=r"episode 0 has frame_index 1 twice"):
+        HFEpisodes(_frames([(0, 0), (0, 1), (0, 1)]), ["action"])
+    with pytest.raises(TypeError, match=r"keys='action' is a string"):
+        HFEpisodes(_frames([(0, 0)]), "action")
+    with pytest.raises(ValueError, match=r"episodes lists episode 0 twice"):
+        HFEpisodes(_frames([(0, 0)]), ["action"], episodes=[0, 0])
+
+
+def test_hf_episodes_check_finite_names_the_episode_key_and_index():
+    from packing.datasets import HFEpisodes
+
+    ds = datasets.Dataset.from_dict(
+        {"episode_index": [3, 3, 3], "frame_index": [0, 1, 2],
+         "action": [[0.0, 1.0], [2.0, float("nan")], [4.0, 5.0]]}
+    )  # fmt: skip
+    assert torch.isnan(HFEpisodes(ds, ["action"])[0]["action"]).any()
+    with pytest.raises(ValueError, match=r"episode 3 'action' holds nan at index \(1, 1\)"):
+        HFEpisodes(ds, ["action"], check_finite=True)[0]
