@@ -94,13 +94,14 @@ def check_real(
     fix = f" ({hint})" if hint else ""
     if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}={value!r} must be a real number, got {type(value).__name__}{fix}")
-    if not math.isfinite(value):
+    number: float = value.item() if isinstance(value, np.generic) else value  # type: ignore[assignment]
+    if not math.isfinite(number):
         raise ValueError(f"{name}={value!r} must be finite{fix}")
-    if min is not None and value < min:
+    if min is not None and number < min:
         raise ValueError(f"{name}={value!r} must be >= {min}{fix}")
-    if above is not None and not value > above:
+    if above is not None and not number > above:
         raise ValueError(f"{name}={value!r} must be > {above}{fix}")
-    return value  # type: ignore[return-value]
+    return number
 
 
 def check_choice(name: str, value: Any, choices: Iterable[T]) -> T:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -476,7 +476,7 @@ def _check_pair(doc_ids: Tensor, kv_doc_ids: Tensor | None) -> tuple[Tensor, Ten
 
 
 def _block_sizes(block_size: int | tuple[int, int]) -> tuple[int, int]:
-    sizes = (block_size, block_size) if is_int(block_size) else block_size
+    sizes: Any = (block_size, block_size) if is_int(block_size) else block_size
     ok = isinstance(sizes, tuple | list) and len(sizes) == 2
     if not ok or not all(is_int(s) and s > 0 for s in sizes):
         raise ValueError(

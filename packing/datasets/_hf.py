@@ -147,7 +147,7 @@ class HFEpisodes(Dataset):
                     f"{frames.dtype} of shape {frames.shape[1:]}; pass frame_column=None to "
                     "serve rows in row order"
                 )
-        ids, offsets, self._order = group_rows(ep_ids, frames, frame_column)
+        ids, offsets, self._order = group_rows(ep_ids, frames, frame_column or "")
         # "arrow" format: indexing returns pyarrow Tables and honours select/shuffle indices;
         # selecting columns first keeps a gather of scattered rows to the columns we serve.
         read = sorted({col for _, col, _ in self._plan} | ({task_column} if task_column else set()))

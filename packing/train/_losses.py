@@ -413,7 +413,7 @@ class LossNormalizer:
         """
         check_bool("dp_averages_gradients", dp_averages_gradients)
         one = isinstance(layouts, StreamLayout | torch.Tensor)
-        items = [layouts] if one else check_sequence("layouts", layouts)
+        items: list[LayoutLike] = [layouts] if one else check_sequence("layouts", layouts)  # type: ignore[list-item]
         if not items:
             raise ValueError(
                 "LossNormalizer.for_step([]): no micro-batch, so no denominator; pass the "
