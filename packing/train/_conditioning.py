@@ -44,6 +44,7 @@ from typing import Literal
 
 import torch
 
+from packing._validate import check_int, check_sequence, is_int
 from packing.data._layout import PackedBatch, StreamLayout
 
 __all__ = [
@@ -144,16 +145,19 @@ def _splitmix64(x: int) -> int:
 
 
 def _stream_key(stream: str | int) -> int:
-    if isinstance(stream, int):
-        return stream & _M64
+    if is_int(stream):
+        return check_int("stream", stream) & _M64
+    if not isinstance(stream, str):
+        raise TypeError(f"stream={stream!r} must be a stream name (str) or an int salt")
     # A fixed hash, so "latents" salts the same way in every process (unlike hash(str)).
     return int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
 
 
 def _mix64(seed: int, step: int, episode_index: int, stream: str | int) -> int:
-    h = _splitmix64(int(seed) & _M64)
-    h = _splitmix64(h ^ (int(step) & _M64))
-    h = _splitmix64(h ^ (int(episode_index) & _M64))
+    # Keys are ints, never int()-ed: seed 2.5 or episode 3.7 would draw another key's noise.
+    h = _splitmix64(check_int("seed", seed) & _M64)
+    h = _splitmix64(h ^ (check_int("step", step) & _M64))
+    h = _splitmix64(h ^ (check_int("episode_index", episode_index) & _M64))
     return _splitmix64(h ^ _stream_key(stream))
 
 
@@ -177,8 +181,14 @@ def _indices(episode_index_K: Sequence[int] | torch.Tensor, what: str) -> list[i
                 "host-device sync. Pass batch.episode_ids (host ints that survive .to(device)) "
                 "or a list of ints"
             )
-        return [int(i) for i in episode_index_K.reshape(-1).tolist()]
-    return [int(i) for i in episode_index_K]
+        if episode_index_K.dtype.is_floating_point or episode_index_K.dtype == torch.bool:
+            raise TypeError(
+                f"{what}: episode_index_K must hold integer episode indices, got "
+                f"{episode_index_K.dtype}; pass batch.episode_ids"
+            )
+        return [int(i) for i in episode_index_K.reshape(-1).tolist()]  # ints already
+    items = check_sequence("episode_index_K", episode_index_K)
+    return [check_int(f"episode_index_K[{k}]", i) for k, i in enumerate(items)]
 
 
 def _uniform(h: int) -> float:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from packing._validate import check_bool
+from packing._validate import check_bool, check_int, check_int_tuple, check_real
 from packing.attention._packed import AttentionMask, Backend, prepare_attention
 from packing.data._collate import Stream
 from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
@@ -91,6 +91,14 @@ class FlowMatchingAdapter(nn.Module):
         timestep_shift: float = 1.0,
     ) -> None:
         super().__init__()
+        if latent_hw is not None:
+            latent_hw = check_int_tuple("latent_hw", latent_hw, length=2)  # type: ignore[assignment]
+        for name, value in (("latents", latents), ("text", text), ("text_mask", text_mask)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"{name}={value!r} must be a stream name (a non-empty str)")
+        if text_encoder is not None and not callable(text_encoder):
+            raise TypeError(f"text_encoder={text_encoder!r} must be a function tasks -> embeddings")
+        check_real("timestep_shift", timestep_shift, above=0, hint="1.0: no shift")
         self.transformer = transformer
         self.patch_hw, self.text_dim = patch_hw, text_dim
         self.latent_hw = latent_hw
@@ -179,7 +187,8 @@ class FlowMatchingAdapter(nn.Module):
                     "from (seed, step, episode_index); set batch.extras['seed'] and ['step'] "
                     "(the optimizer step)"
                 )
-        seed, step = int(batch.extras["seed"]), int(batch.extras["step"])
+        seed = check_int("batch.extras['seed']", batch.extras["seed"])
+        step = check_int("batch.extras['step']", batch.extras["step"])
         p = next(self.transformer.parameters())
         name = self.latents_stream
         lay = batch.layout(name)
