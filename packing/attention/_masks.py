@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from packing._validate import check_int, is_int
+from packing._validate import check_bool, check_int, is_int
 from packing.attention._block_tables import (
     BlockRule,
     BlockTables,
@@ -162,6 +162,7 @@ def sliding_window(window: int, *, causal: bool = False) -> InnerMask:
         . . . # #
     """
     w = _non_negative_int("window", window)
+    causal = check_bool("causal", causal)
 
     if causal:
 
@@ -296,7 +297,7 @@ def make_block_mask(
     mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
 
     rule: BlockRule | None = document_rule if inner is None else getattr(inner, "block_rule", None)
-    if compile not in (False, True, "cuda_graph"):
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "cuda_graph")):
         raise ValueError(f"compile={compile!r}; use False, True or 'cuda_graph'")
     if rule is not None and not compile and _num_tiles(q_doc, kv_doc, bq, bkv) > _CHUNK_TILES:
         tables = _chunked_block_tables(q_doc, kv_doc, rule, bq, bkv, self_attention)
