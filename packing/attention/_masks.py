@@ -112,7 +112,6 @@ def causal() -> InnerMask:
     return with_block_rule(causal_mask, _band_rule(0, None), "causal")
 
 
-@functools.cache
 def frame_causal(tokens_per_frame: int, kv_tokens_per_frame: int | None = None) -> InnerMask:
     """``q_local // F >= kv_local // F``: a token sees its whole frame and every earlier frame.
 
@@ -133,7 +132,12 @@ def frame_causal(tokens_per_frame: int, kv_tokens_per_frame: int | None = None) 
         if kv_tokens_per_frame is None
         else _positive_int("kv_tokens_per_frame", kv_tokens_per_frame)
     )
+    return _frame_causal(fq, fk)
 
+
+# Checked first, cached after: an unhashable argument gets our error, not functools'.
+@functools.cache
+def _frame_causal(fq: int, fk: int) -> InnerMask:
     def frame_causal_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return q // fq >= kv // fk
 
@@ -145,7 +149,6 @@ def frame_causal(tokens_per_frame: int, kv_tokens_per_frame: int | None = None) 
     return with_block_rule(frame_causal_mask, rule, name)
 
 
-@functools.cache
 def sliding_window(window: int, *, causal: bool = False) -> InnerMask:
     """Token window inside the episode, counted in tokens of episode-local position.
 
@@ -161,9 +164,11 @@ def sliding_window(window: int, *, causal: bool = False) -> InnerMask:
         . . # # #
         . . . # #
     """
-    w = _non_negative_int("window", window)
-    causal = check_bool("causal", causal)
+    return _sliding_window(_non_negative_int("window", window), check_bool("causal", causal))
 
+
+@functools.cache
+def _sliding_window(w: int, causal: bool) -> InnerMask:
     if causal:
 
         def causal_sliding_window_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
