@@ -101,3 +101,4 @@ def test_thw_agrees_with_a_per_document_grid():
         lengths = [s * h * w for s in steps]
         want = [(t, i, j) for s in steps for t in range(s) for i in range(h) for j in range(w)]
         assert [tuple(r) for r in thw_from_lengths(lengths, grid).tolist()] == want
+
