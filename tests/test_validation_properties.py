@@ -34,7 +34,7 @@ from packing.planning import (
     plan_packs,
     split_windows,
 )
-from packing.train import LossNormalizer, episode_seed, reduce_loss
+from packing.train import LossNormalizer, MemoryModel, StepProfiler, episode_seed, reduce_loss
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -94,7 +94,21 @@ INT_ARGS: list[tuple[str, Callable[[Any], Any], int]] = [
     ),
     ("DiTConfig.depth", lambda v: dataclasses.replace(DiTConfig.tiny(), depth=v), 1),
     ("lengths[0]", lambda v: layout_from_lengths([v], [1], 8), 1),
+    ("kernel_step", lambda v: StepProfiler(enabled=True, kernel_step=v), 0),
+    ("tokens", lambda v: StepProfiler(enabled=False).micro_step(tokens=v), 0),
+    (
+        "multiple",
+        lambda v: MemoryModel(fixed=0, per_token=1, per_token_block=0).max_tokens(
+            1e9, 10, 2, 1, multiple=v
+        ),
+        1,
+    ),
 ]
+# Entries whose argument is optional (None is valid: unset).
+OPTIONAL = [
+    call for name, call, _ in INT_ARGS if name in ("max_docs", "budget", "kernel_step", "tokens")
+]
+OPTIONAL += [INT_ARGS[16][1]]  # PackedCollator(token_budget=None)
 BOOL_ARGS: list[tuple[str, Callable[[Any], Any]]] = [
     ("shuffle", lambda v: PackedBatchSampler([3, 4, 5], 8, shuffle=v)),
     ("replan", lambda v: PackedBatchSampler([3, 4, 5], 8, replan=v)),
@@ -130,6 +144,9 @@ def _refused(call: Callable[[], Any], name: str) -> None:
 @given(entry=st.sampled_from(INT_ARGS), bad=not_int)
 def test_a_size_that_is_not_an_int_is_refused_by_name(entry, bad):
     name, call, _ = entry
+    if bad is None and any(call is c for c in OPTIONAL):  # None means "unset" there
+        call(None)
+        return
     _refused(lambda: call(bad), name)
 
 
@@ -156,6 +173,14 @@ def test_numpy_ints_are_ints(name, call, minimum):
         assert np.array_equal(got, want)
     elif isinstance(want, list):
         assert got == want
+
+
+@SETTINGS
+@given(bad=not_int, which=st.integers(0, 2))
+def test_noise_keys_that_are_not_ints_are_refused_by_name(bad, which):
+    keys = [0, 0, 0]
+    keys[which] = bad
+    _refused(lambda: episode_seed(*keys), ("seed", "step", "episode_index")[which])
 
 
 @SETTINGS
