@@ -82,6 +82,13 @@ def with_block_rule(inner: InnerMask, rule: BlockRule, name: str | None = None) 
     true, and is every pair true. ``any`` may over-approximate and ``all`` under-approximate
     (the attention stays exact; only sparsity is lost), but the rules shipped here are exact.
     """
+    if not callable(inner) or not callable(rule):
+        raise TypeError(
+            f"with_block_rule takes a mask function inner(b, h, q, kv) and a rule(a, b, c, d); "
+            f"got {type(inner).__name__} and {type(rule).__name__}"
+        )
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name={name!r} must be a str")
     inner.block_rule = rule  # type: ignore[attr-defined]
     if name is not None:
         inner.__name__ = name

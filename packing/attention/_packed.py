@@ -378,6 +378,13 @@ def packed_attention(
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a (T, H, D) tensor, got {type(t).__name__}")
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(
+            f"mask must be the AttentionMask prepare_attention returned, got {type(mask).__name__}"
+        )
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"packed attention takes (T, H, D) tensors, got q {tuple(q.shape)}, k "

@@ -380,7 +380,13 @@ class PackedCollator:
     ) -> list[torch.Tensor]:
         tensors: list[torch.Tensor] = []
         for i, ep in enumerate(episodes):
-            t = _as_tensor(ep[s.name])
+            try:
+                t = _as_tensor(ep[s.name])
+            except TypeError as e:  # a numpy array torch cannot hold (strings, objects)
+                raise TypeError(
+                    f"episode {_name(ep, i)} stream {s.name!r} is a numpy array of "
+                    f"{ep[s.name].dtype}, which has no torch dtype; store numbers ({e})"
+                ) from e
             if t is None or t.dim() == 0:
                 raise TypeError(
                     f"episode {_name(ep, i)} stream {s.name!r} is "
@@ -678,6 +684,10 @@ def unpack(batch: PackedBatch) -> list[dict[str, Any]]:
     A batch whose layouts and buffers disagree (edited by hand, or mixed from two batches) is
     refused rather than read as wrong rows; see `check_batch`.
     """
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(
+            f"unpack takes the PackedBatch a PackedCollator built, got {type(batch).__name__}"
+        )
     check_batch(batch)
     kinds = batch.value_kinds
     episodes: list[dict[str, Any]] = [{} for _ in range(batch.num_docs)]

@@ -31,7 +31,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from packing._validate import check_bool, check_int, check_int_tuple, check_real
+from packing._validate import check_bool, check_int, check_int_tuple, check_real, check_sequence
 from packing.attention._masks import frame_causal
 from packing.attention._packed import AttentionMask, Backend, packed_attention, prepare_attention
 from packing.data._collate import PackedCollator, Stream
@@ -197,6 +197,9 @@ def text_tokens(task: str, text_len: int = 64) -> Tensor:
     ``text_tokens("open", 8) == tensor([256, 111, 112, 101, 110])``; truncated to ``text_len``
     tokens, never empty (an empty task is ``[BOS]``), so every episode has a text document.
     """
+    if not isinstance(task, str):
+        raise TypeError(f"task={task!r} must be a str (the episode's task text)")
+    check_int("text_len", text_len, min=1)
     data = task.encode("utf-8")[: max(text_len - 1, 0)]
     return torch.tensor([BOS, *data], dtype=torch.int64)[:text_len]
 
@@ -209,6 +212,7 @@ def pack_text(
     A ``"text"`` stream of ``text_tokens`` through `PackedCollator` with ``pad_to_multiple``
     (padding tokens are 0; no task gives one all-padding block). Host work only.
     """
+    tasks = check_sequence("tasks", tasks, of=str)
     text = Stream("text", step_shape=(), dtype=torch.int64)
     collate = PackedCollator([text], pad_to_multiple=pad_to_multiple)
     batch = collate([{"text": text_tokens(t, text_len)} for t in tasks])
@@ -531,6 +535,8 @@ def tiny_reference_model(
 
 def param_count(cfg: DiTConfig) -> int:
     """Parameters of ``DiT(cfg)``, counted from the config alone (no allocation)."""
+    if not isinstance(cfg, DiTConfig):
+        raise TypeError(f"cfg must be a DiTConfig, got {type(cfg).__name__}")
     d, f, p = cfg.dim, cfg.ffn_dim, cfg.patch_features
 
     def lin(i: int, o: int) -> int:
