@@ -79,7 +79,7 @@ def check_bool(name: str, value: Any) -> bool:
             f"{name}={value!r} must be True or False, got {type(value).__name__}; pass a bool "
             "(a string such as 'no' would be truthy)"
         )
-    return value is True or value == np.True_
+    return value.item() if isinstance(value, np.bool_) else value  # a Python bool either way
 
 
 def check_real(

@@ -360,3 +360,12 @@ def test_hf_episodes_serve_frames_in_time_order_whatever_the_row_order(lengths, 
     eps = HFEpisodes(ds, ["action"])
     for e, n in enumerate(lengths):
         assert eps[e]["action"][:, 0].tolist() == [100.0 * e + t for t in range(n)]
+
+
+@pytest.mark.parametrize("flag", [np.True_, np.False_, True, False])
+def test_numpy_bools_are_bools_and_come_back_as_python_bools(flag):
+    from packing._validate import check_bool
+
+    out = check_bool("flag", flag)
+    assert type(out) is bool and out == bool(flag)
+    PackedCollator(["x"], pin_memory=False, check_finite=flag)  # accepted
