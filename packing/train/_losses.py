@@ -312,6 +312,11 @@ def reduce_loss(
     inf or NaN (it is selected away, not multiplied by 0); their gradient is exactly 0 too,
     unless the model's own derivative on those rows is NaN (0 * NaN in the chain rule), so
     keep padding rows finite. A step with nothing to learn (D = 0) gives 0, not NaN.
+
+    A ``denominator`` given as a number must be > 0 (0 or below would return the plain
+    sum); a host tensor D <= 0 with loss to normalise is refused, a device tensor one (not read:
+    no sync) gives NaN. Host doc ids must be contiguous runs in increasing order, as
+    `make_block_mask` requires (``[0, 0, 1, 1, 0, 0]`` would count three episodes).
     """
     ids = _doc_ids(layout)
     if not isinstance(loss, torch.Tensor) or loss.dim() == 0:
