@@ -27,8 +27,9 @@ Gathering rows of the same tables is bit-identical to diffusers' slicing; `rotat
 model's own rotation (in the tables' dtype, cast back).
 
 ``conditioning="per_token"`` gathers the timestep to tokens first and runs the MLP on T rows:
-the TI2V pipeline's per-token path (``timestep`` of shape (B, seq_len)), exact, slower; use it
-when tokens of one episode need different timesteps (e.g. a clean first frame).
+the TI2V pipeline's per-token path (``timestep`` of shape (B, seq_len)), exact, slower. Tokens of
+one episode at different timesteps (TI2V's clean first frame) take a ``(T,)`` timestep in
+``velocity`` (`per_token_timesteps`), which runs the MLP on T rows whatever ``conditioning``.
 """
 
 from __future__ import annotations
