@@ -556,7 +556,11 @@ class LeRobotEpisodes(Dataset):
         if episodes is None and ds.episodes is not None:
             episodes = list(ds.episodes)
         elif episodes is not None and ds.episodes is not None:
-            outside = sorted(set(map(int, episodes)) - set(map(int, ds.episodes)))
+            episodes = check_sequence("episodes", episodes)
+            bad = [e for e in episodes if not is_int(e)]
+            if bad:  # int(1.5) would select episode 1
+                raise TypeError(f"episodes must be episode indices (ints), got {bad[:5]}")
+            outside = sorted(set(episodes) - set(map(int, ds.episodes)))
             if outside:
                 raise KeyError(
                     f"episodes {outside[:10]} are not loaded by this LeRobotDataset "

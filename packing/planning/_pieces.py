@@ -79,6 +79,7 @@ def slice_piece(
         raise ValueError(f"piece={piece!r} needs start <= loss_start <= stop")
     out = dict(episode)
     for key, rows in rows_per_step.items():
+        check_int(f"rows_per_step[{key!r}]", rows, min=1)
         if key not in episode:
             raise KeyError(f"rows_per_step names {key!r}, which the episode does not have")
         out[key] = episode[key][start * rows : stop * rows]
