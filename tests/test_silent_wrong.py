@@ -312,3 +312,19 @@ def test_hf_episodes_check_finite_names_the_episode_key_and_index():
     assert torch.isnan(HFEpisodes(ds, ["action"])[0]["action"]).any()
     with pytest.raises(ValueError, match=r"episode 3 'action' holds nan at index \(1, 1\)"):
         HFEpisodes(ds, ["action"], check_finite=True)[0]
+
+
+def test_lerobot_frames_are_served_in_frame_index_order(tmp_path):
+    root = _copy_default(tmp_path)
+    data = next((root / "data").glob("*/*.parquet"))
+    want = LeRobotEpisodes(default_dataset_root(), keys=["action"])[0]["action"]
+    n = len(want)
+
+    def reverse_episode_0(table):  # rows 0..n-1 are episode 0; its frames now run backwards
+        order = list(range(n - 1, -1, -1)) + list(range(n, table.num_rows))
+        return table.take(order)
+
+    _rewrite(data, reverse_episode_0)
+    eps = LeRobotEpisodes(root, keys=["action"])
+    assert torch.equal(eps[0]["action"], want)
+    assert not torch.equal(want, want.flip(0))  # guard: the reversal was visible

@@ -506,8 +506,12 @@ class LeRobotEpisodes(Dataset):
         sel = _select(ids, episodes, where)
         self.episode_ids = ids[sel].astype(np.int64)
         self.lengths = table.column("length").to_numpy()[sel].astype(np.int64)
-        # episode_index is read back to prove the slice is the episode; task_index gives "task".
-        self._columns = sorted({c for _, c, _ in self._plan} | {"episode_index", "task_index"})
+        # episode_index is read back to prove the slice is the episode; task_index gives "task";
+        # frame_index (when the dataset has it, as LeRobot's writer always does) orders frames.
+        ids_cols = {"episode_index", "task_index"} | (
+            {"frame_index"} if "frame_index" in self.features else set()
+        )
+        self._columns = sorted({c for _, c, _ in self._plan} | ids_cols)
         if isinstance(root_or_dataset, (str, os.PathLike)):
             cache = None if cache_dir is None else Path(cache_dir).expanduser()
             self._reader: _ParquetEpisodes | _InstanceEpisodes = _ParquetEpisodes(
@@ -627,6 +631,10 @@ class LeRobotEpisodes(Dataset):
                     f"episode {ep}: {name!r} has frames of shape {tuple(item[name].shape[1:])} "
                     f"but meta/info.json declares {shape or (1,)}"
                 )
+        order = self._frame_order(ep, table, arrays)
+        if order is not None:  # rows out of time order: serve the frames by frame_index
+            for name in self._shapes:
+                item[name] = item[name][order]
         if self.check_finite:
             for name in self._shapes:
                 check_finite(f"episode {ep}", name, item[name])
@@ -635,6 +643,24 @@ class LeRobotEpisodes(Dataset):
         task = table.column("task_index")[0].as_py() if task is None else task[0]
         item["task"] = self.tasks[int(task)]
         return item
+
+    def _frame_order(self, ep: int, table: Any, arrays: dict[str, np.ndarray]) -> Any:
+        """None when the rows are in ``frame_index`` order (LeRobot's writer keeps them so),
+        else the permutation that puts them in it; a repeated frame index is refused."""
+        if "frame_index" not in self._columns:
+            return None
+        frames = arrays.get("frame_index")
+        if frames is None:
+            frames = table.column("frame_index").to_numpy()
+        step = np.diff(frames)
+        if (step > 0).all():
+            return None
+        if (step == 0).any() or len(np.unique(frames)) != len(frames):
+            raise ValueError(
+                f"episode {ep} has a repeated frame_index in {self.root}: its frames have no "
+                "time order; re-create the episode's data"
+            )
+        return torch.from_numpy(np.argsort(frames, kind="stable"))
 
     def _warn_lossy_cast(self, name: str, stored: torch.dtype, declared: torch.dtype) -> None:
         """Items follow meta/info.json's dtype; say so once when the cast can lose bits
