@@ -106,7 +106,7 @@ def broadcast_to_tokens(
         doc_ids.num_docs
         if isinstance(doc_ids, StreamLayout)
         else int(ids.max()) + 1
-        if ids.device.type == "cpu" and ids.numel()
+        if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling()
         else 0
     )
     if values_K.shape[0] and values_K.shape[0] < need:

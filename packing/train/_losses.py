@@ -113,7 +113,7 @@ def _doc_ids(layout: LayoutLike) -> torch.Tensor:
     ids = check_doc_ids("doc_ids", layout)
     if ids.dim() != 1:
         raise ValueError(f"doc_ids must be (T,), got shape {tuple(ids.shape)}")
-    if ids.device.type == "cpu" and ids.numel():
+    if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
         # Each document one contiguous run, ids increasing, as make_block_mask requires:
         # [0, 0, 1, 1, 0, 0] would count three episodes here and be refused there. Host
         # tensors only (reading device ids would be a sync).

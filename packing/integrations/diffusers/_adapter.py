@@ -448,15 +448,15 @@ def per_token_timesteps(
         raise ValueError(
             f"timestep_K has {timestep_K.shape[0]} entries for {latent_layout.num_docs} episodes"
         )
-    ids_T = latent_layout.doc_ids_T.to(timestep_K.device)
+    dev = timestep_K.device
+    ids_T = latent_layout.doc_ids_T.to(dev)
     t_T = broadcast_to_tokens(timestep_K, ids_T)
     if not clean_first_frame:
         return t_T
-    tps = latent_layout.tokens_per_step
-    first = torch.zeros(latent_layout.padded_len, dtype=torch.bool)
-    for start in latent_layout.cu_seqlens_K1[: latent_layout.num_docs].tolist():
-        first[start : start + tps] = True
-    return torch.where(first.to(t_T.device), 0.0, t_T).to(timestep_K.dtype)
+    # The first frame's tokens: episode-local positions below tokens_per_step (no host sync).
+    pos_T = latent_layout.position_ids_T.to(dev)
+    first = (pos_T < latent_layout.tokens_per_step) & (ids_T >= 0)
+    return torch.where(first, 0.0, t_T).to(timestep_K.dtype)
 
 
 def _one_document(lay: StreamLayout) -> StreamLayout:
