@@ -369,3 +369,20 @@ def test_numpy_bools_are_bools_and_come_back_as_python_bools(flag):
     out = check_bool("flag", flag)
     assert type(out) is bool and out == bool(flag)
     PackedCollator(["x"], pin_memory=False, check_finite=flag)  # accepted
+
+
+@SETTINGS
+@given(
+    steps=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    data=st.data(),
+    bad=st.sampled_from([float("nan"), float("inf"), -float("inf")]),
+)
+def test_check_finite_names_the_first_bad_value_of_the_right_episode(steps, data, bad):
+    eps = [{"x": torch.zeros(n, 3), "episode_index": 10 + k} for k, n in enumerate(steps)]
+    k = data.draw(st.integers(0, len(steps) - 1))
+    row, col = data.draw(st.integers(0, steps[k] - 1)), data.draw(st.integers(0, 2))
+    eps[k]["x"][row, col] = bad
+    with pytest.raises(ValueError) as e:
+        PackedCollator(["x"], check_finite=True)(eps)
+    assert f"episode {k} (episode_index {10 + k}) 'x' holds {bad}" in str(e.value)
+    assert f"at index ({row}, {col})" in str(e.value)
