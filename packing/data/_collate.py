@@ -84,8 +84,6 @@ class Stream:
                     f"with grid {self.grid} ({h * w} tokens); give one of them"
                 )
             object.__setattr__(self, "tokens_per_step", h * w)
-        if self.tokens_per_step < 1:
-            raise ValueError(f"stream {self.name!r}: tokens_per_step must be >= 1")
         if self.budget is not None and (self.budget < 1 or self.budget % self.tokens_per_step != 0):
             raise ValueError(
                 f"stream {self.name!r}: budget={self.budget} must be a positive multiple of "
@@ -213,8 +211,6 @@ class PackedCollator:
                     p.name, tokens_per_step=p.tokens_per_step, grid=p.grid, budget=token_budget,
                     step_shape=p.step_shape, dtype=p.dtype, pad_value=p.pad_value,
                 )  # fmt: skip
-        elif token_budget is not None and token_budget < 1:
-            raise ValueError(f"token_budget={token_budget} must be >= 1")
         self.streams = decl
         self.token_budget = token_budget
         self.pad_to_multiple = pad_to_multiple
