@@ -9,7 +9,9 @@ the argument, never a result and never an error from inside numpy or torch. Smal
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,7 @@ from packing.planning import (
 )
 from packing.train import LossNormalizer, MemoryModel, StepProfiler, episode_seed, reduce_loss
 
+PACKAGE = str(Path(__file__).resolve().parents[1] / "packing")
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # -- bad values, by the kind of argument they are fed to -------------------------------------
@@ -136,6 +139,8 @@ def _refused(call: Callable[[], Any], name: str) -> None:
     except (TypeError, ValueError) as e:
         head = name.split("[")[0].split(".")[-1]
         assert head in str(e), f"{type(e).__name__} does not name {name!r}: {e}"
+        where = traceback.extract_tb(e.__traceback__)[-1].filename
+        assert PACKAGE in where, f"raised inside a dependency ({where}), not by packing: {e}"
         return
     raise AssertionError(f"{name}: a bad value gave a result ({result!r}) instead of an error")
 
