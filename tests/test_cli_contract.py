@@ -361,7 +361,8 @@ def test_non_finite_data_is_named_by_episode_key_and_index() -> None:
     bad["action"][2, 5] = float("inf")
     check_finite_episodes([good], "here")
     with pytest.raises(
-        ValueError, match=r"episode 9 of here: action\[2, 5\] is inf.*--no-check-finite"
+        ValueError,
+        match=r"episode 9 of here: .action. holds inf at index \(2, 5\).*--no-check-finite",
     ):
         check_finite_episodes([good, bad], "here")
 

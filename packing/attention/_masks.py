@@ -32,12 +32,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from packing._validate import check_bool, check_int, is_int
 from packing.attention._block_tables import (
     BlockRule,
     BlockTables,
@@ -81,6 +82,13 @@ def with_block_rule(inner: InnerMask, rule: BlockRule, name: str | None = None) 
     true, and is every pair true. ``any`` may over-approximate and ``all`` under-approximate
     (the attention stays exact; only sparsity is lost), but the rules shipped here are exact.
     """
+    if not callable(inner) or not callable(rule):
+        raise TypeError(
+            f"with_block_rule takes a mask function inner(b, h, q, kv) and a rule(a, b, c, d); "
+            f"got {type(inner).__name__} and {type(rule).__name__}"
+        )
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name={name!r} must be a str")
     inner.block_rule = rule  # type: ignore[attr-defined]
     if name is not None:
         inner.__name__ = name
@@ -111,7 +119,6 @@ def causal() -> InnerMask:
     return with_block_rule(causal_mask, _band_rule(0, None), "causal")
 
 
-@functools.cache
 def frame_causal(tokens_per_frame: int, kv_tokens_per_frame: int | None = None) -> InnerMask:
     """``q_local // F >= kv_local // F``: a token sees its whole frame and every earlier frame.
 
@@ -132,7 +139,12 @@ def frame_causal(tokens_per_frame: int, kv_tokens_per_frame: int | None = None) 
         if kv_tokens_per_frame is None
         else _positive_int("kv_tokens_per_frame", kv_tokens_per_frame)
     )
+    return _frame_causal(fq, fk)
 
+
+# Checked first, cached after: an unhashable argument gets our error, not functools'.
+@functools.cache
+def _frame_causal(fq: int, fk: int) -> InnerMask:
     def frame_causal_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return q // fq >= kv // fk
 
@@ -144,7 +156,6 @@ def frame_causal(tokens_per_frame: int, kv_tokens_per_frame: int | None = None) 
     return with_block_rule(frame_causal_mask, rule, name)
 
 
-@functools.cache
 def sliding_window(window: int, *, causal: bool = False) -> InnerMask:
     """Token window inside the episode, counted in tokens of episode-local position.
 
@@ -160,8 +171,11 @@ def sliding_window(window: int, *, causal: bool = False) -> InnerMask:
         . . # # #
         . . . # #
     """
-    w = _non_negative_int("window", window)
+    return _sliding_window(_non_negative_int("window", window), check_bool("causal", causal))
 
+
+@functools.cache
+def _sliding_window(w: int, causal: bool) -> InnerMask:
     if causal:
 
         def causal_sliding_window_mask(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
@@ -192,9 +206,10 @@ def document_mask_mod(
     The closure is named e.g. ``document_causal`` or ``cross_document_frame_causal_32``.
     """
     q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
-    # int32 halves the bytes the attention kernel reads per gather.
-    q_doc_T = q_doc.to(torch.int32)
-    kv_doc_T = q_doc_T if self_attention else kv_doc.to(torch.int32)
+    # The ids keep their own dtype: narrowing int64 to int32 would make ids 0 and 2**32 one
+    # document. PackedCollator's ids are already int32 (half the bytes per gather).
+    q_doc_T = q_doc
+    kv_doc_T = q_doc_T if self_attention else kv_doc
 
     if inner is None:  # no positions needed: a document mask reads doc ids only
 
@@ -294,7 +309,7 @@ def make_block_mask(
     mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
 
     rule: BlockRule | None = document_rule if inner is None else getattr(inner, "block_rule", None)
-    if compile not in (False, True, "cuda_graph"):
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "cuda_graph")):
         raise ValueError(f"compile={compile!r}; use False, True or 'cuda_graph'")
     if rule is not None and not compile and _num_tiles(q_doc, kv_doc, bq, bkv) > _CHUNK_TILES:
         tables = _chunked_block_tables(q_doc, kv_doc, rule, bq, bkv, self_attention)
@@ -415,7 +430,7 @@ def validate_doc_ids(doc_ids: Tensor, name: str = "doc_ids") -> None:
     Reads the values, so on an accelerator it syncs; the mask builders call it for CPU tensors.
     """
     _check_tensor(doc_ids, name)
-    _check_values(doc_ids, name)
+    check_doc_runs(doc_ids, name)
 
 
 def _check_tensor(t: Tensor, name: str) -> None:
@@ -435,7 +450,8 @@ def _check_tensor(t: Tensor, name: str) -> None:
         raise ValueError(f"{name} is empty; a pack needs at least one token")
 
 
-def _check_values(t: Tensor, name: str) -> None:
+def check_doc_runs(t: Tensor, name: str) -> None:
+    """Raise unless ids are >= -1, each document one contiguous run, ids increasing."""
     ids = t.detach().to("cpu", torch.int64)
     if ids.min() < -1:
         pos = int((ids < -1).nonzero()[0])
@@ -459,7 +475,7 @@ def _check_pair(doc_ids: Tensor, kv_doc_ids: Tensor | None) -> tuple[Tensor, Ten
     _check_tensor(doc_ids, "doc_ids")
     if kv_doc_ids is None:
         if doc_ids.device.type == "cpu":
-            _check_values(doc_ids, "doc_ids")
+            check_doc_runs(doc_ids, "doc_ids")
         return doc_ids, doc_ids, True
     _check_tensor(kv_doc_ids, "kv_doc_ids")
     if kv_doc_ids.device != doc_ids.device:
@@ -468,32 +484,33 @@ def _check_pair(doc_ids: Tensor, kv_doc_ids: Tensor | None) -> tuple[Tensor, Ten
             "move both to the attention's device"
         )
     if doc_ids.device.type == "cpu":
-        _check_values(doc_ids, "doc_ids")
-        _check_values(kv_doc_ids, "kv_doc_ids")
+        check_doc_runs(doc_ids, "doc_ids")
+        check_doc_runs(kv_doc_ids, "kv_doc_ids")
     return doc_ids, kv_doc_ids, False
 
 
 def _block_sizes(block_size: int | tuple[int, int]) -> tuple[int, int]:
-    sizes = (block_size, block_size) if isinstance(block_size, int) else block_size
+    sizes: Any = (block_size, block_size) if is_int(block_size) else block_size
     ok = isinstance(sizes, tuple | list) and len(sizes) == 2
-    if not ok or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+    if not ok or not all(is_int(s) and s > 0 for s in sizes):
         raise ValueError(
             f"block_size={block_size!r}; use a positive int or a (q_block, kv_block) pair of "
             "positive ints (FlexAttention kernels want multiples of 16, default 128)"
         )
-    return sizes[0], sizes[1]
+    return check_int("block_size", sizes[0]), check_int("block_size", sizes[1])
 
 
+# ValueError for a wrong type too (not TypeError): these messages are pinned by tests and docs.
 def _positive_int(name: str, v: int) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+    if not is_int(v) or v <= 0:
         raise ValueError(f"{name}={v!r}; use a positive int (tokens)")
-    return v
+    return check_int(name, v)
 
 
 def _non_negative_int(name: str, v: int) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+    if not is_int(v) or v < 0:
         raise ValueError(f"{name}={v!r}; use an int >= 0 (tokens on each side)")
-    return v
+    return check_int(name, v)
 
 
 def _name(inner: InnerMask | None) -> str:

@@ -51,6 +51,7 @@ from einops import rearrange
 from torch import Tensor
 
 from packing._lazy import probe
+from packing._validate import check_optional_int
 from packing.attention import _compile
 from packing.attention import _masks as masks
 from packing.attention._fa4 import fa4_varlen, zero_rows_from
@@ -229,6 +230,14 @@ def prepare_attention(
 
     No host-device sync: everything is built from the layouts' tensors and host-side lengths.
     """
+    for name, lay in (("layout", layout), ("kv_layout", kv_layout)):
+        if lay is not None and not isinstance(lay, StreamLayout):
+            raise TypeError(
+                f"{name} must be a StreamLayout (batch.layout(stream)), got {type(lay).__name__}"
+            )
+    check_optional_int("head_dim", head_dim, min=1)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype={dtype!r} must be a torch.dtype (of q/k/v) or None")
     dev = torch.device(device) if device is not None else layout.doc_ids_T.device
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -369,6 +378,13 @@ def packed_attention(
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a (T, H, D) tensor, got {type(t).__name__}")
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(
+            f"mask must be the AttentionMask prepare_attention returned, got {type(mask).__name__}"
+        )
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"packed attention takes (T, H, D) tensors, got q {tuple(q.shape)}, k "

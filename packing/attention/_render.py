@@ -67,8 +67,7 @@ def ascii_blocks(block_mask: BlockMask, sep: str = " ") -> str:
 
 def ascii_mask(mask: Tensor, sep: str = " ") -> str:
     """One line per query: ``#`` where the bool ``(T_q, T_kv)`` mask attends, ``.`` elsewhere."""
-    if mask.ndim != 2:
-        raise ValueError(f"mask must be 2-D (T_q, T_kv), got shape {tuple(mask.shape)}")
+    _check_mask(mask)
     return "\n".join(sep.join("#" if v else "." for v in row) for row in mask.bool().tolist())
 
 
@@ -90,6 +89,7 @@ def save_png(
     plt = require("matplotlib.pyplot", extra="plot")
     Rectangle = require("matplotlib.patches", extra="plot").Rectangle
 
+    _check_mask(mask)
     m = mask.detach().cpu().bool()
     T_q, T_kv = m.shape
     # Colour index per pair: 7 (grey in tab10) for padding, episode d -> d mod 7 otherwise;
@@ -134,3 +134,12 @@ def save_png(
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def _check_mask(mask: object) -> None:
+    """A bool (T_q, T_kv) tensor: a float mask would be drawn by its truthiness (0.5 as True)."""
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        what = f"a {mask.dtype} tensor" if isinstance(mask, Tensor) else type(mask).__name__
+        raise TypeError(f"mask must be a bool tensor (True = attend), got {what}; use dense_mask")
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be 2-D (T_q, T_kv), got shape {tuple(mask.shape)}")

@@ -24,6 +24,15 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info as _get_worker_info
 
+from packing._validate import (
+    check_bool,
+    check_finite,
+    check_int,
+    check_int_tuple,
+    check_optional_int,
+    check_real,
+    check_sequence,
+)
 from packing.data._joint import joint_layout as _joint_layout
 from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
 from packing.data._layout_math import padded_length
@@ -52,10 +61,21 @@ class Stream:
     pad_value: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("Stream name must be a non-empty string")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Stream name must be a non-empty string, got {self.name!r}")
+        where = f"stream {self.name!r}: "
+        check_int(where + "tokens_per_step", self.tokens_per_step, min=1)
+        check_optional_int(where + "budget", self.budget, min=1, hint="tokens")
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise TypeError(
+                f"{where}dtype={self.dtype!r} must be a torch.dtype, e.g. torch.float16"
+            )
+        if not isinstance(self.pad_value, bool):
+            check_real(where + "pad_value", self.pad_value)
         if self.grid is not None:
-            h, w = self.grid
+            # Stream(grid=(2.0, 2)) would reach torch's arange as a float much later.
+            h, w = check_int_tuple(where + "grid", self.grid, length=2, min=1)
+            object.__setattr__(self, "grid", (h, w))
             if h < 1 or w < 1:
                 raise ValueError(f"stream {self.name!r}: grid {self.grid} must be positive")
             if self.tokens_per_step not in (1, h * w):
@@ -64,8 +84,6 @@ class Stream:
                     f"with grid {self.grid} ({h * w} tokens); give one of them"
                 )
             object.__setattr__(self, "tokens_per_step", h * w)
-        if self.tokens_per_step < 1:
-            raise ValueError(f"stream {self.name!r}: tokens_per_step must be >= 1")
         if self.budget is not None and (self.budget < 1 or self.budget % self.tokens_per_step != 0):
             raise ValueError(
                 f"stream {self.name!r}: budget={self.budget} must be a positive multiple of "
@@ -84,8 +102,15 @@ class Stream:
 
 
 def _check_pad_value(stream: str, value: float, dtype: torch.dtype) -> None:
-    """A pad value the stream's dtype holds exactly: 1.5 on an int stream would become 1."""
+    """A pad value the stream's dtype holds exactly: 1.5 on an int stream would become 1, 1e6
+    on a float16 stream inf."""
     if dtype.is_floating_point or dtype.is_complex:
+        if dtype.is_floating_point and abs(value) > torch.finfo(dtype).max:
+            raise ValueError(
+                f"stream {stream!r}: pad_value={value!r} is out of the range of its dtype "
+                f"{dtype} (max {torch.finfo(dtype).max:g}; it would be stored as inf); pick a "
+                "pad value the dtype holds, e.g. 0"
+            )
         return
     exact = float(value).is_integer() if dtype != torch.bool else value in (0, 1)
     if exact and dtype != torch.bool:
@@ -139,6 +164,8 @@ class PackedCollator:
         joint: tuples of stream names to lay out as one attention sequence in the worker
             (see `packing.data._joint.joint_layout`); cached on the batch (`PackedBatch.joint_layouts`).
         pin_memory: allocate the output buffers in pinned memory.
+        check_finite: refuse a stream value holding NaN or inf, naming the episode, the stream
+            and the first bad index (one reduction per tensor; off by default, on in verify).
     """
 
     def __init__(
@@ -150,13 +177,22 @@ class PackedCollator:
         max_docs: int | None = None,
         joint: Sequence[Sequence[str]] = (),
         pin_memory: bool = False,
+        check_finite: bool = False,
     ) -> None:
-        if pad_to_multiple < 1:
-            raise ValueError(f"pad_to_multiple={pad_to_multiple} must be >= 1")
-        if max_docs is not None and max_docs < 1:
-            raise ValueError(f"max_docs={max_docs} must be >= 1")
+        pad_to_multiple = check_int(
+            "pad_to_multiple", pad_to_multiple, min=1, hint="1 disables padding"
+        )
+        max_docs = check_optional_int("max_docs", max_docs, min=1, hint="episodes per pack")
+        token_budget = check_optional_int("token_budget", token_budget, min=1, hint="tokens")
+        self.check_finite = check_bool("check_finite", check_finite)
+        pin_memory = check_bool("pin_memory", pin_memory)
         decl = (
-            None if streams is None else [Stream(s) if isinstance(s, str) else s for s in streams]
+            None
+            if streams is None
+            else [
+                Stream(s) if isinstance(s, str) else s
+                for s in check_sequence("streams", streams, of=(Stream, str))
+            ]
         )
         if decl is not None:
             if not decl:
@@ -175,13 +211,14 @@ class PackedCollator:
                     p.name, tokens_per_step=p.tokens_per_step, grid=p.grid, budget=token_budget,
                     step_shape=p.step_shape, dtype=p.dtype, pad_value=p.pad_value,
                 )  # fmt: skip
-        elif token_budget is not None and token_budget < 1:
-            raise ValueError(f"token_budget={token_budget} must be >= 1")
         self.streams = decl
         self.token_budget = token_budget
         self.pad_to_multiple = pad_to_multiple
         self.max_docs = max_docs
-        self.joint = [tuple(j) for j in joint]
+        self.joint = [
+            tuple(check_sequence(f"joint[{i}]", j, of=str))
+            for i, j in enumerate(check_sequence("joint", joint))
+        ]
         self.pin_memory = pin_memory
 
     def __repr__(self) -> str:
@@ -201,6 +238,9 @@ class PackedCollator:
         data: dict[str, torch.Tensor] = {}
         layouts: dict[str, StreamLayout] = {}
         for s, tensors in columns:
+            if self.check_finite:
+                for i, t in enumerate(tensors):
+                    check_finite(f"episode {_name(episodes[i], i)}", s.name, t)
             data[s.name], layouts[s.name] = self._copy_stream(s, episodes, tensors)
         try:
             per_episode, kinds, ids = self._stack_values(episodes, names)
@@ -336,7 +376,13 @@ class PackedCollator:
     ) -> list[torch.Tensor]:
         tensors: list[torch.Tensor] = []
         for i, ep in enumerate(episodes):
-            t = _as_tensor(ep[s.name])
+            try:
+                t = _as_tensor(ep[s.name])
+            except TypeError as e:  # a numpy array torch cannot hold (strings, objects)
+                raise TypeError(
+                    f"episode {_name(ep, i)} stream {s.name!r} is a numpy array of "
+                    f"{ep[s.name].dtype}, which has no torch dtype; store numbers ({e})"
+                ) from e
             if t is None or t.dim() == 0:
                 raise TypeError(
                     f"episode {_name(ep, i)} stream {s.name!r} is "
@@ -346,6 +392,12 @@ class PackedCollator:
                 raise ValueError(
                     f"episode {_name(ep, i)} has 0 steps in stream {s.name!r}; remove empty "
                     f"episodes before packing (nothing is dropped silently)"
+                )
+            if t.requires_grad:
+                raise ValueError(
+                    f"episode {_name(ep, i)} stream {s.name!r} requires grad; episodes are "
+                    f"data, copied into the pack without autograd: pass {s.name}.detach() (or "
+                    "build it under torch.no_grad())"
                 )
             if not t.is_cpu:
                 raise ValueError(
@@ -478,7 +530,8 @@ def _plain_tensors(s: Stream, tensors: list[Any]) -> bool:
         return False
     tensor = torch.Tensor
     if not all(
-        type(t) is tensor and t.dtype is dtype and t.dim() > 0 and t.is_cpu for t in tensors
+        type(t) is tensor and t.dtype is dtype and t.dim() > 0 and t.is_cpu and not t.requires_grad
+        for t in tensors
     ):
         return False
     return min(t.shape[0] for t in tensors) > 0
@@ -627,6 +680,10 @@ def unpack(batch: PackedBatch) -> list[dict[str, Any]]:
     A batch whose layouts and buffers disagree (edited by hand, or mixed from two batches) is
     refused rather than read as wrong rows; see `check_batch`.
     """
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(
+            f"unpack takes the PackedBatch a PackedCollator built, got {type(batch).__name__}"
+        )
     check_batch(batch)
     kinds = batch.value_kinds
     episodes: list[dict[str, Any]] = [{} for _ in range(batch.num_docs)]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from packing._validate import check_int, check_int_tuple, check_optional_int, check_sequence
 from packing.data._layout_math import layout_arrays
 
 if TYPE_CHECKING:  # packing.data._joint builds on this module
@@ -334,6 +335,22 @@ def layout_from_lengths(
     or per token: positions (and ``thw``) come from `packing.data._layout_math`, K slices of one
     cached template joined by one ``np.concatenate`` (a memcpy); doc ids are one ``np.repeat``.
     """
+    if not (
+        all(type(x) is int and x > 0 for x in lengths)
+        and all(type(x) is int and x > 0 for x in steps)
+        and type(padded) is int
+        and type(tokens_per_step) is int
+        and tokens_per_step > 0
+    ):  # the collator's own call passes the fast test; anything else is checked in detail
+        lengths, steps = _checked_counts(lengths, steps, padded, tokens_per_step)
+    if len(lengths) != len(steps):
+        raise ValueError(
+            f"lengths has {len(lengths)} documents but steps {len(steps)}; pass one of each "
+            "per document"
+        )
+    if grid is not None:
+        grid = check_int_tuple("grid", grid, length=2)  # type: ignore[assignment]
+    max_docs = check_optional_int("max_docs", max_docs, min=0)
     total = sum(lengths)
     if total > padded:
         raise ValueError(
@@ -353,3 +370,18 @@ def layout_from_lengths(
         grid=grid,
         thw_T3=None if arrays.thw_T3 is None else torch.from_numpy(arrays.thw_T3),
     )
+
+
+def _checked_counts(
+    lengths: Any, steps: Any, padded: Any, tokens_per_step: Any
+) -> tuple[list[int], list[int]]:
+    """`layout_from_lengths`' arguments checked: positive int counts (numpy ints too), never
+    a float or a string read as a sequence."""
+    check_int("padded", padded, min=0, hint="the stream's padded token count")
+    check_int("tokens_per_step", tokens_per_step, min=1)
+    ls = [
+        check_int(f"lengths[{k}]", x, min=1)
+        for k, x in enumerate(check_sequence("lengths", lengths))
+    ]
+    ss = [check_int(f"steps[{k}]", x, min=1) for k, x in enumerate(check_sequence("steps", steps))]
+    return ls, ss

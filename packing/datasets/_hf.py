@@ -8,8 +8,11 @@ column stacked on a leading sequence axis. Three episodes of lengths ``[2, 4, 3]
     episode_index  0 0 1 1 1 1 2 2 2
     item 1 = {"action": rows 2..5 -> (4, A), "episode_index": 1, "task": "..."}
 
-Rows of an episode need not be contiguous: they are gathered in row order with one Arrow
-``take`` (contiguous episodes are one zero-copy slice). Declared dtypes are kept (a float16
+Rows of an episode need not be contiguous, nor in time order: with a ``frame_index`` column
+(``frame_column``) an episode's frames are served in ``frame_index`` order, whatever the row
+order (``ds.shuffle()`` interleaves and reverses them), and a repeated frame index is refused;
+without one, in row order. They are gathered with one Arrow ``take`` (rows already contiguous
+and in order are one zero-copy slice). Declared dtypes are kept (a float16
 column stays float16). A boolean ``{key}_is_pad`` column becomes ``{key}_loss_mask =
 ~{key}_is_pad`` (see `packing.datasets._arrow.plan_columns`), so padded targets never enter a loss by
 mistake. The Arrow-to-tensor conversion (`packing.datasets._arrow`) is shared with `packing.datasets._lerobot`;
@@ -25,23 +28,51 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from packing._lazy import require
+from packing._validate import check_bool, check_finite, check_int, check_sequence
 from packing.datasets import _arrow
 
 __all__ = ["HFEpisodes"]
 
 
-def group_rows(episode_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def group_rows(
+    episode_ids: np.ndarray, frames: np.ndarray | None = None, frame_column: str = "frame_index"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows grouped by episode: ``(ids_E, offsets_E1, order_N)``, ids sorted ascending.
 
-    Episode ``ids_E[j]`` owns rows ``order_N[offsets_E1[j]:offsets_E1[j + 1]]``, in row order::
+    Episode ``ids_E[j]`` owns rows ``order_N[offsets_E1[j]:offsets_E1[j + 1]]``, in row order,
+    or in ``frames`` order when given (a shuffled dataset's rows are out of time order)::
 
         episode_ids [1, 0, 1, 2, 0]  ->  ids [0, 1, 2], offsets [0, 2, 4, 5],
                                          order [1, 4, 0, 2, 3]
+        frames      [1, 1, 0, 0, 0]  ->  order [4, 1, 2, 0, 3]
     """
-    order = np.argsort(episode_ids, kind="stable")
+    if frames is None:
+        order = np.argsort(episode_ids, kind="stable")
+    else:
+        order = np.lexsort((frames, episode_ids))
+        same = (np.diff(episode_ids[order]) == 0) & (np.diff(frames[order]) == 0)
+        if same.any():
+            r = order[int(np.flatnonzero(same)[0]) + 1]
+            raise ValueError(
+                f"episode {episode_ids[r]} has {frame_column} {frames[r]} twice (row {r} "
+                "repeats it): frames would be served in an arbitrary order; deduplicate the "
+                "rows, or pass frame_column=None to keep row order"
+            )
     ids, starts = np.unique(episode_ids[order], return_index=True)
     offsets = np.append(starts, len(order)).astype(np.int64)
     return ids, offsets, order.astype(np.int64)
+
+
+def _refuse_duplicates(wanted: list[int]) -> None:
+    """Two items of one episode would share its noise and timestep keys: refused."""
+    seen: set[int] = set()
+    for e in wanted:
+        if e in seen:
+            raise ValueError(
+                f"episodes lists episode {e} twice; each episode is served once (its "
+                "episode_index keys its noise and timesteps): remove the duplicate"
+            )
+        seen.add(e)
 
 
 class HFEpisodes(Dataset):
@@ -54,6 +85,11 @@ class HFEpisodes(Dataset):
         episodes: episode ids to serve, in this order (default: all, sorted).
         task_column: a string column; its value (constant within an episode) becomes
             ``item["task"]``. Without it, items carry no ``"task"``.
+        frame_column: the integer column giving each row's frame (time) in its episode; used
+            when the dataset has it (LeRobot's ``frame_index``), else rows keep their order.
+            ``None``: row order always.
+        check_finite: refuse an item whose float values hold NaN or inf, naming the episode,
+            the key and the first bad index.
 
     ``.lengths`` (frames per item) comes from the episode column alone.
     """
@@ -66,8 +102,15 @@ class HFEpisodes(Dataset):
         episode_column: str = "episode_index",
         episodes: Sequence[int] | None = None,
         task_column: str | None = None,
+        frame_column: str | None = "frame_index",
+        check_finite: bool = False,
     ) -> None:
         datasets = require("datasets", extra="hf")
+        keys = check_sequence("keys", keys, of=str)
+        self.check_finite = check_bool("check_finite", check_finite)
+        for name, col in (("episode_column", episode_column), ("task_column", task_column)):
+            if col is not None and not isinstance(col, str):
+                raise TypeError(f"{name}={col!r} must be a column name (str)")
         if not isinstance(dataset, datasets.Dataset):
             raise TypeError(
                 f"expected a datasets.Dataset, got {type(dataset).__name__}"
@@ -92,13 +135,32 @@ class HFEpisodes(Dataset):
         schema = dataset.data.schema  # validate early, not in a DataLoader worker
         for _, col, _ in self._plan:
             _arrow.check_numeric(schema.field(col).type, key=col)
-        ids, offsets, self._order = group_rows(ep_ids)
+        frames = None
+        if frame_column is not None and frame_column in columns:
+            frames = _arrow.arrow_to_numpy(
+                dataset.select_columns([frame_column]).with_format("arrow")[frame_column],
+                key=frame_column,
+            )
+            if frames.ndim != 1 or frames.dtype.kind not in "iu":
+                raise TypeError(
+                    f"frame column {frame_column!r} must be one integer per row, got "
+                    f"{frames.dtype} of shape {frames.shape[1:]}; pass frame_column=None to "
+                    "serve rows in row order"
+                )
+        ids, offsets, self._order = group_rows(ep_ids, frames, frame_column or "")
         # "arrow" format: indexing returns pyarrow Tables and honours select/shuffle indices;
         # selecting columns first keeps a gather of scattered rows to the columns we serve.
         read = sorted({col for _, col, _ in self._plan} | ({task_column} if task_column else set()))
         self._rows = dataset.select_columns(read).with_format("arrow")
         pos = {int(e): j for j, e in enumerate(ids)}
-        wanted = ids.tolist() if episodes is None else [int(e) for e in episodes]
+        if episodes is None:
+            wanted = ids.tolist()
+        else:
+            wanted = [
+                check_int(f"episodes[{i}]", e)
+                for i, e in enumerate(check_sequence("episodes", episodes))
+            ]
+            _refuse_duplicates(wanted)
         missing = [e for e in wanted if e not in pos]
         if missing:
             raise KeyError(
@@ -115,7 +177,7 @@ class HFEpisodes(Dataset):
 
     def _episode_rows(self, i: int) -> Any:
         rows = self._order[self._starts[i] : self._starts[i] + self.lengths[i]]
-        if rows[-1] - rows[0] + 1 == len(rows):  # contiguous: one zero-copy slice
+        if (np.diff(rows) == 1).all():  # contiguous and in order: one zero-copy slice
             return self._rows[int(rows[0]) : int(rows[-1]) + 1]
         return self._rows[rows.tolist()]
 
@@ -126,6 +188,9 @@ class HFEpisodes(Dataset):
         table = self._episode_rows(i)
         item: dict[str, Any] = _arrow.table_to_episode(table, self._plan)
         item["episode_index"] = int(self.episode_ids[i])
+        if self.check_finite:
+            for key in self.keys:
+                check_finite(f"episode {item['episode_index']}", key, item[key])
         if self.task_column is not None:
             tasks = table.column(self.task_column).unique().to_pylist()
             if len(tasks) != 1:

@@ -46,6 +46,7 @@ import torch
 from torch.utils.data import Dataset
 
 from packing._lazy import require
+from packing._validate import check_bool, check_finite, check_sequence, is_int
 from packing.datasets._arrow import plan_columns, table_to_episode
 from packing.datasets._parquet_pages import ColumnChunks, Unsupported, fixed_shape
 
@@ -159,11 +160,26 @@ def _check_files_covered(
 
 def _select(ids: np.ndarray, episodes: Sequence[int] | None, where: object) -> np.ndarray:
     """Positions of ``episodes`` (by episode_index) among ``ids``, in the order given."""
+    dup = np.flatnonzero(np.diff(np.sort(ids)) == 0)
+    if len(dup):
+        e = np.sort(ids)[dup[0]]
+        raise ValueError(
+            f"{where}: two episodes of meta/episodes carry episode_index {e}; both would be "
+            "served as that episode (one noise and timestep key for two episodes): renumber "
+            "the episodes so each index is unique"
+        )
     if episodes is None:
         return np.arange(len(ids))
-    bad = [e for e in episodes if isinstance(e, bool) or not isinstance(e, int | np.integer)]
+    episodes = check_sequence("episodes", episodes)
+    bad = [e for e in episodes if not is_int(e)]
     if bad:
         raise TypeError(f"episodes must be episode indices (ints), got {bad[:5]}")
+    if len(set(map(int, episodes))) != len(episodes):
+        twice = next(e for i, e in enumerate(episodes) if e in episodes[:i])
+        raise ValueError(
+            f"episodes lists episode {twice} twice; each episode is served once (its "
+            "episode_index keys its noise and timesteps): remove the duplicate"
+        )
     pos = {int(e): j for j, e in enumerate(ids)}
     missing = [int(e) for e in episodes if int(e) not in pos]
     if missing:
@@ -436,6 +452,8 @@ class LeRobotEpisodes(Dataset):
             ~8x cheaper for float16 latents, at the cost of disk space. ``None``: decode the
             parquet row groups of each episode on every read (fixed-shape numeric columns
             straight from their pages, docs/datasets.md), write nothing.
+        check_finite: refuse an item whose features hold NaN or inf, naming the episode, the
+            key and the first bad index (one reduction per feature).
 
     Attributes:
         lengths: frames per item (numpy int64), from metadata alone: the planner's input.
@@ -456,10 +474,12 @@ class LeRobotEpisodes(Dataset):
         episodes: Sequence[int] | None = None,
         *,
         cache_dir: str | os.PathLike[str] | None = None,
+        check_finite: bool = False,
     ) -> None:
         if isinstance(keys, str):
             raise TypeError(f"keys must be a list of feature names, got the string {keys!r}")
-        self.keys = tuple(keys)
+        self.keys = tuple(check_sequence("keys", keys, of=str))
+        self.check_finite = check_bool("check_finite", check_finite)
         self._warned: set[str] = set()  # features whose lossy cast was reported
         if not self.keys:
             raise ValueError(
@@ -486,8 +506,12 @@ class LeRobotEpisodes(Dataset):
         sel = _select(ids, episodes, where)
         self.episode_ids = ids[sel].astype(np.int64)
         self.lengths = table.column("length").to_numpy()[sel].astype(np.int64)
-        # episode_index is read back to prove the slice is the episode; task_index gives "task".
-        self._columns = sorted({c for _, c, _ in self._plan} | {"episode_index", "task_index"})
+        # episode_index is read back to prove the slice is the episode; task_index gives "task";
+        # frame_index (when the dataset has it, as LeRobot's writer always does) orders frames.
+        ids_cols = {"episode_index", "task_index"} | (
+            {"frame_index"} if "frame_index" in self.features else set()
+        )
+        self._columns = sorted({c for _, c, _ in self._plan} | ids_cols)
         if isinstance(root_or_dataset, (str, os.PathLike)):
             cache = None if cache_dir is None else Path(cache_dir).expanduser()
             self._reader: _ParquetEpisodes | _InstanceEpisodes = _ParquetEpisodes(
@@ -536,7 +560,11 @@ class LeRobotEpisodes(Dataset):
         if episodes is None and ds.episodes is not None:
             episodes = list(ds.episodes)
         elif episodes is not None and ds.episodes is not None:
-            outside = sorted(set(map(int, episodes)) - set(map(int, ds.episodes)))
+            episodes = check_sequence("episodes", episodes)
+            bad = [e for e in episodes if not is_int(e)]
+            if bad:  # int(1.5) would select episode 1
+                raise TypeError(f"episodes must be episode indices (ints), got {bad[:5]}")
+            outside = sorted(set(episodes) - set(map(int, ds.episodes)))
             if outside:
                 raise KeyError(
                     f"episodes {outside[:10]} are not loaded by this LeRobotDataset "
@@ -603,11 +631,36 @@ class LeRobotEpisodes(Dataset):
                     f"episode {ep}: {name!r} has frames of shape {tuple(item[name].shape[1:])} "
                     f"but meta/info.json declares {shape or (1,)}"
                 )
+        order = self._frame_order(ep, table, arrays)
+        if order is not None:  # rows out of time order: serve the frames by frame_index
+            for name in self._shapes:
+                item[name] = item[name][order]
+        if self.check_finite:
+            for name in self._shapes:
+                check_finite(f"episode {ep}", name, item[name])
         item["episode_index"] = ep
         task = column("task_index")
         task = table.column("task_index")[0].as_py() if task is None else task[0]
         item["task"] = self.tasks[int(task)]
         return item
+
+    def _frame_order(self, ep: int, table: Any, arrays: dict[str, np.ndarray]) -> Any:
+        """None when the rows are in ``frame_index`` order (LeRobot's writer keeps them so),
+        else the permutation that puts them in it; a repeated frame index is refused."""
+        if "frame_index" not in self._columns:
+            return None
+        frames = arrays.get("frame_index")
+        if frames is None:
+            frames = table.column("frame_index").to_numpy()
+        step = np.diff(frames)
+        if (step > 0).all():
+            return None
+        if (step == 0).any() or len(np.unique(frames)) != len(frames):
+            raise ValueError(
+                f"episode {ep} has a repeated frame_index in {self.root}: its frames have no "
+                "time order; re-create the episode's data"
+            )
+        return torch.from_numpy(np.argsort(frames, kind="stable"))
 
     def _warn_lossy_cast(self, name: str, stored: torch.dtype, declared: torch.dtype) -> None:
         """Items follow meta/info.json's dtype; say so once when the cast can lose bits
@@ -624,10 +677,35 @@ class LeRobotEpisodes(Dataset):
             stacklevel=3,
         )
 
-    def token_lengths(self, **frames_to_tokens_kwargs: Any) -> np.ndarray:
-        """Tokens per item: ``packing.planning._plan.frames_to_tokens(self.lengths, **kwargs)``."""
+    def token_lengths(
+        self, *, latent_key: str = "latents", **frames_to_tokens_kwargs: Any
+    ) -> np.ndarray:
+        """Tokens per item: ``packing.planning._plan.frames_to_tokens(self.lengths, **kwargs)``.
+
+        ``latent_hw`` is the dataset's own: the last two dims of feature ``latent_key``'s
+        declared shape (``(48, 8, 16)`` -> ``(8, 16)``). A ``latent_hw=`` that disagrees with
+        it is refused (it would plan another number of tokens than the items hold); without
+        the feature, ``latent_hw`` must be given."""
         from packing.planning._plan import frames_to_tokens
 
+        feature = self.features.get(latent_key)
+        shape = None if feature is None else tuple(feature["shape"])
+        given = frames_to_tokens_kwargs.get("latent_hw")
+        if shape is not None and len(shape) >= 2:
+            real = (int(shape[-2]), int(shape[-1]))
+            if given is not None and tuple(given) != real:
+                raise ValueError(
+                    f"latent_hw={tuple(given)} but feature {latent_key!r} has latents of shape "
+                    f"{shape}, so latent_hw={real}; drop latent_hw= (it is read from the "
+                    "dataset) or pass the latent_key of the feature you plan"
+                )
+            frames_to_tokens_kwargs["latent_hw"] = real
+        elif given is None:
+            raise ValueError(
+                f"token_lengths: the dataset has no feature {latent_key!r} with a (.., H, W) "
+                f"shape to read latent_hw from (features: {sorted(self.features)}); pass "
+                "latent_hw=(H, W) or latent_key=<your latents feature>"
+            )
         return np.asarray(frames_to_tokens(self.lengths, **frames_to_tokens_kwargs), dtype=np.int64)
 
 

@@ -31,6 +31,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from packing._validate import check_bool, check_int, check_int_tuple, check_real, check_sequence
 from packing.attention._masks import frame_causal
 from packing.attention._packed import AttentionMask, Backend, packed_attention, prepare_attention
 from packing.data._collate import PackedCollator, Stream
@@ -99,8 +100,17 @@ class DiTConfig:
 
     def __post_init__(self) -> None:
         for name in ("dim", "heads", "depth", "ffn_dim", "latent_channels", "action_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DiTConfig.{name}={getattr(self, name)} must be >= 1")
+            check_int(f"DiTConfig.{name}", getattr(self, name), min=1)
+        for name in ("text_len", "vocab", "freq_dim"):
+            check_int(f"DiTConfig.{name}", getattr(self, name), min=1)
+        object.__setattr__(self, "patch", check_int_tuple("DiTConfig.patch", self.patch, length=3))
+        object.__setattr__(
+            self, "latent_hw", check_int_tuple("DiTConfig.latent_hw", self.latent_hw, length=2)
+        )
+        for name in ("frame_causal", "document_mask"):
+            check_bool(f"DiTConfig.{name}", getattr(self, name))
+        check_real("DiTConfig.rope_theta", self.rope_theta, above=0)
+        check_real("DiTConfig.eps", self.eps, above=0)
         if self.dim % self.heads:
             raise ValueError(
                 f"DiTConfig: dim={self.dim} is not divisible by heads={self.heads}; pick heads "
@@ -187,6 +197,9 @@ def text_tokens(task: str, text_len: int = 64) -> Tensor:
     ``text_tokens("open", 8) == tensor([256, 111, 112, 101, 110])``; truncated to ``text_len``
     tokens, never empty (an empty task is ``[BOS]``), so every episode has a text document.
     """
+    if not isinstance(task, str):
+        raise TypeError(f"task={task!r} must be a str (the episode's task text)")
+    check_int("text_len", text_len, min=1)
     data = task.encode("utf-8")[: max(text_len - 1, 0)]
     return torch.tensor([BOS, *data], dtype=torch.int64)[:text_len]
 
@@ -199,6 +212,7 @@ def pack_text(
     A ``"text"`` stream of ``text_tokens`` through `PackedCollator` with ``pad_to_multiple``
     (padding tokens are 0; no task gives one all-padding block). Host work only.
     """
+    tasks = check_sequence("tasks", tasks, of=str)
     text = Stream("text", step_shape=(), dtype=torch.int64)
     collate = PackedCollator([text], pad_to_multiple=pad_to_multiple)
     batch = collate([{"text": text_tokens(t, text_len)} for t in tasks])
@@ -352,7 +366,8 @@ class DiT(nn.Module):
                     "timestep from (seed, step, episode_index); set batch.extras['seed'] and "
                     "batch.extras['step'] (the optimizer step) before calling the model"
                 )
-        seed, step = int(batch.extras["seed"]), int(batch.extras["step"])
+        seed = check_int("batch.extras['seed']", batch.extras["seed"])
+        step = check_int("batch.extras['step']", batch.extras["step"])
         p = next(self.parameters())
         dev, dtype = p.device, p.dtype
         lat_lay, act_lay = batch.layout("latents"), batch.layout("action")
@@ -520,6 +535,8 @@ def tiny_reference_model(
 
 def param_count(cfg: DiTConfig) -> int:
     """Parameters of ``DiT(cfg)``, counted from the config alone (no allocation)."""
+    if not isinstance(cfg, DiTConfig):
+        raise TypeError(f"cfg must be a DiTConfig, got {type(cfg).__name__}")
     d, f, p = cfg.dim, cfg.ffn_dim, cfg.patch_features
 
     def lin(i: int, o: int) -> int:

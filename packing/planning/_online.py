@@ -23,6 +23,7 @@ from bisect import bisect_right, insort
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, Literal, TypeVar
 
+from packing._validate import check_int, check_optional_int
 from packing.planning._binpack import opener_index
 from packing.planning._plan import plan_packs
 
@@ -46,10 +47,11 @@ class BufferedPacker(Generic[T]):
         max_docs: int | None = None,
         oversize: Literal["error", "drop"] = "error",
     ) -> None:
-        if buffer_size < 1 or token_budget < 1:
-            raise ValueError(
-                f"buffer_size={buffer_size} and token_budget={token_budget} must be >= 1"
-            )
+        token_budget = check_int("token_budget", token_budget, min=1, hint="tokens per pack")
+        buffer_size = check_int("buffer_size", buffer_size, min=1, hint="episodes buffered")
+        max_docs = check_optional_int("max_docs", max_docs, min=1, hint="episodes per pack")
+        if not callable(length):
+            raise TypeError(f"length={length!r} must be a function episode -> tokens")
         if oversize not in ("error", "drop"):
             raise ValueError(
                 f"oversize={oversize!r}; the stream packer supports 'error' or 'drop' "
@@ -67,7 +69,8 @@ class BufferedPacker(Generic[T]):
         # The buffer is a list of (length, arrival, episode) sorted by (length, arrival).
         buf: list[tuple[int, int, T]] = []
         for arrival, ep in enumerate(stream):
-            n = int(self.length(ep))
+            # A float length (3.7) is refused, not truncated: it would overfill a pack.
+            n = check_int(f"length(episode {arrival} of the stream)", self.length(ep))
             if n < 1 or n > self.token_budget:
                 self._oversize(arrival, n)
                 continue

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from packing._validate import check_int, check_sequence
+
 __all__ = ["pieces_of", "slice_piece", "split_windows"]
 
 
@@ -37,6 +39,10 @@ def split_windows(
         split_windows(10, 4, multiple=2, overlap=2)
         -> [(0, 4, 0), (2, 6, 4), (4, 8, 6), (6, 10, 8)]
     """
+    check_int("num_steps", num_steps, min=1)
+    check_int("max_steps", max_steps, min=1)
+    check_int("multiple", multiple, min=1)
+    check_int("overlap", overlap, min=0, hint="a negative overlap would leave steps out")
     width = (max_steps // multiple) * multiple
     if width < multiple or overlap % multiple or overlap >= width:
         raise ValueError(
@@ -65,9 +71,15 @@ def slice_piece(
         piece (7, 2, 6, 4), rows_per_step {"latents": 1, "action": 4}
         -> latents[2:6], action[8:24], loss_start 2   (steps 2, 3 are context)
     """
-    _, start, stop, loss_start = (int(v) for v in piece)
+    values = check_sequence("piece", piece)
+    if len(values) != 4:
+        raise ValueError(f"piece={piece!r} must be (episode, start, stop, loss_start)")
+    _, start, stop, loss_start = (check_int(f"piece[{i}]", v, min=0) for i, v in enumerate(values))
+    if not start <= loss_start <= stop:
+        raise ValueError(f"piece={piece!r} needs start <= loss_start <= stop")
     out = dict(episode)
     for key, rows in rows_per_step.items():
+        check_int(f"rows_per_step[{key!r}]", rows, min=1)
         if key not in episode:
             raise KeyError(f"rows_per_step names {key!r}, which the episode does not have")
         out[key] = episode[key][start * rows : stop * rows]

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from packing._validate import check_choice, check_int, check_int_tuple, is_int
 from packing.planning._binpack import (
     best_fit_decreasing,
     first_fit_decreasing,
@@ -86,7 +87,13 @@ def frames_to_tokens(
             "(frames_to_tokens never truncates 3.7 frames to 3)"
         )
     n = n.astype(np.int64, copy=False)
-    (h, w), (pt, ph, pw) = latent_hw, patch
+    h, w = check_int_tuple("latent_hw", latent_hw, length=2)
+    pt, ph, pw = check_int_tuple("patch", patch, length=3)
+    check_int("temporal_compression", temporal_compression, min=1, hint="raw frames per latent")
+    check_int(
+        "action_tokens_per_frame", action_tokens_per_frame, min=0, hint="a token count: 0 or more"
+    )
+    check_int("text_tokens", text_tokens, min=0, hint="a token count: 0 or more")
     if h % ph or w % pw:
         raise ValueError(
             f"latent_hw={latent_hw} is not divisible by patch={patch} in (h, w); "
@@ -238,7 +245,7 @@ class PackPlan:
             items_N=items,
             offsets_P1=col.offsets.to_numpy().astype(np.int64),
             item_lengths=item_lengths,
-            token_budget=int(head["token_budget"]),
+            token_budget=check_int("the plan file's token_budget", head["token_budget"], min=1),
             pieces_I4=pieces,
             dropped=tuple(head["dropped"]),
             algorithm=head["algorithm"],
@@ -270,7 +277,7 @@ class PackPlan:
             items_N=np.asarray(items, dtype=np.int64),
             offsets_P1=np.concatenate(([0], np.cumsum(sizes))).astype(np.int64),
             item_lengths=np.asarray(head["item_lengths"], dtype=np.int64),
-            token_budget=int(head["token_budget"]),
+            token_budget=check_int("the plan file's token_budget", head["token_budget"], min=1),
             pieces_I4=None if head["pieces"] is None else np.asarray(head["pieces"], np.int64),
             dropped=tuple(head["dropped"]),
             algorithm=head["algorithm"],
@@ -286,6 +293,9 @@ def as_lengths(lengths: Any, what: str = "lengths") -> np.ndarray:
     would hold more real tokens than its budget), strings are not parsed, a 2-D array is not
     flattened. Sizes are checked against ``token_budget`` by the caller.
     """
+    if isinstance(lengths, list | tuple) and len(lengths) == 0:
+        # Every episode filtered out: an empty plan, not numpy's float64 dtype of [].
+        return np.zeros(0, dtype=np.int64)
     if isinstance(lengths, str | bytes) or lengths is None:
         raise TypeError(
             f"{what} must be a 1-D sequence of integer token counts, got {type(lengths).__name__}"
@@ -300,6 +310,8 @@ def as_lengths(lengths: Any, what: str = "lengths") -> np.ndarray:
             f"{arr.shape}; pass one length per episode"
         )
     if arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind == "f":  # np.array([]) of an empty selection
+            return np.zeros(0, dtype=np.int64)
         if arr.dtype.kind == "O" and all(isinstance(v, int) for v in arr.tolist()):
             big = next(v for v in arr.tolist() if not -(2**63) <= v < 2**63)
             raise ValueError(f"{what}: {big} tokens is out of range (int64); check the lengths")
@@ -321,7 +333,7 @@ def as_lengths(lengths: Any, what: str = "lengths") -> np.ndarray:
 def positive_int(name: str, value: Any, unit: str) -> int:
     """``value`` as an int >= 1, or an error naming it: ``8.9`` is not rounded, ``None`` or
     ``True`` is not a budget."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    if not is_int(value):
         raise TypeError(f"{name}={value!r} must be a positive int ({unit})")
     if value < 1:
         raise ValueError(f"{name}={value} must be >= 1 ({unit})")
@@ -356,8 +368,18 @@ def plan_packs(
     token_budget = positive_int("token_budget", token_budget, "tokens per pack, e.g. 8192")
     if max_docs is not None:
         max_docs = positive_int("max_docs", max_docs, "episodes per pack, or None")
-    if algorithm not in _ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r}; choose one of {sorted(_ALGORITHMS)}")
+    check_choice("algorithm", algorithm, sorted(_ALGORITHMS))
+    check_choice("oversize", oversize, ("error", "split", "drop"))
+    check_int("tokens_per_step", tokens_per_step, min=1, hint="tokens of one step (frame)")
+    check_int("fixed_tokens", fixed_tokens, min=0, hint="tokens every piece repeats, e.g. text")
+    check_int("split_multiple", split_multiple, min=1, hint="steps a cut falls on a multiple of")
+    check_int(
+        "split_overlap",
+        split_overlap,
+        min=0,
+        hint="no-loss context steps repeated from the previous piece; a negative overlap "
+        "would leave steps out of every piece",
+    )
     if (lengths_N < 1).any():
         bad = int(np.flatnonzero(lengths_N < 1)[0])
         raise ValueError(
@@ -392,7 +414,10 @@ def plan_packs(
         keep = np.arange(len(pieces_I4))
     elif oversize not in ("error", "drop"):
         raise ValueError(f"oversize={oversize!r}; choose 'error', 'split' or 'drop'")
-    bin_N = _without_gc(_ALGORITHMS[algorithm], item_lengths[keep], token_budget, max_docs)
+    if len(keep) == 0:  # nothing to plan (every episode filtered out or dropped)
+        bin_N = np.zeros(0, dtype=np.int64)
+    else:
+        bin_N = _without_gc(_ALGORITHMS[algorithm], item_lengths[keep], token_budget, max_docs)
     # Group items by bin: a stable sort keeps each pack's items in their input order.
     order = stable_argsort(bin_N)
     counts = np.bincount(bin_N, minlength=int(bin_N.max()) + 1 if len(bin_N) else 0)

@@ -33,6 +33,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from packing._validate import check_bool, check_int
 from packing.planning._plan import Algorithm, Oversize, PackPlan, plan_packs, positive_int
 
 __all__ = ["PackedBatchSampler", "equalise_packs"]
@@ -119,13 +120,13 @@ class PackedBatchSampler(Sampler[list[int]]):
         replan_window: int = 16_384,
         **split: int,
     ) -> None:
+        replan = check_bool("replan", replan)
+        replan_window = check_int("replan_window", replan_window, min=1, hint="items")
         if replan and plan is not None:
             raise ValueError(
                 "replan=True plans the packs every epoch from lengths=; a prebuilt plan= is "
                 "fixed. Pass lengths and token_budget instead"
             )
-        if replan_window < 1:
-            raise ValueError(f"replan_window={replan_window} must be >= 1 (items)")
         plan = _plan_of(plan, lengths, token_budget, algorithm, max_docs, oversize, split)
         num_replicas, rank = _world(num_replicas, rank)
         if balance not in ("tokens", "attention"):
@@ -138,11 +139,11 @@ class PackedBatchSampler(Sampler[list[int]]):
         if not isinstance(shuffle, bool):
             raise TypeError(f"shuffle={shuffle!r} must be True or False")
         self.plan = plan
-        self.shuffle, self.seed = shuffle, int(seed)
+        self.shuffle, self.seed = shuffle, check_int("seed", seed)
         self.num_replicas, self.rank = num_replicas, rank
         self.balance_window = positive_int("balance_window", balance_window, "steps")
         self.balance = balance
-        self.replan, self.replan_window = bool(replan), int(replan_window)
+        self.replan, self.replan_window = replan, replan_window
         self._algorithm, self._max_docs = algorithm, max_docs
         self._epoch_cache: tuple[tuple[int, int], list[list[int]], np.ndarray] | None = None
         if self.replan:  # the packs of epoch 0 (each epoch has its own)
@@ -206,7 +207,7 @@ class PackedBatchSampler(Sampler[list[int]]):
             raise ValueError(f"set_epoch({epoch!r}): the epoch must be an int >= 0")
         if epoch != self.epoch:
             self._start = 0
-        self.epoch = int(epoch)
+        self.epoch = check_int("epoch", epoch)
 
     def schedule(self, epoch: int | None = None) -> np.ndarray:
         """Pack ids of the epoch as a (steps, num_replicas) table; column r is rank r's order."""
@@ -262,7 +263,8 @@ class PackedBatchSampler(Sampler[list[int]]):
             raise TypeError(f"consumed={consumed!r} must be an int (packs used this epoch)")
         return {
             "epoch": self.epoch,
-            "consumed": self._yielded if consumed is None else int(consumed),
+            "consumed": self._yielded if consumed is None else check_int("consumed", consumed),
+            "version": _STATE_VERSION,
             "num_replicas": self.num_replicas,
             "fingerprint": self._fingerprint,
             **{k: getattr(self, k) for k in _ORDER_SETTINGS},
@@ -273,7 +275,27 @@ class PackedBatchSampler(Sampler[list[int]]):
         were not consumed. Refuses a state saved by a sampler whose plan, world size, seed,
         shuffle or balancing differ (the remaining packs would not be the ones not served)."""
         need = ("epoch", "consumed", "num_replicas", "fingerprint", *_ORDER_SETTINGS)
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"state must be the dict PackedBatchSampler.state_dict() returned, got "
+                f"{type(state).__name__}"
+            )
         missing = [k for k in need if k not in state]
+        version = state.get("version")
+        if missing and version is None:
+            raise KeyError(
+                f"sampler state lacks {missing}: it was saved by an older packing release "
+                f"(state version 1, without a 'version' key; this release reads version "
+                f"{_STATE_VERSION}). Its epoch order cannot be reproduced safely: restart the "
+                f"epoch (sampler.set_epoch(state['epoch'])) or resume with the release that "
+                f"saved it"
+            )
+        if version is not None and version != _STATE_VERSION:
+            raise ValueError(
+                f"sampler state version {version!r}, this release reads version "
+                f"{_STATE_VERSION}; resume with the packing release that saved it, or restart "
+                "the epoch with set_epoch"
+            )
         if missing:
             raise KeyError(
                 f"sampler state lacks {missing}; pass the dict PackedBatchSampler.state_dict() "
@@ -298,12 +320,16 @@ class PackedBatchSampler(Sampler[list[int]]):
             raise TypeError(f"state consumed={consumed!r} must be an int")
         if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
             raise ValueError(f"state epoch={epoch!r} must be an int >= 0")
-        steps = self._num_steps(int(epoch))
+        epoch, consumed = check_int("state epoch", epoch), check_int("state consumed", consumed)
+        steps = self._num_steps(epoch)
         if not 0 <= consumed <= steps:
             raise ValueError(f"consumed={consumed} is outside [0, {steps}]")
-        self.epoch = int(epoch)
-        self._start = self._yielded = int(consumed)
+        self.epoch = epoch
+        self._start = self._yielded = consumed
 
+
+# state_dict's format: 1 had no "version" key (and no replan settings); 2 has them all.
+_STATE_VERSION = 2
 
 # What decides an epoch's order besides the plan and the world size.
 _ORDER_SETTINGS = ("seed", "shuffle", "balance", "balance_window", "replan", "replan_window")
@@ -344,6 +370,8 @@ def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
         num_replicas = dist.get_world_size() if live else 1
     if rank is None:
         rank = dist.get_rank() if live else 0
+    num_replicas = check_int("num_replicas", num_replicas, min=1, hint="data-parallel ranks")
+    rank = check_int("rank", rank, min=0)
     if not 0 <= rank < num_replicas:
         raise ValueError(f"rank={rank} is outside [0, num_replicas={num_replicas})")
     return num_replicas, rank

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from packing._validate import check_int, check_real
+
 __all__ = ["ACCUM_BYTES", "MemoryModel", "Probe", "fit_memory_model", "probe_peak"]
 
 STATE_BYTES = 16.0  # fp32 parameter + fp32 gradient + AdamW exp_avg + exp_avg_sq
@@ -90,6 +92,11 @@ class MemoryModel:
     ) -> int:
         """Largest pack (a multiple of ``multiple``) whose predicted peak fits ``capacity``
         bytes; 0 when the sharded states alone do not fit."""
+        check_real("capacity", capacity, min=0, hint="bytes")
+        check_int("params", params, min=0)
+        check_int("depth", depth, min=1)
+        check_int("world", world, min=1, hint="ranks")
+        check_int("multiple", multiple, min=1, hint="tokens")
         free = capacity - self._fixed_part(params, world, accumulate)
         per = self.per_token + self.per_token_block * depth
         if free <= 0 or per <= 0:
@@ -126,6 +133,9 @@ def fit_memory_model(probes: Sequence[Probe]) -> MemoryModel:
 def probe_peak(step: Callable[[], Any], *, device: torch.device, repeats: int = 2) -> float:
     """Peak bytes allocated over ``repeats`` calls of ``step`` (a full training step; the
     second one holds the optimizer states), max over ranks when distributed."""
+    check_int("repeats", repeats, min=1)
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device={device!r} must be a torch.device, e.g. torch.device('cuda')")
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

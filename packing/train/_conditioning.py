@@ -44,6 +44,15 @@ from typing import Literal
 
 import torch
 
+from packing._validate import (
+    check_doc_ids,
+    check_int,
+    check_int_tuple,
+    check_optional_int,
+    check_real,
+    check_sequence,
+    is_int,
+)
 from packing.data._layout import PackedBatch, StreamLayout
 
 __all__ = [
@@ -80,9 +89,31 @@ def broadcast_to_tokens(
     measurement) reaches the tokens. Sync-free and compile-friendly (clamp, index, where);
     the backward scatter-adds each token's gradient into its episode's row.
     """
-    ids = doc_ids.doc_ids_T if isinstance(doc_ids, StreamLayout) else doc_ids
+    if not isinstance(values_K, torch.Tensor):
+        raise TypeError(
+            f"values_K must be a tensor (K, ...), one row per episode, got {type(values_K).__name__}"
+        )
+    ids = (
+        doc_ids.doc_ids_T
+        if isinstance(doc_ids, StreamLayout)
+        else check_doc_ids("doc_ids", doc_ids)
+    )
     if ids.dim() != 1:
         raise ValueError(f"doc_ids must be (T,), got shape {tuple(ids.shape)}")
+    # K rows for the documents: known on the host for a layout, read for host doc ids (a
+    # device tensor is not read: that would be a sync).
+    need = (
+        doc_ids.num_docs
+        if isinstance(doc_ids, StreamLayout)
+        else int(ids.max()) + 1
+        if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling()
+        else 0
+    )
+    if values_K.shape[0] and values_K.shape[0] < need:
+        raise ValueError(
+            f"values_K has {values_K.shape[0]} rows but the doc ids name {need} documents; "
+            "pass one row per episode of the pack"
+        )
     if values_K.shape[0] == 0:
         # An all-padding pack (a rank that got no episode): nothing to gather from.
         return torch.full(
@@ -112,6 +143,9 @@ def step_doc_ids(layout: StreamLayout, num_steps: int | None = None) -> torch.Te
     last episode's steps are padding (-1). ``num_steps`` defaults to
     ``padded_len // tokens_per_step``; pass the data's row count when it differs.
     """
+    if not isinstance(layout, StreamLayout):
+        raise TypeError(f"layout must be a StreamLayout, got {type(layout).__name__}")
+    check_optional_int("num_steps", num_steps, min=0, hint="rows of the step-level data")
     tps = layout.tokens_per_step
     if num_steps is None:
         if layout.padded_len % tps:
@@ -144,16 +178,19 @@ def _splitmix64(x: int) -> int:
 
 
 def _stream_key(stream: str | int) -> int:
-    if isinstance(stream, int):
-        return stream & _M64
+    if is_int(stream):
+        return check_int("stream", stream) & _M64
+    if not isinstance(stream, str):
+        raise TypeError(f"stream={stream!r} must be a stream name (str) or an int salt")
     # A fixed hash, so "latents" salts the same way in every process (unlike hash(str)).
     return int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
 
 
 def _mix64(seed: int, step: int, episode_index: int, stream: str | int) -> int:
-    h = _splitmix64(int(seed) & _M64)
-    h = _splitmix64(h ^ (int(step) & _M64))
-    h = _splitmix64(h ^ (int(episode_index) & _M64))
+    # Keys are ints, never int()-ed: seed 2.5 or episode 3.7 would draw another key's noise.
+    h = _splitmix64(check_int("seed", seed) & _M64)
+    h = _splitmix64(h ^ (check_int("step", step) & _M64))
+    h = _splitmix64(h ^ (check_int("episode_index", episode_index) & _M64))
     return _splitmix64(h ^ _stream_key(stream))
 
 
@@ -177,8 +214,14 @@ def _indices(episode_index_K: Sequence[int] | torch.Tensor, what: str) -> list[i
                 "host-device sync. Pass batch.episode_ids (host ints that survive .to(device)) "
                 "or a list of ints"
             )
-        return [int(i) for i in episode_index_K.reshape(-1).tolist()]
-    return [int(i) for i in episode_index_K]
+        if episode_index_K.dtype.is_floating_point or episode_index_K.dtype == torch.bool:
+            raise TypeError(
+                f"{what}: episode_index_K must hold integer episode indices, got "
+                f"{episode_index_K.dtype}; pass batch.episode_ids"
+            )
+        return [int(i) for i in episode_index_K.reshape(-1).tolist()]  # ints already
+    items = check_sequence("episode_index_K", episode_index_K)
+    return [check_int(f"episode_index_K[{k}]", i) for k, i in enumerate(items)]
 
 
 def _uniform(h: int) -> float:
@@ -253,6 +296,7 @@ def cfg_dropout_mask(
     episodes lose their text in the packed and the unpacked run. Broadcast it to tokens with
     ``broadcast_to_tokens(mask_K, doc_ids, pad_value=False)`` when a per-token mask is needed.
     """
+    check_real("p", p, hint="the dropout probability, in [0, 1]")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"cfg dropout p={p} must be in [0, 1]")
     drop = [
@@ -280,9 +324,10 @@ def episode_noise(
     rounding of the fp32 noise, whatever the pack). Use the same ``device`` in the packed and
     the reference run: CPU and CUDA generators give different numbers for the same seed.
     """
+    shape = check_int_tuple("shape", shape, min=0)
     gen = torch.Generator(device=device)
     gen.manual_seed(episode_seed(seed, step, episode_index, stream))
-    x = torch.randn(tuple(shape), generator=gen, dtype=torch.float32, device=device)
+    x = torch.randn(shape, generator=gen, dtype=torch.float32, device=device)
     return x.to(dtype)
 
 

@@ -57,6 +57,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from packing._validate import check_bool, check_int, check_optional_int
+
 __all__ = [
     "Checkpointing",
     "checkpointed_blocks",
@@ -74,7 +76,8 @@ _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_mo
 def checkpointed_blocks(depth: int, count: int | None) -> list[bool]:
     """Which of ``depth`` blocks get checkpointed when ``count`` of them should be, evenly
     spread (None: all). ``checkpointed_blocks(6, 2) == [F, F, T, F, F, T]``."""
-    n = depth if count is None else count
+    # 2.5 blocks is not a count: int() would checkpoint 2 and say nothing.
+    n = depth if count is None else check_int("checkpoint_blocks", count)
     if not 0 <= n <= depth:
         raise ValueError(f"checkpoint_blocks={count} must be in [0, {depth}] (the block count)")
     return [(i + 1) * n // depth > i * n // depth for i in range(depth)]
@@ -175,6 +178,11 @@ def shard_model(
         raise ValueError(
             f"checkpointing={checkpointing!r}; choose 'full', 'ops', 'attention' or 'none'"
         )
+    check_optional_int("checkpoint_blocks", checkpoint_blocks, min=0, hint="blocks")
+    check_bool("compile", compile)
+    check_bool("reshard_after_forward", reshard_after_forward)
+    if dynamic is not None:
+        check_bool("dynamic", dynamic)
     if not torch.distributed.is_initialized():
         raise RuntimeError(
             "shard_model needs torch.distributed: call dist.init_process_group('nccl') (gloo "

@@ -62,6 +62,14 @@ from typing import Literal
 
 import torch
 
+from packing._validate import (
+    check_bool,
+    check_doc_ids,
+    check_optional_int,
+    check_real,
+    check_sequence,
+)
+from packing.attention._masks import check_doc_runs
 from packing.data._layout import StreamLayout
 from packing.data._layout_math import ceil_div, doc_starts
 
@@ -95,15 +103,26 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _doc_ids(layout: LayoutLike) -> torch.Tensor:
-    ids = layout.doc_ids_T if isinstance(layout, StreamLayout) else layout
+    if isinstance(layout, StreamLayout):
+        return layout.doc_ids_T
+    if not isinstance(layout, torch.Tensor):
+        raise TypeError(
+            f"layout must be a StreamLayout or a (T,) tensor of doc ids, got "
+            f"{type(layout).__name__}; pass batch.layout(stream) or batch['doc_ids']"
+        )
+    ids = check_doc_ids("doc_ids", layout)
     if ids.dim() != 1:
         raise ValueError(f"doc_ids must be (T,), got shape {tuple(ids.shape)}")
+    if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
+        # Each document one contiguous run, ids increasing, as make_block_mask requires:
+        # [0, 0, 1, 1, 0, 0] would count three episodes here and be refused there. Host
+        # tensors only (reading device ids would be a sync).
+        check_doc_runs(ids, "doc_ids")
     return ids
 
 
 def _tokens_per_step(layout: LayoutLike, reduction: str, tokens_per_step: int | None) -> int:
-    if tokens_per_step is not None and tokens_per_step < 1:
-        raise ValueError(f"tokens_per_step={tokens_per_step} must be >= 1")
+    check_optional_int("tokens_per_step", tokens_per_step, min=1, hint="tokens per frame")
     if isinstance(layout, StreamLayout):
         tps = layout.tokens_per_step if tokens_per_step is None else tokens_per_step
         if reduction == "frame":
@@ -230,7 +249,15 @@ def local_denominator(
     matching ``loss_masks`` (or None). Returns a 0-d float64 tensor on ``device`` (default:
     where the first layout lives). All-padding packs add 0.
     """
-    items = [layouts] if isinstance(layouts, StreamLayout | torch.Tensor) else list(layouts)
+    if isinstance(layouts, StreamLayout | torch.Tensor):
+        items: list[LayoutLike] = [layouts]
+    else:
+        items = check_sequence("layouts", layouts)
+        if not items:
+            raise ValueError(
+                "layouts=[] holds no micro-batch: the denominator would be 0 and the loss "
+                "un-normalised; pass the layout of every micro-batch of the optimizer step"
+            )
     if loss_masks is None or isinstance(loss_masks, torch.Tensor):
         masks: list[torch.Tensor | None] = [loss_masks] * len(items)
     else:
@@ -285,8 +312,21 @@ def reduce_loss(
     inf or NaN (it is selected away, not multiplied by 0); their gradient is exactly 0 too,
     unless the model's own derivative on those rows is NaN (0 * NaN in the chain rule), so
     keep padding rows finite. A step with nothing to learn (D = 0) gives 0, not NaN.
+
+    A ``denominator`` given as a number must be > 0 (0 or below would return the plain
+    sum); a host tensor D <= 0 with loss to normalise is refused, a device tensor one (not read:
+    no sync) gives NaN. Host doc ids must be contiguous runs in increasing order, as
+    `make_block_mask` requires (``[0, 0, 1, 1, 0, 0]`` would count three episodes).
     """
     ids = _doc_ids(layout)
+    if not isinstance(loss, torch.Tensor) or loss.dim() == 0:
+        raise ValueError(
+            f"loss must be the per-token loss, a tensor (T,) or (T, ...), got "
+            f"{_describe(loss)}; compute it with reduction='none' (a mean over the pack "
+            "cannot be re-weighted per episode)"
+        )
+    if not (loss.dtype.is_floating_point or loss.dtype.is_complex):
+        raise TypeError(f"loss must be a floating-point tensor, got {loss.dtype}")
     if loss.shape[0] != ids.shape[0]:
         raise ValueError(
             f"loss has {loss.shape[0]} rows but the layout has {ids.shape[0]} tokens; a step-"
@@ -299,10 +339,30 @@ def reduce_loss(
     total = (torch.where(w != 0, loss_T, 0) * w).sum()
     if denominator is None:
         denominator = local_denominator(layout, reduction, loss_mask, tokens_per_step)
-    if not isinstance(denominator, torch.Tensor):
-        denominator = torch.tensor(float(denominator), dtype=torch.float64)
-    d = _to(denominator.to(total.dtype), total.device)
-    return total / torch.where(d > 0, d, 1)
+    elif not isinstance(denominator, torch.Tensor):
+        # A number given by hand: 0 or below would return the un-normalised sum.
+        value = check_real(
+            "denominator", denominator, above=0, hint="pass global_denominator(...) or None"
+        )
+        denominator = torch.tensor(value, dtype=torch.float64)
+    elif denominator.numel() != 1:
+        raise ValueError(
+            f"denominator must be a number or a 0-d tensor, got shape "
+            f"{tuple(denominator.shape)}; pass global_denominator(...)"
+        )
+    elif (
+        denominator.device.type == total.device.type == "cpu"
+        and not bool(denominator.reshape(()) > 0)
+        and bool(total != 0)  # D = 0 with nothing to learn is an all-padding step: 0
+    ):
+        raise ValueError(
+            f"denominator={denominator.item()} must be > 0 when the pack has loss to "
+            "normalise; pass global_denominator(...) of this optimizer step"
+        )
+    d = _to(denominator.reshape(()).to(total.dtype), total.device)
+    # D <= 0 with loss to normalise (a device tensor, unread): NaN, loud, not the plain sum.
+    nothing = torch.where(total == 0, 0.0, float("nan")).to(total.dtype)
+    return torch.where(d > 0, total / torch.where(d > 0, d, 1), nothing)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,8 +391,13 @@ class LossNormalizer:
 
     def __post_init__(self) -> None:
         _reduction(self.reduction)
-        if not self.grad_scale > 0:
-            raise ValueError(f"grad_scale={self.grad_scale} must be > 0")
+        check_real("grad_scale", self.grad_scale, above=0, hint="the DP world size, or 1")
+        check_optional_int("tokens_per_step", self.tokens_per_step, min=1)
+        if not isinstance(self.denominator, torch.Tensor) or self.denominator.numel() != 1:
+            raise TypeError(
+                f"denominator must be a 0-d tensor, got {_describe(self.denominator)}; build "
+                "the normaliser with LossNormalizer.for_step(layouts, reduction)"
+            )
 
     @classmethod
     def for_step(
@@ -351,8 +416,16 @@ class LossNormalizer:
         One all_reduce when ``torch.distributed`` is initialised. Set
         ``dp_averages_gradients=False`` if your gradients are *summed* over ranks.
         """
+        check_bool("dp_averages_gradients", dp_averages_gradients)
+        one = isinstance(layouts, StreamLayout | torch.Tensor)
+        items: list[LayoutLike] = [layouts] if one else check_sequence("layouts", layouts)  # type: ignore[list-item]
+        if not items:
+            raise ValueError(
+                "LossNormalizer.for_step([]): no micro-batch, so no denominator; pass the "
+                "layouts of every micro-batch of this optimizer step (fetch them first)"
+            )
         d = global_denominator(
-            layouts, reduction, loss_masks, tokens_per_step, group=group, device=device
+            items, reduction, loss_masks, tokens_per_step, group=group, device=device
         )
         world = 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -378,3 +451,9 @@ class LossNormalizer:
             denominator=self.denominator,
         )
         return out * self.grad_scale if self.grad_scale != 1.0 else out
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"

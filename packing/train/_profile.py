@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from packing._validate import check_optional_int
+
 __all__ = [
     "ENV_VAR",
     "KernelRow",
@@ -352,8 +354,9 @@ class StepProfiler:
             self.enabled = _env_enabled()
         if self.kernel_step is None and self.enabled:
             self.kernel_step = _env_kernel_step()
-        if self.kernel_step is not None and self.kernel_step < 0:
-            raise ValueError(f"kernel_step={self.kernel_step} must be >= 0 (a micro-step index)")
+        if self.enabled is not True and self.enabled is not False:
+            raise TypeError(f"enabled={self.enabled!r} must be True, False or None (env)")
+        check_optional_int("kernel_step", self.kernel_step, min=0, hint="a micro-step index")
 
     # -- the loop -----------------------------------------------------------------------
     def micro_step(
@@ -365,6 +368,10 @@ class StepProfiler:
         documents: int | None = None,
     ) -> contextlib.AbstractContextManager[None]:
         """Wrap one forward + backward. Counts come from ``batch`` unless given."""
+        for name, value in (
+            ("tokens", tokens), ("padded_tokens", padded_tokens), ("documents", documents)
+        ):  # fmt: skip
+            check_optional_int(name, value, min=0)
         if not self.enabled:
             return _NULL
         return self._record(batch, tokens, padded_tokens, documents)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from packing._validate import check_finite
 from packing.verify._harness import RunOptions, compare_batches
 from packing.verify._report import VerifyReport
 
@@ -515,16 +516,11 @@ def check_finite_episodes(episodes: Sequence[Mapping[str, Any]], where: str) -> 
     trained on, it makes both runs diverge, which would read as the model's fault."""
     for i, ep in enumerate(episodes):
         for key, value in ep.items():
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                continue
-            bad = ~torch.isfinite(value)
-            if bool(bad.any()):
-                first = tuple(int(j) for j in bad.nonzero()[0])
-                raise ValueError(
-                    f"episode {ep.get('episode_index', i)} of {where}: {key}{list(first)} is "
-                    f"{float(value[first])}; the data holds non-finite values (fix or drop the "
-                    "episode, or pass --no-check-finite to train on them anyway)"
-                )
+            if isinstance(value, torch.Tensor):
+                try:
+                    check_finite(f"episode {ep.get('episode_index', i)} of {where}:", key, value)
+                except ValueError as e:
+                    raise ValueError(f"{e}; or pass --no-check-finite to train on it") from None
 
 
 def prepare(config: VerifyConfig) -> Setup:

@@ -15,6 +15,8 @@ model's class: the same lines pack an ``LTXVideoTransformer3DModel``.
 - `install` -> a `PackedAdapter` (`PackedWan`, `PackedLTX`; `FAMILIES` lists them);
   ``packed.uninstall()`` restores the model's own processors. `FamilyParts` is what a new
   family supplies (docs/porting.md).
+- `per_token_timesteps`: a ``(T,)`` timestep for ``packed.velocity`` (Wan 2.2 TI2V's clean
+  first frame, the pipeline's ``expand_timesteps``).
 - Streams: `patchify` / `unpatchify` (latents <-> tokens), `pack_text_embeddings` and
   `drop_masked_rows` (the text encoder's output per episode).
 - `packing.integrations.diffusers.testing`: tiny random-init models, a toy text encoder and the
@@ -26,7 +28,11 @@ from packing._lazy import require
 
 require("diffusers", extra="diffusers")
 
-from packing.integrations.diffusers._adapter import FamilyParts, PackedAdapter  # noqa: E402
+from packing.integrations.diffusers._adapter import (  # noqa: E402
+    FamilyParts,
+    PackedAdapter,
+    per_token_timesteps,
+)
 from packing.integrations.diffusers._families import FAMILIES, install  # noqa: E402
 from packing.integrations.diffusers._ltx import PackedLTX  # noqa: E402
 from packing.integrations.diffusers._streams import (  # noqa: E402
@@ -47,5 +53,6 @@ __all__ = [
     "install",
     "pack_text_embeddings",
     "patchify",
+    "per_token_timesteps",
     "unpatchify",
 ]

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from packing._validate import check_bool, check_int, check_int_tuple, check_real
 from packing.attention._packed import AttentionMask, Backend, prepare_attention
 from packing.data._collate import Stream
 from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
@@ -57,6 +58,7 @@ __all__ = [
     "FlowMatchingAdapter",
     "PackedAdapter",
     "TextEncoder",
+    "per_token_timesteps",
     "toy_text_encoder",
 ]
 
@@ -89,6 +91,14 @@ class FlowMatchingAdapter(nn.Module):
         timestep_shift: float = 1.0,
     ) -> None:
         super().__init__()
+        if latent_hw is not None:
+            latent_hw = check_int_tuple("latent_hw", latent_hw, length=2)  # type: ignore[assignment]
+        for name, value in (("latents", latents), ("text", text), ("text_mask", text_mask)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"{name}={value!r} must be a stream name (a non-empty str)")
+        if text_encoder is not None and not callable(text_encoder):
+            raise TypeError(f"text_encoder={text_encoder!r} must be a function tasks -> embeddings")
+        check_real("timestep_shift", timestep_shift, above=0, hint="1.0: no shift")
         self.transformer = transformer
         self.patch_hw, self.text_dim = patch_hw, text_dim
         self.latent_hw = latent_hw
@@ -177,7 +187,8 @@ class FlowMatchingAdapter(nn.Module):
                     "from (seed, step, episode_index); set batch.extras['seed'] and ['step'] "
                     "(the optimizer step)"
                 )
-        seed, step = int(batch.extras["seed"]), int(batch.extras["step"])
+        seed = check_int("batch.extras['seed']", batch.extras["seed"])
+        step = check_int("batch.extras['step']", batch.extras["step"])
         p = next(self.transformer.parameters())
         name = self.latents_stream
         lay = batch.layout(name)
@@ -275,11 +286,15 @@ class PackedAdapter(FlowMatchingAdapter):
         self.attention_backend = attention
         self.document_mask = document_mask
         self._block_forward = self._block_fn = parts.block_forward
+        self.document_mask = check_bool("document_mask", document_mask)
         install_processors(transformer, parts.attention_cls, parts.qkv, parts.rotate)
+        self.installed = True
 
     def uninstall(self) -> nn.Module:
-        """Put the model's own attention processors back; returns the model."""
+        """Put the model's own attention processors back; returns the model. The adapter is
+        then refused (its packed calls need the processors): ``install(model)`` again."""
         uninstall_processors(self.transformer)
+        self.installed = False
         return self.transformer
 
     def __enter__(self) -> Self:
@@ -346,21 +361,43 @@ class PackedAdapter(FlowMatchingAdapter):
     ) -> Tensor:
         """Every family's packed velocity: a padded prompt's masked rows are dropped (so the
         cross-attention mask sees real rows only), the latents cast to the model's dtype, the
-        step's `prepare` built once for every block, then the family's `packed_forward`."""
+        step's `prepare` built once for every block, then the family's `packed_forward`.
+
+        ``timestep`` is ``(K,)``, one per episode, or ``(T,)``, one per latent token (T =
+        ``latent_layout.padded_len``, token order (s, h, w) as `patchify`): Wan 2.2 TI2V's
+        clean first frame is ``t = 0`` on the first frame's tokens, as the pipeline's
+        ``expand_timesteps`` builds it (`per_token_timesteps`)::
+
+            episodes of 2 and 1 frames, 2 tokens a frame, t = [700, 300], padded to 8
+            timestep (K,)  [700, 300]
+            timestep (T,)  [0, 0, 700, 700, 0, 0, 0, 0]       clean first frames, padding 0
+
+        Any other shape is refused. Rows of padding steps are 0 in the output (a loss over
+        the whole output never trains on padding)."""
+        if not self.installed:
+            raise ValueError(
+                f"this {type(self).__name__} was uninstalled: the model's own processors are "
+                "back and cannot run a packed step; install(model) again for a new adapter"
+            )
+        per_token = _timestep_kind(timestep_K, latent_layout) == "per_token"
         if text_mask_T is not None:
             text_TD, text_layout = drop_masked_rows(text_TD, text_layout, text_mask_T)
         x_in = xt_SCHW.to(self.transformer.dtype)
         prep = self.prepare(latent_layout, text_layout, attention_dtype(x_in))
         ids_T = latent_layout.doc_ids_T.to(x_in.device)
-        return self.packed_forward(x_in, prep, ids_T, timestep_K, text_TD)
+        out = self.packed_forward(x_in, prep, ids_T, timestep_K, text_TD, per_token)
+        # Padding steps would otherwise hold the model's output on pad latents: zero them.
+        real_S = torch.arange(out.shape[0], device=out.device) < sum(latent_layout.steps_K)
+        return torch.where(real_S[:, None, None, None], out, 0)
 
     def packed_forward(
-        self, x_in: Tensor, prep: dict[str, Any], ids_T: Tensor, timestep_K: Tensor,
-        text_TD: Tensor,
+        self, x_in: Tensor, prep: dict[str, Any], ids_T: Tensor, timestep: Tensor,
+        text_TD: Tensor, per_token: bool = False,
     ) -> Tensor:  # fmt: skip
         """The family's forward over packed tokens: ``x_in`` the latents ``(S, C, H, W)`` in the model's
-        dtype, `prepare`'s output, each latent token's doc id, timesteps ``(K,)`` in
-        diffusers' units and the real text rows ``(T_txt, D_txt)`` -> velocity ``(S, C, H, W)``."""
+        dtype, `prepare`'s output, each latent token's doc id, timesteps in diffusers' units
+        (``(K,)``, or ``(T,)`` with ``per_token``) and the real text rows ``(T_txt, D_txt)``
+        -> velocity ``(S, C, H, W)``."""
         raise NotImplementedError
 
     def run_blocks(self, blocks: nn.ModuleList, x: Tensor, *args: Any) -> Tensor:
@@ -372,6 +409,54 @@ class PackedAdapter(FlowMatchingAdapter):
             else:
                 x = self._block_fn(block, x, *args)
         return x
+
+
+def _timestep_kind(timestep: Any, layout: StreamLayout) -> str:
+    """ "per_episode" for a ``(K,)`` timestep, "per_token" for ``(T,)``; anything else refused
+    (a per-token timestep read as K per-episode values ran episodes at the wrong t)."""
+    if not isinstance(timestep, Tensor) or not timestep.dtype.is_floating_point:
+        raise TypeError(
+            f"timestep must be a float tensor in diffusers' units (1000 * t), got "
+            f"{type(timestep).__name__}"
+            + (f" of dtype {timestep.dtype}" if isinstance(timestep, Tensor) else "")
+        )
+    k, t = layout.num_docs, layout.padded_len
+    if timestep.dim() == 1 and timestep.shape[0] == k:
+        return "per_episode"
+    if timestep.dim() == 1 and timestep.shape[0] == t:
+        return "per_token"
+    raise ValueError(
+        f"timestep has shape {tuple(timestep.shape)}; pass ({k},), one per episode, or ({t},), "
+        "one per latent token of the pack (packing.integrations.diffusers.per_token_timesteps)"
+    )
+
+
+def per_token_timesteps(
+    timestep_K: Tensor, latent_layout: StreamLayout, *, clean_first_frame: bool = True
+) -> Tensor:
+    """Per-token timesteps ``(T,)`` of a pack from one per episode ``(K,)``.
+
+    ``clean_first_frame``: each episode's first latent frame gets ``t = 0`` (Wan 2.2 TI2V's
+    image conditioning: the pipeline's ``expand_timesteps`` multiplies ``t`` by a mask that is
+    0 on the first frame), the other frames the episode's ``t``; padding tokens 0::
+
+        steps_K [2, 1], 2 tokens a frame, t_K [700, 300], padded to 8 tokens
+        ->  [0, 0, 700, 700, 0, 0, 0, 0]
+    """
+    _timestep_kind(timestep_K, latent_layout)
+    if timestep_K.shape[0] != latent_layout.num_docs:
+        raise ValueError(
+            f"timestep_K has {timestep_K.shape[0]} entries for {latent_layout.num_docs} episodes"
+        )
+    dev = timestep_K.device
+    ids_T = latent_layout.doc_ids_T.to(dev)
+    t_T = broadcast_to_tokens(timestep_K, ids_T)
+    if not clean_first_frame:
+        return t_T
+    # The first frame's tokens: episode-local positions below tokens_per_step (no host sync).
+    pos_T = latent_layout.position_ids_T.to(dev)
+    first = (pos_T < latent_layout.tokens_per_step) & (ids_T >= 0)
+    return torch.where(first, 0.0, t_T).to(timestep_K.dtype)
 
 
 def _one_document(lay: StreamLayout) -> StreamLayout:
@@ -410,10 +495,18 @@ class EpisodeReference(FlowMatchingAdapter):
         text_layout: StreamLayout,
         text_mask_T: Tensor | None = None,
     ) -> Tensor:
+        per_token = _timestep_kind(timestep_K, latent_layout) == "per_token"
         out = torch.zeros_like(xt_SCHW)
+        tps = latent_layout.tokens_per_step
         for k, frames, words in _episode_slices(latent_layout, text_layout):
             mask = None if text_mask_T is None else text_mask_T[None, words]
-            pred = self.episode(xt_SCHW[frames], timestep_K[k : k + 1], text_TD[None, words], mask)
+            # Per token: the model's own (1, seq_len) timestep, as the TI2V pipeline passes it.
+            t = (
+                timestep_K[None, frames.start * tps : frames.stop * tps]
+                if per_token
+                else timestep_K[k : k + 1]
+            )
+            pred = self.episode(xt_SCHW[frames], t, text_TD[None, words], mask)
             out[frames] = pred.to(out.dtype)
         return out
 

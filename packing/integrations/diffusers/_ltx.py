@@ -165,15 +165,17 @@ class PackedLTX(PackedAdapter):
         return ltx_rope(self.transformer.rope, thw_T3, self.rope_interpolation_scale)
 
     def packed_forward(
-        self, x_in: Tensor, prep: dict[str, Any], ids_T: Tensor, timestep_K: Tensor,
-        text_TD: Tensor,
+        self, x_in: Tensor, prep: dict[str, Any], ids_T: Tensor, timestep: Tensor,
+        text_TD: Tensor, per_token: bool = False,
     ) -> Tensor:  # fmt: skip
         m = self.transformer
 
         x = m.proj_in(patchify(x_in, _TOKEN))
-        # adaLN-single on K rows, gathered to the T tokens.
-        temb, emb = m.time_embed(timestep_K, batch_size=len(timestep_K), hidden_dtype=x.dtype)
-        temb_T6D = broadcast_to_tokens(temb, ids_T).unflatten(1, (6, -1))
+        # adaLN-single on K rows, gathered to the T tokens (a (T,) timestep: on T rows).
+        temb, emb = m.time_embed(timestep, batch_size=len(timestep), hidden_dtype=x.dtype)
+        if not per_token:
+            temb, emb = broadcast_to_tokens(temb, ids_T), broadcast_to_tokens(emb, ids_T)
+        temb_T6D = temb.unflatten(1, (6, -1))
         ctx = m.caption_projection(text_TD[None])[0]
 
         x = self.run_blocks(
@@ -185,7 +187,7 @@ class PackedLTX(PackedAdapter):
             prep["self_mask"],
             prep["cross_mask"],
         )
-        shift, scale = (m.scale_shift_table + broadcast_to_tokens(emb, ids_T)[:, None]).unbind(1)
+        shift, scale = (m.scale_shift_table + emb[:, None]).unbind(1)
         x = m.norm_out(x) * (1 + scale) + shift
         return unpatchify(m.proj_out(x), _TOKEN, tuple(x_in.shape[-2:]))  # type: ignore[arg-type]
 

@@ -86,15 +86,20 @@ class PackedAttnProcessor:
 def install_processors(model: nn.Module, attention_cls: type, qkv: QKV, rotate: Rotate) -> int:
     """Wrap the processor of every ``attention_cls`` module of ``model``; returns how many.
 
-    Idempotent: a module that already has a `PackedAttnProcessor` keeps it.
+    A model whose processors are already packed is refused: a second adapter over the same
+    model would share them, and uninstalling either would break the other.
     """
+    modules = [m for m in model.modules() if isinstance(m, attention_cls)]
+    if any(isinstance(m.processor, PackedAttnProcessor) for m in modules):
+        raise ValueError(
+            f"this {type(model).__name__} is already installed (its attention processors are "
+            "packed): keep using the adapter install() returned, or call its uninstall() "
+            "before installing again"
+        )
     count = 0
-    for module in model.modules():
-        if isinstance(module, attention_cls):
-            proc = module.processor
-            if not isinstance(proc, PackedAttnProcessor):
-                module.set_processor(PackedAttnProcessor(proc, qkv, rotate))  # type: ignore[operator]
-            count += 1
+    for module in modules:
+        module.set_processor(PackedAttnProcessor(module.processor, qkv, rotate))  # type: ignore[operator]
+        count += 1
     if count == 0:
         raise ValueError(
             f"{type(model).__name__} has no {attention_cls.__name__} module; is this the model "

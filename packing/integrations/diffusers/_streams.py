@@ -26,6 +26,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from packing._validate import check_int, check_int_tuple, check_optional_int, check_sequence
 from packing.data._layout import StreamLayout, layout_from_lengths
 from packing.data._layout_math import padded_length
 
@@ -38,14 +39,28 @@ def patchify(x_SCHW: Tensor, patch_hw: tuple[int, int]) -> Tensor:
     Two frames of a ``(C=1, 2, 4)`` latent with 2x2 patches give ``2 * 1 * 2 = 4`` tokens of 4
     features: frame 0 left patch, frame 0 right patch, frame 1 left, frame 1 right.
     """
-    ph, pw = patch_hw
+    ph, pw = check_int_tuple("patch_hw", patch_hw, length=2)
+    if not isinstance(x_SCHW, Tensor) or x_SCHW.dim() != 4:
+        raise ValueError(f"patchify takes latents (S, C, H, W), got {_shape(x_SCHW)}")
+    if x_SCHW.shape[-2] % ph or x_SCHW.shape[-1] % pw:
+        raise ValueError(
+            f"latents of shape {tuple(x_SCHW.shape)} do not split into {ph}x{pw} patches; "
+            "pad the latents to a multiple of the patch"
+        )
     return rearrange(x_SCHW, "s c (h ph) (w pw) -> (s h w) (ph pw c)", ph=ph, pw=pw)
 
 
 def unpatchify(tokens_TF: Tensor, patch_hw: tuple[int, int], grid: tuple[int, int]) -> Tensor:
     """The inverse of `patchify`: ``(S * h * w, ph * pw * C) -> (S, C, H, W)`` for ``grid=(h, w)``."""
-    ph, pw = patch_hw
-    h, w = grid
+    ph, pw = check_int_tuple("patch_hw", patch_hw, length=2)
+    h, w = check_int_tuple("grid", grid, length=2)
+    if not isinstance(tokens_TF, Tensor) or tokens_TF.dim() != 2:
+        raise ValueError(f"unpatchify takes tokens (T, F), got {_shape(tokens_TF)}")
+    if tokens_TF.shape[0] % (h * w) or tokens_TF.shape[1] % (ph * pw):
+        raise ValueError(
+            f"tokens of shape {tuple(tokens_TF.shape)} are not whole frames of grid {(h, w)} "
+            f"with {ph}x{pw} patches"
+        )
     return rearrange(tokens_TF, "(s h w) (ph pw c) -> s c (h ph) (w pw)", h=h, w=w, ph=ph, pw=pw)
 
 
@@ -59,6 +74,9 @@ def pack_text_embeddings(
     The same result as a ``"text"`` stream of these tensors through `PackedCollator`.
     ``padded_len`` fixes the length (a static shape for ``torch.compile``).
     """
+    embeddings = check_sequence("embeddings", embeddings, of=Tensor)
+    check_int("pad_to_multiple", pad_to_multiple, min=1)
+    check_optional_int("padded_len", padded_len, min=1)
     if not embeddings:
         raise ValueError("pack_text_embeddings: no episodes; pass one (L_k, D) tensor per episode")
     dims = {tuple(e.shape[1:]) for e in embeddings}
@@ -91,6 +109,11 @@ def drop_masked_rows(
     ``[0 0 1 1 1 -1 -1 -1]``. The kept lengths are read on the host: one device sync per
     step, only for text that carries a mask (store unpadded text to avoid it).
     """
+    if not isinstance(mask_T, Tensor) or mask_T.shape != layout.doc_ids_T.shape:
+        raise ValueError(
+            f"mask_T must be a tensor shaped like the text's doc ids {tuple(layout.doc_ids_T.shape)}"
+            f", got {_shape(mask_T)}; pass the tokenizer's attention_mask packed as a stream"
+        )
     keep = (mask_T != 0) & (layout.doc_ids_T >= 0)
     lengths = torch.bincount(layout.doc_ids_T[keep].long(), minlength=layout.num_docs).tolist()
     if 0 in lengths:
@@ -103,3 +126,7 @@ def drop_masked_rows(
     out = text_TD.new_zeros(text_TD.shape)
     out[: rows.shape[0]] = rows
     return out, layout_from_lengths(lengths, lengths, layout.padded_len).to(text_TD.device)
+
+
+def _shape(x: object) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__

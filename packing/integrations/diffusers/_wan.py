@@ -27,8 +27,9 @@ Gathering rows of the same tables is bit-identical to diffusers' slicing; `rotat
 model's own rotation (in the tables' dtype, cast back).
 
 ``conditioning="per_token"`` gathers the timestep to tokens first and runs the MLP on T rows:
-the TI2V pipeline's per-token path (``timestep`` of shape (B, seq_len)), exact, slower; use it
-when tokens of one episode need different timesteps (e.g. a clean first frame).
+the TI2V pipeline's per-token path (``timestep`` of shape (B, seq_len)), exact, slower. Tokens of
+one episode at different timesteps (TI2V's clean first frame) take a ``(T,)`` timestep in
+``velocity`` (`per_token_timesteps`), which runs the MLP on T rows whatever ``conditioning``.
 """
 
 from __future__ import annotations
@@ -179,8 +180,8 @@ class PackedWan(PackedAdapter):
 
     # -- the packed forward --------------------------------------------------------------------
     def packed_forward(
-        self, x_in: Tensor, prep: dict[str, Any], ids_T: Tensor, timestep_K: Tensor,
-        text_TD: Tensor,
+        self, x_in: Tensor, prep: dict[str, Any], ids_T: Tensor, timestep: Tensor,
+        text_TD: Tensor, per_token: bool = False,
     ) -> Tensor:  # fmt: skip
         m = self.transformer
 
@@ -188,13 +189,14 @@ class PackedWan(PackedAdapter):
         grid = (int(x.shape[-2]), int(x.shape[-1]))
         x = rearrange(x, "1 d s h w -> (s h w) d").contiguous()
 
-        # Timestep MLP on K rows, gathered to the T tokens (per_token: on T rows, slower).
-        t_rows = timestep_K
-        if self.conditioning == "per_token":
-            t_rows = broadcast_to_tokens(timestep_K, ids_T)
+        # Timestep MLP on K rows, gathered to the T tokens (per_token: on T rows, slower; a
+        # (T,) timestep, TI2V's clean first frame, is per token whatever the conditioning).
+        t_rows = timestep
+        if self.conditioning == "per_token" and not per_token:
+            t_rows = broadcast_to_tokens(timestep, ids_T)
         temb, tproj, ctx, _ = m.condition_embedder(t_rows, text_TD[None])
         e0 = tproj.unflatten(1, (6, -1))
-        if self.conditioning == "per_episode":
+        if self.conditioning == "per_episode" and not per_token:
             temb, e0 = broadcast_to_tokens(temb, ids_T), broadcast_to_tokens(e0, ids_T)
 
         x = self.run_blocks(
