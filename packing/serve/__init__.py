@@ -8,11 +8,11 @@
   as per-step coefficients, and the scalar loop they are tested against.
 - `verify_inference`, `InferenceReport`: the proof that each request's output packed with
   others equals the same request run alone (``packing verify --inference``).
-- `PolicyServer`, `request_over_socket`: a minimal local-socket policy server.
 """
 
 from packing.serve._engine import Engine, EngineConfig
 from packing.serve._pack import PackShape
+from packing.serve._proof import InferenceReport, verify_inference
 from packing.serve._request import Request, Result
 from packing.serve._schedulers import FlowScheduler, reference_sample
 
@@ -20,8 +20,10 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "FlowScheduler",
+    "InferenceReport",
     "PackShape",
     "Request",
     "Result",
     "reference_sample",
+    "verify_inference",
 ]

@@ -26,7 +26,7 @@ from torch import Tensor
 from packing.attention._masks import frame_causal
 from packing.attention._packed import Backend, _resolve
 from packing.model._dit import DiT
-from packing.serve._pack import PackShape, build_pack
+from packing.serve._pack import HostPack, PackShape, build_pack
 from packing.serve._request import Request, Result
 from packing.serve._schedulers import FlowScheduler
 from packing.serve._step import Buffers, GraphedStep, run_step
@@ -231,7 +231,7 @@ class Engine:
         self._members, self._shape = members, shape
 
     def _fresh(
-        self, joining: list[_Member], host: object, first: int
+        self, joining: list[_Member], host: HostPack, first: int
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The joining requests' tokens (clean context, then noise) and their rows."""
         cfg, tpf = self.model.config, self.model.config.tokens_per_frame
@@ -248,7 +248,7 @@ class Engine:
             ctx = r.context[list(r.kept)].float().cpu()
             vs.append(self.model.patchify(torch.cat([ctx, lat])))
             as_.append(act)
-            v0, a0 = host.video_start[k], host.action_start[k]  # type: ignore[attr-defined]
+            v0, a0 = host.video_start[k], host.action_start[k]
             rv.append(torch.arange(v0, v0 + (len(r.kept) + r.frames) * tpf))
             ra.append(torch.arange(a0, a0 + r.actions))
         rows_v = torch.cat(rv) if rv else torch.zeros(0, dtype=torch.int64)

@@ -17,6 +17,7 @@ classification is pure tensor work), so a captured graph stays right for any com
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,7 +46,8 @@ class Buffers:
         cfg = model.config
         T_v, T_a, R = shape.frames * cfg.tokens_per_frame, shape.actions, shape.requests
         J, X = T_v + T_a, R * cfg.text_len
-        f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
+        f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
         self.shape = shape
         self.x_v = torch.zeros(T_v, cfg.patch_features, **f32)
         self.x_a = torch.zeros(T_a, cfg.action_dim, **f32)
@@ -53,10 +55,17 @@ class Buffers:
         self.step_K = torch.zeros(R, **i64)
         self.t_table = torch.zeros(R, max_steps, **f32)
         self.coef = torch.zeros(R, max_steps, 2, **f32)
-        sizes = dict(doc_J=J, row_J=J, src_index_J=J, latents_dest_T=T_v, action_dest_T=T_a,
-                     text_X=X, text_doc_X=X, slot_v=T_v, slot_a=T_a)  # fmt: skip
-        for name, n in sizes.items():
-            setattr(self, name, torch.full((n,), -1, **i64))
+        # The pack's index tensors (`packing.serve._pack.HostPack`), -1 until a pack loads.
+        self.doc_J, self.row_J, self.src_index_J = (torch.full((J,), -1, **i64) for _ in range(3))
+        self.latents_dest_T, self.slot_v = (
+            torch.full((T_v,), -1, **i64),
+            torch.full((T_v,), -1, **i64),
+        )
+        self.action_dest_T, self.slot_a = (
+            torch.full((T_a,), -1, **i64),
+            torch.full((T_a,), -1, **i64),
+        )
+        self.text_X, self.text_doc_X = torch.full((X,), -1, **i64), torch.full((X,), -1, **i64)
         self.thw_J3 = torch.zeros(J, 3, **i64)
 
     def state(self) -> tuple[Tensor, ...]:
@@ -89,7 +98,9 @@ def step_masks(
         doc_J = torch.where(doc_J >= 0, 0, -1)
         text_doc_X = torch.where(text_doc_X >= 0, 0, -1)
     J, X = doc_J.shape[0], text_doc_X.shape[0]
-    common = dict(backend=backend, kernel=backend, reason="packing.serve step", q_len=J)
+    common: dict[str, Any] = dict(
+        backend=backend, kernel=backend, reason="packing.serve step", q_len=J
+    )
     if backend == "sdpa":
         out = []
         for kv, rule in ((None, inner), (text_doc_X, None)):
@@ -100,7 +111,7 @@ def step_masks(
                 AttentionMask(
                     **common,
                     kv_len=J if kv is None else X,
-                    inner=rule,  # type: ignore[arg-type]
+                    inner=rule,
                     cross=kv is not None,
                     dense_TT=dense,
                     keep_T=has_key,
@@ -109,11 +120,11 @@ def step_masks(
         return out[0], out[1]
     options = {"BACKEND": "FLASH"} if backend == "flex_flash" else None
     self_mask = AttentionMask(
-        **common, kv_len=J, inner=inner, cross=False,  # type: ignore[arg-type]
+        **common, kv_len=J, inner=inner, cross=False,
         block_mask=make_block_mask(doc_J, None, inner), kernel_options=options,
     )  # fmt: skip
     cross_mask = AttentionMask(
-        **common, kv_len=X, inner=None, cross=True,  # type: ignore[arg-type]
+        **common, kv_len=X, inner=None, cross=True,
         block_mask=make_block_mask(doc_J, text_doc_X, None), kernel_options=options,
     )  # fmt: skip
     return self_mask, cross_mask
