@@ -29,8 +29,8 @@ import warnings
 from typing import Any
 
 import torch
-
 from common import H200_BF16_PEAK_TFLOPS, base_parser, dynamo_counters, markdown_table, write_json
+
 from packing.model import DiT, DiTConfig
 from packing.model._dit import text_tokens
 from packing.serve import Engine, EngineConfig, FlowScheduler, PackShape, Request
@@ -82,28 +82,56 @@ def padded(r: Request, frames: int) -> Request:
                    steps=r.steps)  # fmt: skip
 
 
+class Clock:
+    """Time stamps in the GPU's stream order (CUDA events: the host never waits for the GPU
+    while the loop runs, as a server would not), or perf_counter on the CPU."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.cuda = dev.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> int:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+        return len(self.marks) - 1
+
+    def seconds(self) -> list[float]:
+        """Every mark, in seconds since the first (synchronizes once, at the end)."""
+        if not self.cuda:
+            return [t - self.marks[0] for t in self.marks]
+        torch.cuda.synchronize()
+        return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks]
+
+
 def closed_loop(engine: Engine, reqs: list[Request], C: int, dev: torch.device,
                 batch: int = 0) -> dict[str, Any]:  # fmt: skip
-    """C requests always in the system (``batch``: static batches of that many instead)."""
-    arrive: dict[int, float] = {}
-    latency: list[float] = []
-    done_at: list[float] = []
+    """C requests always in the system (``batch``: static batches of that many instead).
+    A request's latency runs from the stream position where it was submitted to the end of
+    the step that finished it."""
+    clock = Clock(dev)
+    arrive: dict[int, int] = {}
+    finish: dict[int, int] = {}
     queue = list(reqs)
+    index: dict[int, int] = {}
+    outputs: dict[int, Any] = {}
 
     def submit() -> None:
         rid = engine.submit(queue.pop(0))
-        arrive[rid] = time.perf_counter()
+        index[rid] = len(reqs) - len(queue) - 1
+        arrive[rid] = clock.mark()
 
     for _ in range(min(C, len(queue))):
         submit()
     while engine.active or engine.waiting:
         finished = engine.step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()  # the harness's, to timestamp; the engine makes none
-        now = time.perf_counter()
+        mark = clock.mark()
         for r in finished:
-            latency.append(now - arrive[r.request_id])
-            done_at.append(now)
+            finish[r.request_id] = mark
+            outputs[index[r.request_id]] = r
         if batch:  # a static batch: the next one starts when the whole batch is done
             if not (engine.active or engine.waiting):
                 for _ in range(min(batch, len(queue))):
@@ -112,14 +140,15 @@ def closed_loop(engine: Engine, reqs: list[Request], C: int, dev: torch.device,
             for _ in finished:
                 if queue:
                     submit()
-    n = len(done_at)
-    lo, hi = (n // 4, n - n // 4) if n >= 8 else (0, n - 1)  # the steady middle half
-    window = done_at[hi] - done_at[lo] if hi > lo else done_at[-1] - min(arrive.values())
-    rate = (hi - lo) / window if hi > lo else n / window
-    lat = sorted(latency)
+    t = clock.seconds()
+    done = sorted(t[m] for m in finish.values())
+    n = len(done)
+    lo, hi = (n // 4, n - n // 4 - 1) if n >= 8 else (0, n - 1)  # the steady middle half
+    rate = (hi - lo) / (done[hi] - done[lo]) if hi > lo else n / done[-1]
+    lat = sorted(t[finish[r]] - t[arrive[r]] for r in finish)
     return {"req_per_s": rate, "p50_ms": 1e3 * lat[len(lat) // 2],
             "p99_ms": 1e3 * lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)],
-            "requests": n}  # fmt: skip
+            "requests": n, "engine_steps": engine.clock, "outputs": outputs}  # fmt: skip
 
 
 def engine_for(model: DiT, shapes: list[PackShape], graphs: bool, steps: int) -> Engine:
@@ -128,12 +157,12 @@ def engine_for(model: DiT, shapes: list[PackShape], graphs: bool, steps: int) ->
     return Engine(model, config)
 
 
-def shapes_for(reqs: list[Request], C: int) -> list[PackShape]:
-    """Three budgets for up to C requests: a quarter, a half and all of C x the longest."""
+def shapes_for(reqs: list[Request], C: int, fracs: tuple[float, ...] = (1.0,)) -> list[PackShape]:
+    """Budgets for up to C requests: ``fracs`` of C x the mean request (+15%), each at least
+    the longest request. One shape is one compile per arm; the sync check uses two."""
     fmax = max(len(r.kept) + r.frames for r in reqs)
     fmean = sum(len(r.kept) + r.frames for r in reqs) / len(reqs)
     top = math.ceil(C * fmean * 1.15) if C > 1 else fmax
-    fracs = (1.0,) if C < 4 else (0.5, 1.0)
     return [PackShape(frames=max(fmax, math.ceil(top * f)), actions=C * ACTIONS, requests=C)
             for f in fracs]  # fmt: skip
 
@@ -180,7 +209,7 @@ def sync_and_recompile_check(model: DiT, reqs: list[Request], C: int, dev: torch
     """Poisson arrivals (mean one per engine step) for ``steps_total`` steps after warm-up:
     host syncs flagged by torch and dynamo graphs compiled during them."""
     graphs = dev.type == "cuda"
-    shapes = shapes_for(reqs, C)
+    shapes = shapes_for(reqs, C, (0.5, 1.0))
     engine = engine_for(model, shapes, graphs, steps)
     warm(engine, shapes, reqs)
     rng = random.Random(1)
@@ -200,11 +229,17 @@ def sync_and_recompile_check(model: DiT, reqs: list[Request], C: int, dev: torch
             engine.step()
             if engine.waiting > 4 * C:  # bounded queue: an overloaded server sheds load
                 break
+    syncs = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+    with warnings.catch_warnings(record=True) as control:  # the counter can see a sync
+        warnings.simplefilter("always")
+        if graphs:
+            float(torch.ones(1, device=dev).sum())
     if graphs:
         torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
-    syncs = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+    seen = sum(1 for w in control if "synchroniz" in str(w.message).lower())
     return {"check": "syncs_recompiles", "engine_steps": engine.clock, "host_syncs": syncs,
+            "control_sync_seen": seen,
             "recompiles": dynamo_counters()["unique_graphs"] - before,
             "submitted": i}  # fmt: skip
 
@@ -218,22 +253,12 @@ def _poisson(rng: random.Random, lam: float) -> int:
         k += 1
 
 
-def cosines(model: DiT, reqs: list[Request], C: int, steps: int) -> list[float]:
-    """bf16 (or the model's dtype): each request packed with others vs alone, cosine."""
-    dev = next(model.parameters()).device
-    packed = engine_for(model, shapes_for(reqs, C), dev.type == "cuda", steps)
-    ids = [packed.submit(r) for r in reqs]
-    out = {r.request_id: r for r in packed.run()}
-    alone = engine_for(model, shapes_for(reqs, 1), dev.type == "cuda", steps)  # one at a time
-    refs = {}
-    for i, r in enumerate(reqs):
-        alone.submit(r)
-        refs[i] = alone.run()[0]
+def cosines(packed: dict[int, Any], alone: dict[int, Any]) -> list[float]:
+    """Each request packed with others vs the same request alone (same seed), cosine."""
     cos = []
-    for i, rid in enumerate(ids):
-        ref = refs[i]
-        a = torch.cat([out[rid].latents.flatten(), out[rid].action.flatten()]).double()
-        b = torch.cat([ref.latents.flatten(), ref.action.flatten()]).double()
+    for i in sorted(set(packed) & set(alone)):
+        a = torch.cat([packed[i].latents.flatten(), packed[i].action.flatten()]).double()
+        b = torch.cat([alone[i].latents.flatten(), alone[i].action.flatten()]).double()
         cos.append(float(a @ b / (a.norm() * b.norm())))
     return cos
 
@@ -245,7 +270,7 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,4,8,16,32")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--sync-steps", type=int, default=1000)
-    p.add_argument("--deadline-s", type=float, default=1e9, help="skip arms started after this")
+    p.add_argument("--deadline-s", type=float, default=1e9, help="start no arm after this")
     args = p.parse_args()
     args.quick = args.quick or args.smoke
     dev = torch.device(args.device)
@@ -257,71 +282,27 @@ def main() -> None:
         conc, args.steps, args.sync_steps = [1, 2, 4], 3, 30
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {"skipped": [], "cosine": {}}
+    configs = args.configs.split(",")
 
     def out(row: dict[str, Any]) -> None:
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         write_json("serve", args, {"rows": rows, **extra}, device=dev, partial=True)
 
-    def late(what: str) -> bool:
-        if time.perf_counter() - t_start > args.deadline_s:
-            extra["skipped"].append(what)
-            return True
-        return False
+    for ci, name in enumerate(configs):
+        # each config may start arms until its share of the deadline (the first gets 55%)
+        until = args.deadline_s * (0.55 if ci == 0 and len(configs) > 1 else 1.0)
 
-    for name in args.configs.split(","):
-        cfg = model_config(name, args.quick)
-        torch.manual_seed(args.seed)
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        model = DiT(cfg).to(dev, dtype).eval()
-        scale = 0.1 if args.quick else 1.0
-        mix = MIXES["short"] if not args.quick else (2, 4)
-        n = lambda C: max(3 * C, 6)  # noqa: E731
-        reqs = make_requests(n(max(conc)), mix, cfg, args.steps, args.seed)
-        _ = scale
-        plan = run_plan(name, conc, args.quick)
-        compiled = False
-        for arm, C, graphs, want_compiled, kind in plan:
-            if late(f"{name} {arm}@{C}"):
-                continue
-            if want_compiled and not compiled and dev.type == "cuda":
-                for block in model.blocks:
-                    block.compile(dynamic=False)
-                compiled = True
-            try:
-                if kind == "long":
-                    lm = MIXES["long"] if not args.quick else (5, 9)
-                    rq = make_requests(n(C), lm, cfg, args.steps, args.seed + 1)
-                elif kind == "drop":
-                    rq = make_requests(n(C), mix, cfg, args.steps, args.seed, drop=True)
-                else:
-                    rq = reqs[: n(C)]
-                batch = C if arm.startswith("padded") else 0
-                row = run_arm(arm, model, cfg, rq, 1 if arm.startswith("alone") else C, dev,
-                              graphs, args.steps, batch=batch)  # fmt: skip
-                row.update(config=name, mix=kind, compiled=compiled, dtype=str(dtype))
-                out(row)
-            except Exception as e:  # one failing arm must not lose the others
-                out({"config": name, "arm": arm, "C": C, "error": f"{type(e).__name__}: {e}"})
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        if name == "small" or args.quick:
-            if not late(f"{name} syncs"):
-                try:
-                    chk = sync_and_recompile_check(model, reqs[:24], 8 if not args.quick else 2,
-                                                   dev, args.sync_steps, args.steps)  # fmt: skip
-                    extra["sync_check"] = {"config": name, **chk}
-                    print(chk, flush=True)
-                except Exception as e:
-                    extra["sync_check"] = {"error": f"{type(e).__name__}: {e}"}
-            if not late(f"{name} cosine"):
-                try:
-                    cs = cosines(model, reqs[:8], 4, args.steps)
-                    extra["cosine"][name] = {"min": min(cs), "values": cs}
-                    print("cosine packed vs alone", min(cs), flush=True)
-                except Exception as e:
-                    extra["cosine"][name] = {"error": f"{type(e).__name__}: {e}"}
-        del model
+        def late(what: str, until: float = until) -> bool:
+            if time.perf_counter() - t_start > until:
+                extra["skipped"].append(what)
+                return True
+            return False
+
+        run_config(name, args, dev, conc, out, late, extra)
+        torch._dynamo.reset()  # the next config compiles its own blocks from scratch
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     cols = ["config", "mix", "arm", "C", "tokens_mean", "req_per_s", "p50_ms", "p99_ms",
             "bound_req_per_s", "fraction_of_bound", "warmup_s"]  # fmt: skip
     print(markdown_table([r for r in rows if "error" not in r], cols))
@@ -331,20 +312,89 @@ def main() -> None:
     write_json("serve", args, {"rows": rows, **extra}, device=dev)
 
 
+def run_config(name: str, args: Any, dev: torch.device, conc: list[int], out: Any, late: Any,
+               extra: dict[str, Any]) -> None:  # fmt: skip
+    cfg = model_config(name, args.quick)
+    torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = DiT(cfg).to(dev, dtype).eval()
+    mix = MIXES["short"] if not args.quick else (2, 4)
+    n = lambda C: max(3 * C, 6)  # noqa: E731
+    reqs = make_requests(n(max(conc)), mix, cfg, args.steps, args.seed)
+    outputs: dict[str, dict[int, Any]] = {}
+    compiled = False
+    for arm, C, graphs, want_compiled, kind in run_plan(name, conc, args.quick):
+        if arm == "syncs":
+            if not late(f"{name} syncs"):
+                try:
+                    chk = sync_and_recompile_check(model, reqs[: n(C)], C, dev, args.sync_steps,
+                                                   args.steps)  # fmt: skip
+                    extra["sync_check"] = {"config": name, **chk}
+                    print(chk, flush=True)
+                except Exception as e:
+                    extra["sync_check"] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        if late(f"{name} {arm}@{C} {kind}"):
+            continue
+        if want_compiled and not compiled and dev.type == "cuda":
+            for block in model.blocks:
+                block.compile(dynamic=False)  # regional: one graph per shape, all 30 blocks
+            compiled = True
+        try:
+            if kind == "long":
+                lm = MIXES["long"] if not args.quick else (5, 9)
+                rq = make_requests(n(C), lm, cfg, args.steps, args.seed + 1)
+            elif kind == "drop":
+                rq = make_requests(n(C), mix, cfg, args.steps, args.seed, drop=True)
+            else:
+                rq = reqs[: n(C)]
+            batch = C if arm.startswith("padded") else 0
+            row = run_arm(arm, model, cfg, rq, 1 if arm.startswith("alone") else C, dev,
+                          graphs, args.steps, batch=batch)  # fmt: skip
+            outputs[f"{arm}@{C}/{kind}"] = row.pop("outputs")
+            row.update(config=name, mix=kind, compiled=compiled, dtype=str(dtype))
+            out(row)
+        except Exception as e:  # one failing arm must not lose the others
+            out({"config": name, "arm": arm, "C": C, "mix": kind,
+                 "error": f"{type(e).__name__}: {e}"[:2000]})  # fmt: skip
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    alone = outputs.get("alone/graphs@1/short") or outputs.get("alone/eager@1/short")
+    packed = outputs.get(f"packed/graphs@{8 if not args.quick else 2}/short")
+    if alone and packed:
+        cs = cosines(packed, alone)
+        extra["cosine"][name] = {"min": min(cs), "n": len(cs), "values": cs,
+                                 "what": "packed/graphs@8 vs alone/graphs, per request"}  # fmt: skip
+        print("cosine packed vs alone: min", min(cs), flush=True)
+
+
 def run_plan(name: str, conc: list[int], quick: bool) -> list[tuple[str, int, bool, bool, str]]:
-    """(arm, C, graphs, compiled, mix) in the order run; eager arms before compiling."""
-    plan = [("alone/eager", 1, False, False, "short"), ("alone/compiled", 1, False, True, "short"),
-            ("alone/graphs", 1, True, True, "short")]  # fmt: skip
-    cs = conc if name == "small" or quick else [c for c in conc if c in (8, 16)]
-    plan += [("packed/graphs", c, True, True, "short") for c in cs if c > 1]
-    plan += [("packed/graphs/drop33", 8 if not quick else 2, True, True, "drop")]
-    plan += [("padded/graphs", 8 if not quick else 2, True, True, "short")]
+    """(arm, C, graphs, compiled, mix) by priority; eager arms before compiling the blocks."""
+    c8 = 8 if not quick else 2
+    cs = [c for c in conc if c > 1]
+    alone = [("alone/eager", 1, False, False, "short"), ("alone/compiled", 1, False, True, "short"),
+             ("alone/graphs", 1, True, True, "short")]  # fmt: skip
     if name == "small" or quick:
-        plan += [("packed/graphs", 8 if not quick else 2, True, True, "long"),
-                 ("padded/graphs", 8 if not quick else 2, True, True, "long")]  # fmt: skip
-    if name != "small" and not quick:
-        plan = [p for p in plan if p[0] != "alone/eager"]
-    return plan
+        first = [c for c in cs if c in (c8, max(cs))]
+        return [
+            *alone,
+            *[("packed/graphs", c, True, True, "short") for c in first],
+            ("syncs", c8, True, True, "short"),
+            ("packed/graphs/drop33", c8, True, True, "drop"),
+            ("padded/graphs", c8, True, True, "short"),
+            ("packed/graphs", c8, True, True, "long"),
+            ("padded/graphs", c8, True, True, "long"),
+            *[("packed/graphs", c, True, True, "short") for c in cs if c not in first],
+            ("packed/compiled", c8, False, True, "short"),
+        ]
+    return [
+        alone[2],
+        ("packed/graphs", 8, True, True, "short"),
+        ("padded/graphs", 8, True, True, "short"),
+        ("packed/graphs/drop33", 8, True, True, "drop"),
+        ("packed/graphs", 16, True, True, "short"),
+        ("packed/graphs", 32, True, True, "short"),
+    ]
 
 
 if __name__ == "__main__":
