@@ -20,8 +20,14 @@ import numpy as np
 import torch
 
 from packing.model import DiT, DiTConfig
-from packing.serve import Engine, EngineConfig, FlowScheduler, PackShape
-from packing.serve._server import PolicyClient, PolicyServer
+from packing.serve import (
+    Engine,
+    EngineConfig,
+    FlowScheduler,
+    PackShape,
+    PolicyClient,
+    PolicyServer,
+)
 
 FRAME = (8, 4, 8)  # (C, H, W) latents of the tiny model
 FIELDS = dict(frames=1, actions=4, steps=4)

@@ -8,6 +8,8 @@
   as per-step coefficients, and the scalar loop they are tested against.
 - `verify_inference`, `InferenceReport`: the proof that each request's output packed with
   others equals the same request run alone (``packing verify --inference``).
+- `PolicyServer`, `PolicyClient`: environments send requests over 127.0.0.1 sockets to one
+  engine (examples/policy_server.py).
 """
 
 from packing.serve._engine import Engine, EngineConfig
@@ -15,6 +17,7 @@ from packing.serve._pack import PackShape
 from packing.serve._proof import InferenceReport, verify_inference
 from packing.serve._request import Request, Result
 from packing.serve._schedulers import FlowScheduler, reference_sample
+from packing.serve._server import PolicyClient, PolicyServer
 
 __all__ = [
     "Engine",
@@ -22,6 +25,8 @@ __all__ = [
     "FlowScheduler",
     "InferenceReport",
     "PackShape",
+    "PolicyClient",
+    "PolicyServer",
     "Request",
     "Result",
     "reference_sample",

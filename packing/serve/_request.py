@@ -15,8 +15,10 @@ computed on the host at admission, never with a device-side ``nonzero``.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -50,22 +52,24 @@ class Request:
             raise TypeError(f"Request.context must be floating point, got {self.context.dtype}")
         for name, low in (("frames", 0), ("actions", 1), ("steps", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            if not _is_int(v) or v < low:
                 raise ValueError(f"Request.{name}={v!r}; use an int >= {low}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            object.__setattr__(self, name, int(v))  # numpy ints welcome, stored as int
+        if not _is_int(self.seed):
             raise TypeError(f"Request.seed={self.seed!r} must be an int")
+        object.__setattr__(self, "seed", int(self.seed))
         if not isinstance(self.task, str):
             raise TypeError(f"Request.task must be a str, got {type(self.task).__name__}")
         if self.keep_frames is not None:
             keep = tuple(self.keep_frames)
             f_c = self.context.shape[0]
-            ints = all(isinstance(i, int) and not isinstance(i, bool) for i in keep)
+            ints = all(_is_int(i) for i in keep)
             if not ints or list(keep) != sorted(set(keep)) or any(not 0 <= i < f_c for i in keep):
                 raise ValueError(
                     f"Request.keep_frames={self.keep_frames!r}: give distinct ascending ints in "
                     f"[0, {f_c}) (the context has {f_c} frames)"
                 )
-            object.__setattr__(self, "keep_frames", keep)
+            object.__setattr__(self, "keep_frames", tuple(int(i) for i in keep))
 
     @property
     def kept(self) -> tuple[int, ...]:
@@ -79,6 +83,10 @@ class Request:
         lat = torch.randn((self.frames, *frame_shape), generator=gen)
         act = torch.randn((self.actions, action_dim), generator=gen)
         return lat, act
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool | np.bool_)
 
 
 @dataclass(frozen=True)
