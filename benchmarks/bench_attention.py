@@ -7,7 +7,7 @@ episode (the unpacked reference) before it is timed.
 
 Methods (rows):
 
-* ``packing.attention._packed[auto|flex|flex_flash|varlen]``: the library call, (T, H, D) in.
+* ``packing.attention[auto|flex|flex_flash|varlen]``: the library call, (T, H, D) in.
 * ``flex triton + create_block_mask``: the same FlexAttention kernel with torch's mask builder.
 * ``FA4 varlen`` / ``torch varlen_attn``: ``cu_seqlens`` kernels called directly.
 * ``SDPA per episode, own tensors`` (eager and ``torch.compile(dynamic=True)``): what a user
@@ -339,7 +339,7 @@ _FLEX: Any = None
 
 def flex_direct(case: Case, mask: str, builder: str, backend: str) -> Callable[..., torch.Tensor]:
     """FlexAttention called directly, (1, H, T, D) views of the THD tensors (the strides
-    packing.attention._packed uses, so both share one compiled kernel)."""
+    packing.attention uses, so both share one compiled kernel)."""
     global _FLEX
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -393,16 +393,16 @@ def methods_for(case: Case, mask: str, quick: bool) -> list[tuple[str, Callable[
     cuda = case.device.type == "cuda"
     fa4 = fa4_available()
     out: list[tuple[str, Callable[[], Any]]] = [
-        ("packing.attention._packed[auto]", lambda: library(case, mask, "auto"))
+        ("packing.attention[auto]", lambda: library(case, mask, "auto"))
     ]
     if cuda:
-        out.append(("packing.attention._packed[flex]", lambda: library(case, mask, "flex")))
+        out.append(("packing.attention[flex]", lambda: library(case, mask, "flex")))
         if fa4:
             out.append(
-                ("packing.attention._packed[flex_flash]", lambda: library(case, mask, "flex_flash"))
+                ("packing.attention[flex_flash]", lambda: library(case, mask, "flex_flash"))
             )
         if mask != "frame_causal":
-            out.append(("packing.attention._packed[varlen]", lambda: library(case, mask, "varlen")))
+            out.append(("packing.attention[varlen]", lambda: library(case, mask, "varlen")))
         if mask == "document":
             out.append(("flex triton + create_block_mask",
                         lambda: (flex_direct(case, mask, "cbm", "triton"), "flex/triton")))  # fmt: skip
@@ -603,7 +603,7 @@ def paired_rows(built: dict[str, tuple[Callable[..., torch.Tensor], list[torch.T
     a gap of a few percent is below the drift between two blocks of timed calls."""
     out: list[dict[str, Any]] = []
     b_label = "FA4 varlen (direct)"
-    for a_label in ("packing.attention._packed[auto]", "packing.attention._packed[varlen]"):
+    for a_label in ("packing.attention[auto]", "packing.attention[varlen]"):
         if pairs <= 0 or a_label not in built or b_label not in built:
             continue
         (fa, ia), (fb, ib) = built[a_label], built[b_label]

@@ -209,7 +209,7 @@ def recompile_rows(args: Any, device: torch.device, T: int, steps: int) -> list[
     """Lengths change every step. (a) fixed T (static budget), new episodes each step;
     (b) T changes too (padding to a multiple of 128 only). Count graphs compiled after the
     first step, for create_block_mask(_compile=True) and for compiled flex_attention fed by
-    make_block_mask (what packing.attention._packed runs)."""
+    make_block_mask (what packing.attention runs)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     rng = torch.Generator().manual_seed(args.seed + 3)
@@ -231,7 +231,7 @@ def recompile_rows(args: Any, device: torch.device, T: int, steps: int) -> list[
         if device.type == "cuda":
             rows.append(count_graphs(device, case, "make_block_mask(compile=True)", layouts,
                                      partial(make_block_mask, compile=True)))  # fmt: skip
-            # ours + compiled flex (fwd), as packing.attention._packed calls it
+            # ours + compiled flex (fwd), as packing.attention calls it
             torch._dynamo.reset()
             flex = torch.compile(flex_attention, dynamic=False)
 

@@ -6,7 +6,7 @@ init, ``--depth`` blocks; bf16 autocast, fused AdamW, the same initial weights a
 episodes every step in both variants:
 
 * ``packed[auto]``: `packing.integrations.diffusers.install(model)`; one pack per optimizer
-  step (static budgets for latents and text, static ``max_docs``), ``packing.attention._packed``
+  step (static budgets for latents and text, static ``max_docs``), ``packing.attention``
   backend ``auto`` (FA4 varlen where installed, else Flex), the block step compiled once
   (`PackedWan.compile_blocks`).
 * ``unpacked[diffusers]``: the unmodified model's ``forward``, one episode per micro-step +

@@ -46,7 +46,7 @@ to unpacked_sync, and dynamo graphs compiled after warm-up (recompiles).
 ``--recompile-depth`` blocks (the same compiled block code; full depth would take minutes per
 100 steps) and counts the graphs compiled after the first pack. ``--sweep 1,2,4,8`` trains the
 same episodes in exactly M packs for each M (reduce-scatter on every micro-step) to fit
-``step = a + M * x`` (§6 of docs/benchmarks.md; benchmarks/fit_microsteps.py re-predicts 4 and
+``step = a + M * x`` (docs/benchmarks.md §5; benchmarks/fit_microsteps.py re-predicts 4 and
 8 GPUs). ``--time-limit`` skips what would not finish (all ranks agree), so the run ends in time.
 """
 

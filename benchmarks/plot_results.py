@@ -32,7 +32,7 @@ def attention() -> None:
             ax = axes[i][j]
             rs = [r for r in rows if r["regime"] == regime and r["mask"] == mask]
             rs.sort(key=lambda r: r["fwd+bwd TFLOP/s"])
-            colors = ["tab:orange" if "packing.attention._packed[auto]" in r["method"] else "tab:blue"
+            colors = ["tab:orange" if "packing.attention[auto]" in r["method"] else "tab:blue"
                       for r in rs]  # fmt: skip
             ax.barh([r["method"] for r in rs], [r["fwd+bwd TFLOP/s"] for r in rs], color=colors)
             for k, r in enumerate(rs):

@@ -1,4 +1,4 @@
-"""The ``packing`` console script. One subcommand today: ``packing verify``.
+"""The ``packing`` console script: ``packing verify``, ``packing budget``, ``packing --version``.
 
 ::
 
@@ -13,8 +13,15 @@ Exit status, a contract scripts can rely on (`EXIT_STATUS`):
     0  packed and unpacked training agree within tolerance
     1  the comparison ran and failed (a leak, a loss or gradient that differs)
     2  bad input, usage or environment: one line on stderr names the problem and the fix
-       (a bad flag, a missing dataset or folder, an unreadable file, no GPU, a model factory
-       that raises, both runs diverging); ``--traceback`` adds the full traceback
+       (a bad flag, a flag of the other mode, a missing dataset or folder, an unreadable
+       file, no GPU, a model factory that raises, both runs diverging); ``--traceback`` adds
+       the full traceback
+    3  the run crashed: an error inside torch, a library or the model while it ran (also in
+       a rank of ``--nproc``); the line names its type, ``--traceback`` shows where
+
+Under ``torchrun`` each rank exits with this status, and torchrun itself reports any failing
+rank as 1: read the rank's line (``packing verify: error: ...``) or use ``--nproc``, which keeps
+the contract.
 
 Only argparse is imported until a command runs: ``packing --help`` does not load torch.
 """
@@ -33,9 +40,12 @@ __all__ = ["EXIT_STATUS", "build_parser", "main"]
 EXIT_STATUS = """exit status:
   0  packed and unpacked training agree within tolerance
   1  the comparison ran and failed (a leak, a loss or gradient that differs)
-  2  bad input, usage or environment (a bad flag, a missing dataset or folder, an unreadable
-     file, no GPU, a model factory that raises, both runs diverging): one line on stderr
-     names the problem and the fix; --traceback adds the full traceback"""
+  2  bad input, usage or environment (a bad flag, a flag of the other mode, a missing dataset
+     or folder, an unreadable file, no GPU, a model factory that raises, both runs
+     diverging): one line on stderr names the problem and the fix; --traceback adds the
+     full traceback
+  3  the run crashed (an error inside torch, a library or the model; also in a rank of
+     --nproc): the line names its type; --traceback shows where"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="packing",
         description="Pack whole robot episodes into one sequence, and prove it changes nothing.",
     )
+    parser.add_argument("--version", action="version", version=f"packing {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     v = sub.add_parser(
         "verify",
@@ -63,7 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distributed_options(v)
     _add_model_and_data_options(v)
     _add_optimizer_and_output_options(v)
+    from packing import _budget_command
+
+    _budget_command.add_parser(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("packing")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from packing import __version__
+
+        return __version__
 
 
 def _add_run_options(v: argparse.ArgumentParser) -> None:
@@ -210,6 +235,12 @@ def _add_optimizer_and_output_options(v: argparse.ArgumentParser) -> None:
         help="AdamW eps (default 1e-6: keeps fp32 rounding noise of zero gradients below eps)",
     )
     v.add_argument("--no-leak-check", dest="leak_check", action="store_false")
+    v.add_argument(
+        "--no-check-finite",
+        dest="check_finite",
+        action="store_false",
+        help="do not refuse data holding NaN or inf (by default the episode and key are named)",
+    )
     v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     v.add_argument(
         "--threads",
@@ -232,16 +263,21 @@ def _progress(line: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse prints them and exits 2
-    if args.command != "verify":
+    if args.command is None:
         parser.print_help()
         return 2
     try:
+        if args.command == "budget":
+            from packing import _budget_command
+
+            return _budget_command.run(args)
         return _verify(args)
-    except Exception as e:  # the contract: anything but a finished comparison is exit 2
-        if args.traceback:
+    except Exception as e:  # the contract: 2 bad input or environment, 3 a crash
+        tb = getattr(args, "traceback", False)
+        if tb:
             traceback.print_exc()
-        print(f"packing verify: error: {_one_line(e, args.traceback)}", file=sys.stderr)
-        return 2
+        print(f"packing {args.command}: error: {_one_line(e, tb)}", file=sys.stderr)
+        return 2 if _is_input_error(e) else 3
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -256,51 +292,28 @@ def _verify(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.inference:
         return _run_inference(args)
+    import dataclasses
+
     from packing.verify._command import VerifyConfig, run_verify
+    from packing.verify._distributed import launched_by_torchrun, verify_rank
 
-    config = VerifyConfig(
-        device=args.device,
-        dtype=args.dtype,
-        compile=args.compile,
-        steps=args.steps,
-        episodes=args.episodes,
-        token_budget=args.token_budget,
-        mask=args.mask,
-        document_mask=args.document_mask,
-        reduction=args.reduction,
-        loss_normaliser=args.loss_normaliser,
-        dataset=args.dataset,
-        model=args.model,
-        reference=args.reference,
-        features=_parse_features(args.feature),
-        seed=args.seed,
-        lr=args.lr,
-        adam_eps=args.adam_eps,
-        leak_check=args.leak_check,
-        nproc=args.nproc,
-        checkpointing=args.checkpointing,
-        blocks=args.blocks,
-        noise_key=args.noise_key,
-        fsdp_autocast=args.fsdp_autocast,
-    )
-    from packing.verify._distributed import (
-        launched_by_torchrun,
-        run_verify_distributed,
-        verify_rank,
-    )
-
+    # Every VerifyConfig field is a flag of the same name (--feature is parsed first).
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(VerifyConfig)
+        if f.name != "features"
+    }
+    if launched_by_torchrun():  # the ranks come from the environment, not --nproc
+        given["nproc"] = int(os.environ["WORLD_SIZE"])
+    config = VerifyConfig(**{**given, "features": _parse_features(args.feature)})
     if launched_by_torchrun():
         first = int(os.environ["RANK"]) == 0
         result = verify_rank(config, progress=_progress if first else None)
         if result is None:
             return 0  # rank 0 reports and sets the exit status
         report = result
-    elif config.nproc > 1:
-        report = run_verify_distributed(config, progress=_progress)
     else:
-        if config.loss_normaliser == "per-rank" or config.noise_key == "rank":
-            raise ValueError("--loss-normaliser per-rank and --noise-key rank need --nproc >= 2")
-        report = run_verify(config, progress=_progress)
+        report = run_verify(config, progress=_progress)  # --nproc > 1: spawns the ranks
     if args.json:  # written before the verdict is printed: a PASS is never followed by a crash
         report.to_json(args.json)
     print(report.format(), flush=True)
@@ -339,6 +352,16 @@ def _check_json_path(path: str | None) -> None:
             f"--json {path}: the folder {p.parent} does not exist; create it first "
             f"(mkdir -p {p.parent}) or write the report elsewhere"
         )
+    existed = p.exists()
+    try:  # try it now: a report that cannot be written must not cost a whole comparison
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise PermissionError(
+            f"--json {path} cannot be written ({e.strerror}); write the report elsewhere"
+        ) from e
+    if not existed:
+        p.unlink()
 
 
 def _set_threads(threads: int | None) -> Callable[[], None]:
@@ -370,6 +393,16 @@ def _parse_features(pairs: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def _is_input_error(e: BaseException) -> bool:
+    """An error packing raised on bad input or environment (exit 2): a builtin ValueError,
+    TypeError, LookupError, OSError, ImportError or AttributeError, or one of packing's own.
+    Anything else -- an error from inside torch, a library or the user's model while the
+    comparison ran -- is a crash (exit 3)."""
+    known = (ValueError, TypeError, LookupError, OSError, ImportError, AttributeError)
+    own = type(e).__module__.startswith("packing.")
+    return (isinstance(e, known) and type(e).__module__ == "builtins") or own
+
+
 def _one_line(e: BaseException, traceback_shown: bool) -> str:
     """The exception as one line. Errors packing raises on bad input (builtin types, or its
     own) already name the problem and the fix; anything else (an error from inside a library
@@ -378,10 +411,7 @@ def _one_line(e: BaseException, traceback_shown: bool) -> str:
     # KeyError's str() adds quotes around its message.
     text = args[0] if isinstance(e, KeyError) and len(args) == 1 else str(e)
     text = " ".join(str(text).split()) or type(e).__name__
-    known = (ValueError, TypeError, LookupError, OSError, ImportError, AttributeError)
-    if (isinstance(e, known) and type(e).__module__ == "builtins") or type(e).__module__.startswith(
-        "packing."
-    ):
+    if _is_input_error(e):
         return text
     return f"{type(e).__name__}: {text}" + ("" if traceback_shown else " (--traceback shows where)")
 

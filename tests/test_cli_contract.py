@@ -1,7 +1,8 @@
 """The exit-status contract of ``packing verify`` and verify on a user's own dataset.
 
 0 = pass, 1 = the comparison ran and failed, 2 = bad input, usage or environment, with one
-line on stderr that names the problem and the fix (``--traceback`` adds the traceback).
+line on stderr that names the problem and the fix (``--traceback`` adds the traceback),
+3 = the run crashed inside torch, a library or the model.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def user_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
             def raises():
                 return {}["weights"]   # a KeyError from inside the user's code
+
+            def crashes(**kw):
+                m = tiny_reference_model(**kw)
+
+                def forward(batch):
+                    raise RuntimeError("CUDA error: an illegal memory access")  # not input
+                m.forward = forward
+                return m
 
             def nan_weights(**kw):
                 m = tiny_reference_model(**kw)
@@ -307,3 +316,75 @@ def test_training_example_runs_on_the_users_dataset_without_code(user_dataset: P
     assert out["streams"] == {"latents": "observation.latent", "action": "action"}
     assert sorted(out["episodes_seen"]) == list(range(6)) and out["steps"] >= 2
     assert all(np.isfinite(out["losses"]))
+
+
+# -- flags of the other mode, crashes, the report path, the data ----------------------------------
+def test_flags_of_the_distributed_run_are_refused_without_nproc(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["verify", "--checkpointing", "ops", "--fsdp-autocast", "--blocks", "nope"]
+    assert main(argv) == 2
+    line = error_line(capsys)
+    assert (
+        "--checkpointing ops, --blocks nope, --fsdp-autocast apply to the distributed run" in line
+    )
+    assert "add --nproc 2" in line
+
+
+def test_the_single_process_ablation_is_refused_with_nproc(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["verify", "--nproc", "2", "--loss-normaliser", "per-micro-step"]) == 2
+    assert "planted mistake is --loss-normaliser per-rank" in error_line(capsys)
+
+
+def test_a_crash_inside_the_model_exits_3_not_2(
+    user_models: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", "--model", f"{user_models}:crashes", *FAST]) == 3
+    line = error_line(capsys)
+    assert "RuntimeError: CUDA error: an illegal memory access" in line
+    assert "--traceback shows where" in line
+
+
+def test_an_unwritable_report_path_is_refused_before_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["verify", *FAST, "--json", "/proc/report.json"]) == 2
+    line = error_line(capsys)
+    assert "--json /proc/report.json cannot be written" in line
+    assert ".. step" not in capsys.readouterr().err  # nothing ran
+
+
+def test_non_finite_data_is_named_by_episode_key_and_index() -> None:
+    from packing.verify._command import check_finite_episodes
+
+    good = {"latents": torch.zeros(3, 2), "episode_index": 4}
+    bad = {"latents": torch.zeros(3, 2), "action": torch.zeros(3, 7), "episode_index": 9}
+    bad["action"][2, 5] = float("inf")
+    check_finite_episodes([good], "here")
+    with pytest.raises(
+        ValueError, match=r"episode 9 of here: action\[2, 5\] is inf.*--no-check-finite"
+    ):
+        check_finite_episodes([good, bad], "here")
+
+
+def test_version_and_budget_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    import packing
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"packing {packing.__version__}"
+    assert main(["budget", "--gpus", "2", "--gpu-memory-gb", "150"]) == 0
+    out = capsys.readouterr().out
+    # The stored H200 fit: 271K tokens per GPU at 2 GPUs, full checkpointing, 5.0 B parameters.
+    assert "5.00 B parameters, depth 30" in out and "| 2 | 271,360 |" in out
+    assert main(["budget", "--gpus", "0"]) == 2
+    assert "--gpus 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_the_no_multi_episode_pack_hint_says_raise_the_budget() -> None:
+    from packing.verify._report import NO_MULTI_EPISODE_PACK
+
+    assert "raise --token-budget" in NO_MULTI_EPISODE_PACK and "lower" not in NO_MULTI_EPISODE_PACK

@@ -12,7 +12,15 @@ import reference
 import torch
 from hypothesis import given, settings
 
-from packing.data import PackedCollator, Stream, joint_layout, layout_from_lengths, pack, unpack
+from packing.data import (
+    PackedBatch,
+    PackedCollator,
+    Stream,
+    joint_layout,
+    layout_from_lengths,
+    pack,
+    unpack,
+)
 from packing.data import _collate as collate
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -574,3 +582,21 @@ def test_host_episode_ids_are_python_ints_however_the_index_was_given():
         assert batch.episode_ids == (3, 5)
         assert all(type(i) is int for i in batch.episode_ids), index
         assert batch["episode_index"].dtype == torch.int64
+
+
+def test_the_batchs_namespaces_never_overlap():
+    """``batch["doc_ids"]`` is always the layout's ids: an episode key, a stream or an extras
+    key of a reserved or already used name is refused, naming the key."""
+    c = PackedCollator([Stream("latents", budget=8)])
+    eps = [{"latents": torch.zeros(3, 2)}, {"latents": torch.zeros(2, 2)}]
+    b = c(eps)
+    assert b["doc_ids"].tolist() == [0, 0, 0, 1, 1, -1, -1, -1]
+    with pytest.raises(ValueError, match="key 'doc_ids' is both in the layout and in per-episode"):
+        c([{**ep, "doc_ids": 7} for ep in eps])
+    with pytest.raises(ValueError, match="key 'latents' is both in streams and in per-episode"):
+        PackedBatch(
+            streams=b.streams, layouts=b.layouts, per_episode={"latents": 1}, primary="latents"
+        )
+    b.extras["cu_seqlens"] = [0, 3]  # added after construction: refused when read
+    with pytest.raises(ValueError, match="key 'cu_seqlens' is both in the layout and in extras"):
+        _ = b["cu_seqlens"]

@@ -69,3 +69,27 @@ def test_a_rank_with_an_empty_pack_still_steps(report):
     assert report["tiny_steps"] == [1, 1]
     assert sorted(i for rank in report["tiny_seen"] for i in rank["0"]) == [0]
     assert report["tiny_params_finite"]
+
+
+def test_the_per_rank_ablation_takes_a_split_where_it_can_fail() -> None:
+    """With equal counts on every rank a rank's own mean is the global mean: the planted
+    mistake could not fail. The harness takes the first sampler seed whose split differs,
+    and refuses a set of episodes where none does."""
+    from types import SimpleNamespace
+
+    from packing.data import Stream
+    from packing.verify._command import VerifyConfig
+    from packing.verify._distributed import _rank_denominators, plan_ranks
+
+    said: list[str] = []
+    config = VerifyConfig(nproc=2, loss_normaliser="per-rank", reduction="episode")
+    even = SimpleNamespace(lengths=[32] * 4, budget=64, streams=[Stream("latents")])
+    with pytest.raises(ValueError, match="per-rank cannot fail here"):
+        plan_ranks(config, even, 2, said.append)  # type: ignore[arg-type]
+    ragged = SimpleNamespace(
+        lengths=[8, 40, 16, 24, 8, 56, 32], budget=64, streams=[Stream("latents")]
+    )
+    plan = plan_ranks(config, ragged, 2, said.append)  # type: ignore[arg-type]
+    counts = _rank_denominators(plan, ragged, "episode")  # type: ignore[arg-type]
+    assert len(set(counts)) > 1, counts
+    assert sorted(i for rank in plan for p in rank for i in p) == list(range(7))

@@ -6,10 +6,7 @@ Every way in (host lengths -> numpy, device doc ids -> torch) must give what a p
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
-import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -101,4 +98,3 @@ def test_thw_agrees_with_a_per_document_grid():
         lengths = [s * h * w for s in steps]
         want = [(t, i, j) for s in steps for t in range(s) for i in range(h) for j in range(w)]
         assert [tuple(r) for r in thw_from_lengths(lengths, grid).tolist()] == want
-

@@ -31,9 +31,10 @@ LAYERS = (
     "serve",
     "integrations",
 )
-FOLDERS = tuple(
-    f"packing.{name}" for name in LAYERS if name != "integrations" and (ROOT / name).is_dir()
-) + ("packing.integrations.diffusers",)
+FOLDERS = (
+    *(f"packing.{n}" for n in LAYERS if n != "integrations" and (ROOT / n).is_dir()),
+    "packing.integrations.diffusers",
+)
 PUBLIC_MODULES = {"packing.integrations.diffusers.testing", "packing.cli"}
 
 

@@ -4,12 +4,14 @@
   `document_mask_mod`, `causal`, `frame_causal`, `sliding_window`, `with_block_rule`;
   `dense_mask` is the T x T reference of any of them.
 - `make_block_mask(doc_ids)`: the FlexAttention `BlockMask` from doc boundaries, no T x T and
-  no host sync (``compile=`` "cuda_graph" for the fastest build on a GPU).
+  no host sync (``compile=`` "cuda_graph" for the fastest build on a GPU;
+  ``BLOCK_MASK_GRAPHS.reset()`` frees the graphs it keeps, one per shape).
 - `packed_attention(q, k, v, mask)` over `prepare_attention(...)`'s `AttentionMask`:
   ``backend`` "flex", "flex_flash", "varlen" (FA4), "sdpa" or "auto".
 - `ascii_mask`, `ascii_blocks`, `save_png`: pictures of a mask (docs/img).
 """
 
+from packing.attention._compile import BLOCK_MASK_GRAPHS
 from packing.attention._masks import (
     BlockRule,
     InnerMask,
@@ -31,6 +33,7 @@ from packing.attention._packed import (
 from packing.attention._render import ascii_blocks, ascii_mask, save_png
 
 __all__ = [
+    "BLOCK_MASK_GRAPHS",
     "AttentionMask",
     "Backend",
     "BlockRule",

@@ -126,8 +126,11 @@ class PackedBatch(Mapping[str, Any]):
 
     - every key of ``extras`` (the caller's: ``"seed"``, ``"step"``) not starting with ``_``.
 
-    Lookups read the one dict that holds the key (the primary layout's keys are five
-    attributes); nothing is rebuilt per access. Other streams' layouts:
+    The four namespaces never overlap: the layout's names (``doc_ids``, ``position_ids``,
+    ``cu_seqlens``, ``max_seqlen``, ``thw``) are reserved, and a stream, per-episode value or
+    extras key of the same name as another is refused, naming the key (so ``batch["doc_ids"]``
+    is always the layout's ids). Lookups read the one dict that holds the key; nothing is
+    rebuilt per access. Other streams' layouts:
     ``batch.layout("action")``. ``batch.num_docs`` is K.
 
     Fields the collator fills besides the data (not in the mapping):
@@ -148,6 +151,9 @@ class PackedBatch(Mapping[str, Any]):
     value_kinds: dict[str, str] = field(default_factory=dict)
     host_episode_ids: tuple[int, ...] | None = None
     joint_layouts: dict[tuple[str, ...], JointLayout] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_namespaces(self.streams, self.per_episode, self.extras)
 
     # -- the primary layout, by name ------------------------------------------------------
     @property
@@ -208,22 +214,28 @@ class PackedBatch(Mapping[str, Any]):
         return layout
 
     # -- Mapping ----------------------------------------------------------------------------
-    # Precedence when a key is in several places: extras > per_episode > layout > streams.
+    # The namespaces are disjoint (checked at construction; extras, which the caller may
+    # update later, are checked again when a key is read).
     def _layout_keys(self) -> tuple[str, ...]:
         has_thw = self.layouts[self.primary].thw_T3 is not None
         return _LAYOUT_KEYS if has_thw else _LAYOUT_KEYS[:-1]  # "thw" is last
 
     def __getitem__(self, key: str) -> Any:
-        if key in self.extras and not key.startswith("_"):
-            return self.extras[key]
-        if key in self.per_episode:
-            return self.per_episode[key]
         attr = _LAYOUT_ATTRS.get(key)
-        value = None if attr is None else getattr(self.layouts[self.primary], attr)
-        if value is not None:  # None: "thw" of a stream without a grid
-            return value
-        if key in self.streams:
+        if attr is not None:
+            if key in self.extras:
+                _check_namespaces(self.streams, self.per_episode, self.extras)
+            value = getattr(self.layouts[self.primary], attr)
+            if value is not None:  # None: "thw" of a stream without a grid
+                return value
+        elif key in self.streams:
             return self.streams[key]
+        elif key in self.per_episode:
+            return self.per_episode[key]
+        if key in self.extras and not key.startswith("_"):
+            if key in self.streams or key in self.per_episode:
+                _check_namespaces(self.streams, self.per_episode, self.extras)
+            return self.extras[key]
         raise KeyError(f"{key!r} is not in this PackedBatch; keys are {list(self)}")
 
     def __iter__(self) -> Iterator[str]:
@@ -281,6 +293,27 @@ _LAYOUT_ATTRS = {
     "thw": "thw_T3",
 }
 _LAYOUT_KEYS = tuple(_LAYOUT_ATTRS)
+
+
+def _check_namespaces(
+    streams: Mapping[str, Any], per_episode: Mapping[str, Any], extras: Mapping[str, Any]
+) -> None:
+    """A key lives in one namespace only: the layout's reserved names, streams, per-episode
+    values, extras (keys starting with ``_`` are private to the library and not checked)."""
+    places = {"the layout": set(_LAYOUT_KEYS), "streams": set(streams)}
+    places["per-episode values"] = set(per_episode)
+    places["extras"] = {k for k in extras if not k.startswith("_")}
+    names = list(places)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            both = sorted(places[a] & places[b])
+            if both:
+                raise ValueError(
+                    f"key {both[0]!r} is both in {a} and in {b} of this PackedBatch; rename "
+                    f"it in {b if a == 'the layout' else a} (the layout's names "
+                    f"{list(_LAYOUT_KEYS)} are reserved; an episode key becomes a per-episode "
+                    "value, batch.extras holds the caller's own keys)"
+                )
 
 
 def layout_from_lengths(

@@ -159,25 +159,40 @@ def best_fit_decreasing(
             else:
                 i += 1
         if c > 0:  # no open bin has room: open new ones, each filled with the run
-            per = budget // L
-            if max_docs is not None:
-                per = min(per, max_docs)
-            need = ceil_div(c, per)
-            last = c - per * (need - 1)
-            _assign(bin_sorted, pos, range(n_bins, n_bins + need), per, last)
-            docs[n_bins : n_bins + need - 1] = per
-            docs[n_bins + need - 1] = last
-            full_open = max_docs is None or per < max_docs
-            if need > 1 and full_open:
-                moves.append((list(range(n_bins, n_bins + need - 1)), budget - per * L))
-            if max_docs is None or last < max_docs:
-                moves.append(([n_bins + need - 1], budget - last * L))
-            n_bins += need
+            n_bins = _open_bins(bin_sorted, docs, moves, pos, c, L, n_bins, budget, max_docs)
         for bins_moved, room in moves:
             put(bins_moved, room)
     bin_N = np.empty(n, dtype=np.int64)
     bin_N[order] = bin_sorted
     return bin_N
+
+
+def _open_bins(
+    bin_sorted: np.ndarray,
+    docs: np.ndarray,
+    moves: list[tuple[list[int], int]],
+    pos: int,
+    c: int,
+    L: int,
+    n_bins: int,
+    budget: int,
+    max_docs: int | None,
+) -> int:
+    """Open as many bins as ``c`` items of length ``L`` need (from sorted position ``pos``),
+    each filled with the run; their rooms go to ``moves``. Returns the new bin count."""
+    per = budget // L
+    if max_docs is not None:
+        per = min(per, max_docs)
+    need = ceil_div(c, per)
+    last = c - per * (need - 1)
+    _assign(bin_sorted, pos, range(n_bins, n_bins + need), per, last)
+    docs[n_bins : n_bins + need - 1] = per
+    docs[n_bins + need - 1] = last
+    if need > 1 and (max_docs is None or per < max_docs):
+        moves.append((list(range(n_bins, n_bins + need - 1)), budget - per * L))
+    if max_docs is None or last < max_docs:
+        moves.append(([n_bins + need - 1], budget - last * L))
+    return n_bins + need
 
 
 def first_fit_decreasing(
@@ -412,7 +427,7 @@ def _run_lookahead(
 
     One loop on purpose (~60 lines): it is the planner's hot path, ~1.2 us an item, and each
     choice depends on the previous one; inlining the opener and one dict lookup per item
-    made it 1.2-1.3x faster with identical plans (docs/benchmarks.md §3).
+    made it 1.2-1.3x faster with identical plans (docs/benchmarks.md §7).
     """
     vals, span, b, half = state.vals, state.span, state.b, state.half
     take = state.one_pos.append

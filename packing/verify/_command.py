@@ -26,23 +26,27 @@ import numpy as np
 import torch
 from torch import nn
 
-from packing.verify._harness import compare_packed_unpacked
+from packing.verify._harness import RunOptions, compare_batches
 from packing.verify._report import VerifyReport
 
 __all__ = [
     "DEFAULT_MODEL",
     "ModelFactoryError",
+    "Setup",
     "VerifyConfig",
     "build_model",
     "build_reference",
     "check_device",
+    "check_finite_episodes",
     "dataset_features",
     "default_token_budget",
     "load_episodes",
     "load_factory",
     "model_and_episodes",
+    "prepare",
     "reference_streams",
     "run_verify",
+    "token_budget",
 ]
 
 _DTYPES = {
@@ -88,6 +92,8 @@ class VerifyConfig:
     blocks: str = "blocks"
     noise_key: str = "episode"
     fsdp_autocast: bool = False  # bf16: fp32 sharded parameters + autocast, not bf16 params
+    threads: int | None = None  # CPU threads for torch in every process (None: 1)
+    check_finite: bool = True  # a NaN/inf in the data is named before the run, not DIVERGED
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -116,6 +122,9 @@ class VerifyConfig:
             raise ValueError(f"episodes={self.episodes}: packing needs at least 2 episodes")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"token_budget={self.token_budget} must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads {self.threads} must be >= 1")
+        self._check_mode()
         for flag, spec in (("model", self.model), ("reference", self.reference)):
             if spec is not None and spec.count(":") != 1:
                 raise ValueError(
@@ -123,9 +132,56 @@ class VerifyConfig:
                     "function build() in my_models.py on the Python path"
                 )
 
+    def _check_mode(self) -> None:
+        """Refuse flags of the other mode: a flag that would be ignored is an error."""
+        if self.nproc == 1:
+            ignored = [
+                flag
+                for flag, on in (
+                    (f"--checkpointing {self.checkpointing}", self.checkpointing != "full"),
+                    (f"--blocks {self.blocks}", self.blocks != "blocks"),
+                    ("--fsdp-autocast", self.fsdp_autocast),
+                    ("--noise-key rank", self.noise_key == "rank"),
+                    ("--loss-normaliser per-rank", self.loss_normaliser == "per-rank"),
+                )
+                if on
+            ]
+            if ignored:
+                raise ValueError(
+                    f"{', '.join(ignored)} apply to the distributed run only; add --nproc 2 "
+                    "(or launch with torchrun), or drop them"
+                )
+            return
+        if self.reference is not None:
+            raise ValueError(
+                f"--reference {self.reference} is single-process: the distributed run's "
+                "unpacked side is a plain copy of the model on rank 0 (its leak check runs the "
+                "packed model's weights in that copy); drop --nproc, or drop --reference"
+            )
+        if self.loss_normaliser == "per-micro-step":
+            raise ValueError(
+                "--loss-normaliser per-micro-step is the single-process ablation; across "
+                "processes the planted mistake is --loss-normaliser per-rank"
+            )
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    def run_options(self) -> RunOptions:
+        """How both sides train, as the harness takes it."""
+        return RunOptions(
+            steps=self.steps,
+            reduction=self.reduction,
+            seed=self.seed,
+            lr=self.lr,
+            adam_eps=self.adam_eps,
+            device=torch.device(self.device),
+            dtype=self.torch_dtype,
+            compile=self.compile,
+            leak_check=self.leak_check,
+            normalise=self.loss_normaliser,
+        )
 
 
 class ModelFactoryError(RuntimeError):
@@ -409,60 +465,120 @@ def model_and_episodes(
     return model, episodes, where, mapping
 
 
-def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = None) -> VerifyReport:
-    """``packing verify``: load data and model, plan packs, compare, check leaks.
+@dataclass(frozen=True)
+class Setup:
+    """What both harnesses need before the comparison: the model (and the unpacked side's
+    reference), the episodes, both collates, each episode's tokens and the token budget."""
 
-    The reference model (no ``config.model``) is sized from the dataset: its latent shape
-    and action width come from the features `reference_streams` picks.
-    """
-    from packing.data._collate import PackedCollator, Stream
-    from packing.planning._plan import plan_packs
+    model: nn.Module
+    episodes: list[dict[str, Any]]
+    where: str
+    mapping: dict[str, str]
+    streams: list[Any]
+    unpacked: Any  # PackedCollator of one-episode batches
+    packed: Any  # PackedCollator of packs under `budget`
+    lengths: list[int]
+    budget: int
 
-    torch.manual_seed(config.seed)
-    model, episodes, where, mapping = model_and_episodes(config)
-    reference, reference_name = build_reference(config, model)
-    streams: list[Stream] = list(model.streams)  # type: ignore[arg-type]
+    def info(self, config: VerifyConfig, **more: Any) -> dict[str, Any]:
+        """The report's config block: the flags as run, and what they resolved to."""
+        return {
+            **asdict(config),
+            "features": {s.name: self.mapping.get(s.name, s.name) for s in self.streams},
+            "model": config.model or DEFAULT_MODEL,
+            "dataset": self.where,
+            "token_budget": self.budget,
+            **more,
+        }
 
-    # One-episode batches pad to a multiple of 128 tokens when every stream's step fits it; a
-    # grid of 15 tokens would pad to lcm(128, 15) = 1,920 (3% real), so such streams use 8.
-    multiple = 128 if all(128 % s.tokens_per_step == 0 for s in streams) else 8
-    unpacked = PackedCollator(streams, pad_to_multiple=multiple)
-    lengths = [unpacked([ep]).layout(streams[0].name).num_tokens for ep in episodes]
-    tps = streams[0].tokens_per_step  # the budget holds whole steps of the primary stream
-    budget = config.token_budget or -(-default_token_budget(lengths) // tps) * tps
+
+def token_budget(
+    lengths: Sequence[int],
+    tokens_per_step: int,
+    given: int | None,
+    episode_ids: Sequence[Any] | None = None,
+) -> int:
+    """The packs' budget: ``given`` (``--token-budget``) or `default_token_budget` rounded up
+    to whole steps of the primary stream; refused when an episode does not fit."""
+    budget = given or -(-default_token_budget(lengths) // tokens_per_step) * tokens_per_step
     if max(lengths) > budget:
         worst = max(range(len(lengths)), key=lambda i: lengths[i])
         raise ValueError(
-            f"episode {episodes[worst].get('episode_index', worst)} has {lengths[worst]:,} "
-            f"tokens > --token-budget {budget:,}; raise the budget"
+            f"episode {worst if episode_ids is None else episode_ids[worst]} has {lengths[worst]:,} tokens > --token-budget {budget:,}; raise "
+            "the budget"
         )
-    packs = plan_packs(lengths, budget).packs
-    packed = PackedCollator(streams, token_budget=budget)
-    info = {
-        **asdict(config),
-        "features": {s.name: mapping.get(s.name, s.name) for s in streams},
-        "model": config.model or DEFAULT_MODEL,
-        "dataset": where,
-        "token_budget": budget,
-        "reference": reference_name,
-    }
-    return compare_packed_unpacked(
-        model,
-        episodes,
-        collate_unpacked=unpacked,
-        collate_packed=packed,
-        packs=packs,
-        steps=config.steps,
-        reduction=config.reduction,
-        seed=config.seed,
-        lr=config.lr,
-        adam_eps=config.adam_eps,
-        device=config.device,
-        dtype=config.torch_dtype,
-        compile=config.compile,
-        leak_check=config.leak_check,
-        normalise=config.loss_normaliser,
-        config=info,
+    return budget
+
+
+def check_finite_episodes(episodes: Sequence[Mapping[str, Any]], where: str) -> None:
+    """A NaN or inf in the data is named (episode, key, first index, value) before the run:
+    trained on, it makes both runs diverge, which would read as the model's fault."""
+    for i, ep in enumerate(episodes):
+        for key, value in ep.items():
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                continue
+            bad = ~torch.isfinite(value)
+            if bool(bad.any()):
+                first = tuple(int(j) for j in bad.nonzero()[0])
+                raise ValueError(
+                    f"episode {ep.get('episode_index', i)} of {where}: {key}{list(first)} is "
+                    f"{float(value[first])}; the data holds non-finite values (fix or drop the "
+                    "episode, or pass --no-check-finite to train on them anyway)"
+                )
+
+
+def prepare(config: VerifyConfig) -> Setup:
+    """Model, episodes, collates and budget of a verify run, from its config (both harnesses).
+
+    One-episode batches pad to a multiple of 128 tokens when every stream's step fits it; a
+    grid of 15 tokens would pad to lcm(128, 15) = 1,920 (3% real), so such streams use 8.
+    """
+    from packing.data._collate import PackedCollator
+
+    torch.manual_seed(config.seed)
+    model, episodes, where, mapping = model_and_episodes(config)
+    if config.check_finite:
+        check_finite_episodes(episodes, where)
+    streams = list(model.streams)  # type: ignore[arg-type]
+    multiple = 128 if all(128 % s.tokens_per_step == 0 for s in streams) else 8
+    unpacked = PackedCollator(streams, pad_to_multiple=multiple)
+    lengths = [unpacked([ep]).layout(streams[0].name).num_tokens for ep in episodes]
+    ids = [ep.get("episode_index", i) for i, ep in enumerate(episodes)]
+    budget = token_budget(lengths, streams[0].tokens_per_step, config.token_budget, ids)
+    return Setup(
+        model=model,
+        episodes=episodes,
+        where=where,
+        mapping=mapping,
+        streams=streams,
+        unpacked=unpacked,
+        packed=PackedCollator(streams, token_budget=budget),
+        lengths=lengths,
+        budget=budget,
+    )
+
+
+def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = None) -> VerifyReport:
+    """``packing verify`` in one process: load data and model, plan packs, compare, check
+    leaks (``config.nproc > 1``: `packing.verify._distributed.run_verify_distributed`)."""
+    from packing.planning._plan import plan_packs
+
+    if config.nproc > 1:
+        from packing.verify._distributed import run_verify_distributed
+
+        return run_verify_distributed(config, progress)
+    setup = prepare(config)
+    reference, reference_name = build_reference(config, setup.model)
+    packs = plan_packs(setup.lengths, setup.budget).packs
+    singles = [setup.unpacked([ep]) for ep in setup.episodes]
+    packed = [setup.packed([setup.episodes[i] for i in p]) for p in packs]
+    return compare_batches(
+        setup.model,
+        reference,
+        singles,
+        packed,
+        packs,
+        config.run_options(),
+        config=setup.info(config, reference=reference_name),
         progress=progress,
-        reference=reference,
     )

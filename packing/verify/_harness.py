@@ -28,13 +28,13 @@ command (options, model factory, dataset) in `packing.verify._command`.
 from __future__ import annotations
 
 import copy
-import math
+import functools
 import platform
 import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -42,33 +42,70 @@ from torch import nn
 
 from packing.attention._compile import call_compiled
 from packing.data._layout import PackedBatch
-from packing.train._losses import LossNormalizer, reduce_loss
+from packing.train._losses import LossNormalizer, local_denominator
 from packing.verify._leak import LeakReport, find_leaks
 from packing.verify._report import (
+    NO_MULTI_EPISODE_PACK,
     GradDiff,
     StepComparison,
     Tolerances,
     VerifyReport,
-    both_diverged_at,
-    grad_badness,
-    judge,
-    nonfinite_tensors,
-    parameter_difference,
-    params_diverged,
+    build_report,
     record_grad_diffs,
     relative_difference,
     source_sha1,
 )
 
-__all__ = ["compare_packed_unpacked"]
+__all__ = [
+    "RunOptions",
+    "Side",
+    "Steps",
+    "batch_counts",
+    "compare_batches",
+    "compare_packed_unpacked",
+    "environment",
+    "leak_report",
+    "run_steps",
+    "with_step",
+]
 
 
 Episode = Mapping[str, Any]
 Collate = Callable[[Sequence[Episode]], PackedBatch]
 
 
-# -- the harness ---------------------------------------------------------------------------------
-def _with_step(batch: PackedBatch, seed: int, step: int, device: torch.device) -> PackedBatch:
+# -- the one loop both harnesses run ---------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How both sides train: what `compare_packed_unpacked`'s keywords and `VerifyConfig` say."""
+
+    steps: int = 3
+    reduction: str = "episode"
+    seed: int = 0
+    lr: float = 1e-4
+    adam_eps: float = 1e-6
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+    compile: bool = False
+    leak_check: bool = True
+    # "global" (exact), or a planted mistake: "per-micro-step" (each pack's own mean),
+    # "per-rank" (each rank's own mean; the distributed run)
+    normalise: str = "global"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps} must be >= 1")
+        if self.normalise not in ("global", "per-micro-step", "per-rank"):
+            raise ValueError(
+                f"normalise={self.normalise!r}; choose 'global', 'per-micro-step' or 'per-rank'"
+            )
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        return None if self.dtype == torch.float32 else self.dtype
+
+
+def with_step(batch: PackedBatch, seed: int, step: int, device: torch.device) -> PackedBatch:
     """The batch on ``device`` with the RNG keys both runs share in ``extras``.
 
     Episode identities travel as host ints (``batch.episode_ids``), so the model's
@@ -88,54 +125,179 @@ def _loss_mask(model: nn.Module, batch: PackedBatch, stream: str) -> torch.Tenso
     return None if fn is None else fn(batch, stream)
 
 
-def _train_step(
-    model: nn.Module,
-    batches: Sequence[PackedBatch],
-    *,
-    reduction: str,
-    autocast: torch.dtype | None,
-    device: torch.device,
-    normalise: str = "global",
-) -> tuple[float, float]:
-    """One optimizer step's forward/backward over ``batches``; returns (loss, seconds).
+def _normalisers(
+    model: nn.Module, batches: Sequence[PackedBatch], reduction: str, how: str, dev: torch.device
+) -> list[dict[str, LossNormalizer]]:
+    """Each micro-step's normaliser per stream.
 
-    The gradients are left in ``.grad`` for comparison; the caller steps the optimizer.
-    ``normalise="global"`` is the library's exact reduction; ``"per-micro-step"`` is the
-    common mistake (each micro-step's own mean, then averaged), kept to prove it is caught.
+    ``global``: the step's denominator over every micro-step (and rank: one all_reduce when
+    torch.distributed is initialised); ``local``: this process's micro-steps only (the
+    unpacked ground truth on rank 0); the planted mistakes ``per-rank`` (a rank's own mean,
+    which FSDP then averages) and ``per-micro-step`` (each pack's own mean, then averaged).
     """
-    _sync(device)
-    t0 = time.perf_counter()
-    streams = list(batches[0].layouts)
-    norms = {}
-    for s in streams:
+    out: list[dict[str, LossNormalizer]] = [{} for _ in batches]
+    for s in batches[0].layouts:
+        lays = [b.layout(s) for b in batches]
         masks = [_loss_mask(model, b, s) for b in batches]
-        norms[s] = LossNormalizer.for_step([b.layout(s) for b in batches], reduction, masks)  # type: ignore[arg-type]
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for b in batches:
-        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-            # With --compile, a model past dynamo's recompile limit would silently run eager.
-            out = call_compiled(model, b)
-        if not isinstance(out, Mapping) or not out:
-            raise TypeError(
-                f"{type(model).__name__}.forward(batch) must return a dict {{stream: per-token "
-                f"loss (T,)}}, got {type(out).__name__}; see docs/verify.md (model protocol)"
-            )
-        loss = torch.zeros((), dtype=torch.float32, device=device)
-        for k, v in out.items():
-            lay = b.token_layout(
-                k, v.shape[0], f"the model's loss {k!r}", fix="key per-token losses by stream name"
-            )
-            mask = _loss_mask(model, b, k)
-            if normalise == "global":
-                loss = loss + norms[k](v, lay, mask)
-            else:  # the mistake: this pack's own mean, then an average over micro-steps
-                loss = loss + reduce_loss(v, lay, reduction, mask) / len(batches)  # type: ignore[arg-type]
-        loss.backward()
-        total += loss.detach().double()
-    _sync(device)
-    return float(total), time.perf_counter() - t0
+        red: Any = reduction
+        if how == "global":
+            norm = LossNormalizer.for_step(lays, red, masks, device=dev)
+            norms = [norm] * len(batches)
+        elif how in ("local", "per-rank"):
+            d = local_denominator(lays, red, masks, device=dev)
+            norms = [LossNormalizer(reduction=red, denominator=d)] * len(batches)
+        else:  # per-micro-step: this pack's own mean, then an average over micro-steps
+            norms = [
+                LossNormalizer(
+                    reduction=red,
+                    denominator=local_denominator(lay, red, m, device=dev) * len(lays),
+                )
+                for lay, m in zip(lays, masks, strict=True)
+            ]
+        for i, n in enumerate(norms):
+            out[i][s] = n
+    return out
 
 
+@dataclass(frozen=True)
+class Side:
+    """One way of training the same model: ``call`` (the model or its compiled/sharded
+    wrapper) over micro-steps, normalised by ``normalise``, stepped by ``optimizer``.
+
+    ``gradient_sync_last``: FSDP2 reduces gradients once, on the last micro-step.
+    ``mean_over_ranks``: the reported loss is the mean of every rank's (FSDP averages).
+    ``gather``: how the compared tensors are read (a collective under FSDP).
+    """
+
+    model: nn.Module
+    call: Callable[[PackedBatch], Any]
+    optimizer: torch.optim.Optimizer
+    normalise: str
+    autocast: torch.dtype | None
+    gradient_sync_last: bool = False
+    mean_over_ranks: bool = False
+    gather: Callable[..., dict[str, Any]] | None = None
+
+    def train_step(
+        self, batches: Sequence[PackedBatch], reduction: str, dev: torch.device
+    ) -> float:
+        """One optimizer step's forward/backward over ``batches``; gradients left in .grad."""
+        norms = _normalisers(self.model, batches, reduction, self.normalise, dev)
+        total = torch.zeros((), dtype=torch.float64, device=dev)
+        for i, b in enumerate(batches):
+            if self.gradient_sync_last:
+                self.model.set_requires_gradient_sync(i == len(batches) - 1)  # type: ignore[operator]
+            with torch.autocast(dev.type, dtype=self.autocast, enabled=self.autocast is not None):
+                out = self.call(b)
+            if not isinstance(out, Mapping) or not out:
+                raise TypeError(
+                    f"{type(self.model).__name__}.forward(batch) must return a dict {{stream: "
+                    f"per-token loss (T,)}}, got {type(out).__name__}; see docs/verify.md "
+                    "(model protocol)"
+                )
+            loss = torch.zeros((), dtype=torch.float32, device=dev)
+            for k, v in out.items():
+                lay = b.token_layout(
+                    k, v.shape[0], f"the model's loss {k!r}", fix="key per-token losses by stream"
+                )
+                loss = loss + norms[i][k](v, lay, _loss_mask(self.model, b, k))
+            loss.backward()
+            total += loss.detach().double()
+        if self.mean_over_ranks:
+            torch.distributed.all_reduce(total)
+            total /= torch.distributed.get_world_size()
+        return float(total)
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        if self.gather is not None:
+            return self.gather(self.model, grads=True)
+        return {n: p.grad for n, p in self.model.named_parameters()}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        if self.gather is not None:
+            return {n: t for n, t in self.gather(self.model).items() if t is not None}
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+@dataclass
+class Steps:
+    """What the loop measured: a record per step, the worst gradient per parameter, failures."""
+
+    records: list[StepComparison]
+    worst: dict[str, GradDiff]
+    failures: list[str]
+
+
+def run_steps(
+    unpacked: Side | None,
+    packed: Side,
+    singles: Sequence[PackedBatch],
+    packs: Sequence[PackedBatch],
+    opts: RunOptions,
+    tol: Tolerances,
+    say: Callable[[str], None],
+    *,
+    noise_seed: int | None = None,
+) -> Steps:
+    """The comparison loop of both harnesses: every step, packed then unpacked, compared.
+
+    Both halves start from the same global RNG state: anything that does not depend on
+    packing draws the same numbers, so a difference can only come from packing. Under FSDP
+    every rank runs the packed half (``packed.grads()`` is a collective) and only rank 0 the
+    unpacked one (``unpacked`` is None elsewhere). ``noise_seed``: the packed run's RNG key
+    (``--noise-key rank`` plants a rank-dependent one).
+    """
+    dev = opts.device
+    out = Steps([], {}, [])
+    for s in range(opts.steps):
+        torch.manual_seed(opts.seed * 1_000_003 + s)
+        bp = [with_step(b, opts.seed if noise_seed is None else noise_seed, s, dev) for b in packs]
+        _sync(dev)
+        t0 = time.perf_counter()
+        loss_p = packed.train_step(bp, opts.reduction, dev)
+        _sync(dev)
+        sec_p = time.perf_counter() - t0
+        grads_p = packed.grads()
+        say(f"step {s}: packed, {len(bp)} micro-steps, loss {loss_p:.8g}, {sec_p:.1f} s")
+        if unpacked is not None:
+            torch.manual_seed(opts.seed * 1_000_003 + s)
+            bu = [with_step(b, opts.seed, s, dev) for b in singles]
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                # One episode per micro-step has one shape per episode length by design; the
+                # library's "give every pack one shape" advice is for packed runs.
+                warnings.filterwarnings("ignore", message=r"packing\.attention: FlexAttention has")
+                loss_u = unpacked.train_step(bu, opts.reduction, dev)
+            _sync(dev)
+            sec_u = time.perf_counter() - t0
+            say(f"step {s}: unpacked, {len(bu)} micro-steps, loss {loss_u:.8g}, {sec_u:.1f} s")
+            rel = relative_difference(
+                torch.tensor([loss_p], dtype=torch.float64),
+                torch.tensor([loss_u], dtype=torch.float64),
+            )
+            out.records.append(
+                StepComparison(
+                    step=s,
+                    loss_unpacked=loss_u,
+                    loss_packed=loss_p,
+                    loss_rel=rel,
+                    micro_steps_unpacked=len(bu),
+                    micro_steps_packed=len(bp),
+                    seconds_unpacked=sec_u,
+                    seconds_packed=sec_p,
+                )
+            )
+            out.failures += record_grad_diffs(out.worst, unpacked.grads(), grads_p, s, tol)
+            unpacked.optimizer_step()
+        packed.optimizer_step()
+    return out
+
+
+# -- the single-process harness --------------------------------------------------------------------
 def compare_packed_unpacked(
     model: nn.Module,
     episodes: Sequence[Episode],
@@ -185,87 +347,94 @@ def compare_packed_unpacked(
     prints them to stderr, so a run cut short, e.g. by a long ``--compile``, shows how far
     it got).
     """
-    say = progress or (lambda _line: None)
-    dev = torch.device(device)
-    tol = tolerances or Tolerances.for_dtype(dtype)
+    opts = RunOptions(
+        steps=steps,
+        reduction=reduction,
+        seed=seed,
+        lr=lr,
+        adam_eps=adam_eps,
+        device=torch.device(device),
+        dtype=dtype,
+        compile=compile,
+        leak_check=leak_check,
+        normalise=normalise,
+    )
     _check_packs(packs, len(episodes))
-    if steps < 1:
-        raise ValueError(f"steps={steps} must be >= 1")
-    autocast = None if dtype == torch.float32 else dtype
-
     # Collate once; the data are the same every step, only extras["step"] (the noise) changes.
     singles = [collate_unpacked([ep]) for ep in episodes]
     packed = [collate_packed([episodes[i] for i in p]) for p in packs]
-    runs = _Runs.build(model, reference, dev, compile=compile, lr=lr, adam_eps=adam_eps)
-
-    records: list[StepComparison] = []
-    worst: dict[str, GradDiff] = {}
-    failures: list[str] = []
-    diverged = ""
-    for s in range(steps):
-        bu = [_with_step(b, seed, s, dev) for b in singles]
-        bp = [_with_step(b, seed, s, dev) for b in packed]
-        record = _step_both(runs, bu, bp, s, seed, reduction, autocast, dev, normalise, say)
-        records.append(record)
-        if not (math.isfinite(record.loss_unpacked) or math.isfinite(record.loss_packed)):
-            # Both runs blew up the same way: that says nothing about packing, and every
-            # difference from here on would be nan - nan.
-            diverged = both_diverged_at(s, record.loss_unpacked, record.loss_packed)
-            break
-        failures += record_grad_diffs(worst, *runs.grads(), s, tol)
-        runs.optimizer_step()
-
-    grads = sorted(worst.values(), key=lambda g: grad_badness(g, tol), reverse=True)
-    params_u, params_p = runs.parameters()
-    param_rel, param_worst, param_worst_rel = parameter_difference(params_u, params_p)
-    diverged = diverged or _diverged_at_end(params_u, params_p, len(records), failures)
-    leak = None
-    if leak_check and not diverged:
-        leak, impossible = _leak_check_of_first_pack(runs.model_p, packed, seed, autocast, dev, say)
-        failures += impossible
-    failures += judge(records, grads, param_rel, param_worst, leak, tol, steps)
-    if diverged:  # no verdict on packing: every difference above compares nan with nan
-        failures = [diverged]
-
-    primary = singles[0].primary
-    return VerifyReport(
-        config=dict(config or {}),
-        tolerances=tol,
-        steps=records,
-        grads=grads,
-        param_rel=param_rel,
-        param_worst=param_worst,
-        param_worst_rel=param_worst_rel,
-        episodes=len(episodes),
-        tokens=sum(b.layout(primary).num_tokens for b in singles),
-        padded_tokens_unpacked=sum(b.layout(primary).padded_len for b in singles),
-        padded_tokens_packed=sum(b.layout(primary).padded_len for b in packed),
-        packs=len(packed),
-        pack_sizes=[len(p) for p in packs],
-        leak=leak,
-        failures=failures,
-        diverged=bool(diverged),
-        environment=_environment(dev),
+    return compare_batches(
+        model,
+        reference,
+        singles,
+        packed,
+        [list(p) for p in packs],
+        opts,
+        tolerances=tolerances,
+        config=config,
+        progress=progress,
     )
 
 
-def _diverged_at_end(
-    params_u: Mapping[str, torch.Tensor],
-    params_p: Mapping[str, torch.Tensor],
-    steps: int,
-    failures: list[str],
-) -> str:
-    """The divergence verdict when both runs end with non-finite parameters ("" otherwise);
-    non-finite parameters in one run only are appended to ``failures``."""
-    nonfinite = {"unpacked": nonfinite_tensors(params_u), "packed": nonfinite_tensors(params_p)}
-    diverged = params_diverged(steps, nonfinite["unpacked"], nonfinite["packed"])
-    for run in ("packed", "unpacked"):
-        if nonfinite[run] and not diverged:
-            failures.append(
-                f"{len(nonfinite[run])} parameter tensors are non-finite in the {run} run only "
-                f"(e.g. {nonfinite[run][0]})"
+def compare_batches(
+    model: nn.Module,
+    reference: nn.Module | None,
+    singles: Sequence[PackedBatch],
+    packed: Sequence[PackedBatch],
+    packs: Sequence[Sequence[int]],
+    opts: RunOptions,
+    *,
+    tolerances: Tolerances | None = None,
+    config: Mapping[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> VerifyReport:
+    """`compare_packed_unpacked` on batches already collated (``packing verify`` calls this)."""
+    say = progress or (lambda _line: None)
+    tol = tolerances or Tolerances.for_dtype(opts.dtype)
+    side_u, side_p = _sides(model, reference, opts)
+    steps = run_steps(side_u, side_p, singles, packed, opts, tol, say)
+
+    def leak() -> tuple[LeakReport | None, list[str]]:
+        return _leak_check_of_first_pack(side_p.model, packed, opts, say)
+
+    return build_report(
+        config=dict(config or {}),
+        tolerances=tol,
+        steps=steps,
+        params_u=side_u.parameters(),
+        params_p=side_p.parameters(),
+        leak_check=leak if opts.leak_check else None,
+        counts=batch_counts(singles, packs, sum(b.layout(b.primary).padded_len for b in packed)),
+        environment=environment(opts.device),
+        planned_steps=opts.steps,
+    )
+
+
+def _sides(model: nn.Module, reference: nn.Module | None, opts: RunOptions) -> tuple[Side, Side]:
+    """Two models from the same weights: ``reference`` unpacked and ``model`` packed, or
+    ``model`` unpacked and a deep copy of it packed."""
+    dev = opts.device
+    if reference is None:
+        model_u = model.to(dev)
+        model_p = copy.deepcopy(model_u)
+    else:
+        model_u, model_p = reference.to(dev), model.to(dev)
+        _check_same_parameters(model_p, model_u)
+    sides = []
+    for m, dynamic, how in ((model_u, True, "global"), (model_p, False, opts.normalise)):
+        m.train()
+        call = torch.compile(m, dynamic=dynamic) if opts.compile else m
+        sides.append(
+            Side(
+                model=m,
+                # With --compile, a model past dynamo's recompile limit would silently run eager.
+                call=functools.partial(call_compiled, call),
+                optimizer=torch.optim.AdamW(m.parameters(), lr=opts.lr, eps=opts.adam_eps),
+                normalise=how,
+                autocast=opts.autocast,
             )
-    return diverged
+        )
+    return sides[0], sides[1]
 
 
 def _check_packs(packs: Sequence[Sequence[int]], n: int) -> None:
@@ -277,128 +446,32 @@ def _check_packs(packs: Sequence[Sequence[int]], n: int) -> None:
         )
 
 
-@dataclass(frozen=True)
-class _Runs:
-    """The two sides: ``u`` unpacked (the baseline), ``p`` packed; each a model, what is
-    called (the model or its ``torch.compile`` wrapper) and an AdamW optimizer."""
-
-    model_u: nn.Module
-    model_p: nn.Module
-    call_u: nn.Module
-    call_p: nn.Module
-    opt_u: torch.optim.Optimizer
-    opt_p: torch.optim.Optimizer
-
-    @classmethod
-    def build(
-        cls,
-        model: nn.Module,
-        reference: nn.Module | None,
-        dev: torch.device,
-        *,
-        compile: bool,
-        lr: float,
-        adam_eps: float,
-    ) -> _Runs:
-        """Two models from the same weights: ``reference`` unpacked and ``model`` packed, or
-        ``model`` unpacked and a deep copy of it packed."""
-        if reference is None:
-            model_u = model.to(dev)
-            model_p = copy.deepcopy(model_u)
-        else:
-            model_u, model_p = reference.to(dev), model.to(dev)
-            _check_same_parameters(model_p, model_u)
-        model_u.train()
-        model_p.train()
-        call_u: nn.Module = torch.compile(model_u, dynamic=True) if compile else model_u  # type: ignore[assignment]
-        call_p: nn.Module = torch.compile(model_p, dynamic=False) if compile else model_p  # type: ignore[assignment]
-        return cls(
-            model_u=model_u,
-            model_p=model_p,
-            call_u=call_u,
-            call_p=call_p,
-            opt_u=torch.optim.AdamW(model_u.parameters(), lr=lr, eps=adam_eps),
-            opt_p=torch.optim.AdamW(model_p.parameters(), lr=lr, eps=adam_eps),
-        )
-
-    def grads(self) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]]:
-        """(unpacked, packed) gradients by the unpacked model's parameter names."""
-        params_p = dict(self.model_p.named_parameters())
-        grads_u = {n: p.grad for n, p in self.model_u.named_parameters()}
-        return grads_u, {n: params_p[n].grad for n in grads_u}
-
-    def parameters(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(unpacked, packed) parameters, detached, each by its own model's names."""
-        return (
-            {n: p.detach() for n, p in self.model_u.named_parameters()},
-            {n: p.detach() for n, p in self.model_p.named_parameters()},
-        )
-
-    def optimizer_step(self) -> None:
-        for opt in (self.opt_u, self.opt_p):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-
-def _step_both(
-    runs: _Runs,
-    bu: Sequence[PackedBatch],
-    bp: Sequence[PackedBatch],
-    step: int,
-    seed: int,
-    reduction: str,
-    autocast: torch.dtype | None,
-    dev: torch.device,
-    normalise: str,
-    say: Callable[[str], None],
-) -> StepComparison:
-    """One optimizer step's forward/backward, unpacked then packed; gradients left in
-    ``.grad``. Both halves start from the same global RNG state: anything that does not
-    depend on packing draws the same numbers, so a difference can only come from packing."""
-    torch.manual_seed(seed * 1_000_003 + step)
-    with warnings.catch_warnings():
-        # One episode per micro-step has one shape per episode length by design; the
-        # library's "give every pack one shape" advice is for packed runs.
-        warnings.filterwarnings("ignore", message=r"packing\.attention: FlexAttention has")
-        loss_u, sec_u = _train_step(
-            runs.call_u, bu, reduction=reduction, autocast=autocast, device=dev
-        )
-    say(f"step {step}: unpacked, {len(bu)} micro-steps, loss {loss_u:.8g}, {sec_u:.1f} s")
-    torch.manual_seed(seed * 1_000_003 + step)
-    loss_p, sec_p = _train_step(
-        runs.call_p, bp, reduction=reduction, autocast=autocast, device=dev,
-        normalise=normalise,
-    )  # fmt: skip
-    say(f"step {step}: packed, {len(bp)} micro-steps, loss {loss_p:.8g}, {sec_p:.1f} s")
-    return StepComparison(
-        step=step,
-        loss_unpacked=loss_u,
-        loss_packed=loss_p,
-        loss_rel=relative_difference(
-            torch.tensor([loss_p], dtype=torch.float64), torch.tensor([loss_u], dtype=torch.float64)
-        ),
-        micro_steps_unpacked=len(bu),
-        micro_steps_packed=len(bp),
-        seconds_unpacked=sec_u,
-        seconds_packed=sec_p,
-    )
-
-
 def _leak_check_of_first_pack(
-    model: nn.Module,
-    packs: Sequence[PackedBatch],
-    seed: int,
-    autocast: torch.dtype | None,
-    dev: torch.device,
-    say: Callable[[str], None],
+    model: nn.Module, packs: Sequence[PackedBatch], opts: RunOptions, say: Callable[[str], None]
 ) -> tuple[LeakReport | None, list[str]]:
     """(the leak report of the first pack of >= 2 episodes, [] ) or (None, [why not])."""
     multi = [b for b in packs if b.num_docs >= 2]
     if not multi:
-        return None, ["leak check impossible: no pack holds >= 2 episodes; lower the budget"]
+        return None, [NO_MULTI_EPISODE_PACK]
     model.eval()
     say(f"leak check on a pack of {multi[0].num_docs} episodes")
-    return _leak_check(model, _with_step(multi[0], seed, 0, dev), autocast, dev), []
+    batch = with_step(multi[0], opts.seed, 0, opts.device)
+    return leak_report(model, batch, opts.autocast, opts.device), []
+
+
+def batch_counts(
+    singles: Sequence[PackedBatch], packs: Sequence[Sequence[int]], padded_tokens_packed: int
+) -> dict[str, Any]:
+    """The report's token and pack counts (primary stream) of one step."""
+    primary = singles[0].primary
+    return {
+        "episodes": len(singles),
+        "tokens": sum(b.layout(primary).num_tokens for b in singles),
+        "padded_tokens_unpacked": sum(b.layout(primary).padded_len for b in singles),
+        "padded_tokens_packed": padded_tokens_packed,
+        "packs": len(packs),
+        "pack_sizes": [len(p) for p in packs],
+    }
 
 
 def _check_same_parameters(packed: nn.Module, reference: nn.Module) -> None:
@@ -418,7 +491,7 @@ def _check_same_parameters(packed: nn.Module, reference: nn.Module) -> None:
             )
 
 
-def _leak_check(
+def leak_report(
     model: nn.Module, batch: PackedBatch, autocast: torch.dtype | None, dev: torch.device
 ) -> LeakReport:
     """Leak check of one pack: the model's ``predict`` if it has one, else its losses."""
@@ -437,7 +510,7 @@ def _leak_check(
     return find_leaks(outputs, batch, noise_floor=None if cpu else 10.0, deterministic=not cpu)
 
 
-def _environment(dev: torch.device) -> dict[str, str]:
+def environment(dev: torch.device) -> dict[str, str]:
     env = {
         "torch": torch.__version__,
         "python": platform.python_version(),

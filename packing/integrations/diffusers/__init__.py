@@ -5,11 +5,12 @@
 
     model = WanTransformer3DModel.from_pretrained(path, subfolder="transformer")
     packed = install(model, latent_hw=(44, 80))   # processors swapped; no weight renamed
-    collate = PackedCollator(packed.streams, token_budget=16_384)
+    collate = PackedCollator(packed.streams, token_budget=16 * 880)  # 880 tokens a frame
     losses = packed(batch)                         # {latents: per-token loss (T,)}
 
-``install`` picks the family by the model's class: the same lines pack an
-``LTXVideoTransformer3DModel``.
+The budget is a multiple of a latent frame's tokens: (44 / 2) x (80 / 2) = 880 with Wan's 2x2
+patches (16_384 is not, and the collator refuses it). ``install`` picks the family by the
+model's class: the same lines pack an ``LTXVideoTransformer3DModel``.
 
 - `install` -> a `PackedAdapter` (`PackedWan`, `PackedLTX`; `FAMILIES` lists them);
   ``packed.uninstall()`` restores the model's own processors. `FamilyParts` is what a new

@@ -1,0 +1,138 @@
+"""``packing budget``: how many tokens a GPU holds, from the stated memory model.
+
+::
+
+    packing budget                                  # Wan-2.2-5B widths, 30 blocks, 1-8 GPUs
+    packing budget --preset wan_1_3b --gpus 8 --checkpointing none --accumulate
+    packing budget --measure                        # fit the model on this GPU first
+
+The answer is `packing.train.MemoryModel.max_tokens` (docs/distributed.md states the model).
+Without ``--measure`` it uses the coefficients fitted on one H200 (torch 2.11, the reference
+DiT, bf16 parameters, fp32 reduction, AdamW; benchmarks/results/fsdp_budget_1xh200.json),
+whose full-depth check measured 5.4% above the prediction: the table prints that margin
+too. ``--measure`` probes this GPU at 2 and 4 blocks and two pack sizes (a minute or two),
+fits the same model and answers from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# Fitted on one H200 (benchmarks/fsdp_budget.py, 2026-12-01, packing_src_sha1 7eae458a7111):
+# bytes = fixed + tokens * (per_token + per_token_block * depth) on top of the sharded states.
+MEASURED_H200 = {
+    "full": {"fixed": 320_931_232.0, "per_token": 356_849.7, "per_token_block": 66.857_812_5},
+    "none": {"fixed": -1_709_321_952.0, "per_token": 240_049.19, "per_token_block": 184_700.56},
+}
+FULL_DEPTH_MARGIN = 139.17 / 132.09  # measured / predicted at 30 blocks, 144,384 tokens
+PRESETS = ("wan_2_2_5b", "wan_1_3b", "tiny")
+
+
+def add_parser(sub: Any) -> None:
+    b = sub.add_parser(
+        "budget",
+        help="the token budget per GPU for a model, sharding and checkpointing mode",
+        description=__doc__.split("::")[0].strip(),
+    )
+    b.add_argument("--preset", default="wan_2_2_5b", choices=PRESETS, help="reference DiT widths")
+    b.add_argument("--depth", type=int, default=None, help="blocks (default: the preset's)")
+    b.add_argument("--params", type=int, default=None, help="parameters of your own model")
+    b.add_argument("--gpus", type=int, action="append", help="GPUs (repeatable; default 1,2,4,8)")
+    b.add_argument("--checkpointing", default="full", choices=["full", "none"])
+    b.add_argument("--accumulate", action="store_true", help="several no-sync micro-steps a step")
+    b.add_argument("--gpu-memory-gb", type=float, default=None, help="default: this GPU, or 150")
+    b.add_argument("--headroom", type=float, default=0.08, help="fraction left free (0.08)")
+    b.add_argument("--measure", action="store_true", help="fit the model on this GPU first")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from packing.model import DiTConfig, param_count
+    from packing.train import MemoryModel
+
+    if not 0 <= args.headroom < 1:
+        raise ValueError(f"--headroom {args.headroom} must be in [0, 1)")
+    gpus = args.gpus or [1, 2, 4, 8]
+    for flag, value in (("--depth", args.depth), ("--params", args.params), ("--gpus", min(gpus))):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
+    cfg = getattr(DiTConfig, args.preset)()
+    if args.depth is not None:
+        cfg = DiTConfig(**{**cfg.__dict__, "depth": args.depth})
+    params = args.params or param_count(cfg)
+    if args.gpu_memory_gb is not None:
+        memory = args.gpu_memory_gb * 1e9
+    elif torch.cuda.is_available():
+        memory = float(torch.cuda.get_device_properties(0).total_memory)
+    else:
+        memory = 150e9  # an H200's 141 GB (decimal 150.1): the machine the fit was made on
+    capacity = memory * (1 - args.headroom)
+    if args.measure:
+        model, source = _measured(cfg, args.checkpointing), "measured on this GPU"
+    else:
+        model = MemoryModel(**MEASURED_H200[args.checkpointing])
+        source = "fitted on one H200 (benchmarks/results/fsdp_budget_1xh200.json)"
+    print(
+        f"packing budget: {params / 1e9:.2f} B parameters, depth {cfg.depth}, "
+        f"checkpointing {args.checkpointing}, {'accumulating' if args.accumulate else 'one micro-step a step'}, "
+        f"{capacity / 1e9:.1f} GB usable ({memory / 1e9:.1f} GB - {args.headroom:.0%}); model {source}"
+    )
+    print("| GPUs | tokens per GPU | with the full-depth margin |")
+    print("|---:|---:|---:|")
+    for n in gpus:
+        kw = {"accumulate": args.accumulate}
+        t = model.max_tokens(capacity, params, cfg.depth, n, **kw)
+        safe = model.max_tokens(capacity / FULL_DEPTH_MARGIN, params, cfg.depth, n, **kw)
+        print(f"| {n} | {t:,} | {safe:,} |")
+    return 0
+
+
+def _measured(cfg: Any, checkpointing: str) -> Any:
+    """Fit the memory model from probes on this GPU: 2 and 4 blocks, two pack sizes."""
+    import torch
+
+    from packing.data import PackedCollator, Stream
+    from packing.model import DiT, DiTConfig, param_count, text_tokens
+    from packing.train import Probe, fit_memory_model, probe_peak, shard_model
+
+    if not torch.cuda.is_available():
+        raise ValueError("--measure needs a CUDA GPU; drop it to use the stored H200 fit")
+    dev = torch.device("cuda")
+    tpf = cfg.tokens_per_frame
+    probes = []
+    for depth in (2, 4):
+        c = DiTConfig(**{**cfg.__dict__, "depth": depth})
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = DiT(c)
+        shard_model(model, checkpointing=checkpointing, compile=False, param_dtype=torch.bfloat16)  # type: ignore[arg-type]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        for tokens in (16_384, 49_152):
+            frames = tokens // tpf
+            g = torch.Generator().manual_seed(0)
+            eps = [
+                {
+                    "latents": torch.randn(f, c.latent_channels, *c.latent_hw, generator=g),
+                    "action": torch.randn(f, c.action_dim, generator=g),
+                    "text": text_tokens(f"task {i}", c.text_len),
+                    "episode_index": i,
+                }
+                for i, f in enumerate([240] * (frames // 240) + [frames % 240] * bool(frames % 240))
+            ]
+            streams = [Stream("latents", grid=c.grid, budget=frames * tpf), Stream("action"),
+                       Stream("text")]  # fmt: skip
+            batch = PackedCollator(streams, pad_to_multiple=128)(eps).to(dev)
+            batch.extras.update(seed=0, step=0)
+
+            def step(m: Any = model, o: Any = opt, b: Any = batch) -> None:
+                out = m(b)
+                (out["latents"].float().mean() + out["action"].float().mean()).backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
+
+            peak = probe_peak(step, device=dev)
+            probes.append(Probe(depth, tokens, param_count(c), 1, peak))
+        del model, opt
+    return fit_memory_model(probes)
