@@ -205,18 +205,7 @@ class Engine:
             new = self._buffers[shape] = Buffers(
                 shape, self.model, max_steps=self.config.max_steps, device=self.device
             )
-        tpf = cfg.tokens_per_frame
-        take_v = torch.full((new.x_v.shape[0],), -1, dtype=torch.int64)
-        take_a = torch.full((new.x_a.shape[0],), -1, dtype=torch.int64)
-        for k, m in enumerate(members[:kept]):
-            nv = (len(m.request.kept) + m.request.frames) * tpf
-            take_v[host.video_start[k] : host.video_start[k] + nv] = (
-                torch.arange(nv) + m.video_start
-            )
-            na = m.request.actions
-            take_a[host.action_start[k] : host.action_start[k] + na] = (
-                torch.arange(na) + m.action_start
-            )
+        take_v, take_a = self._take(members[:kept], host, new)
         fresh_v, fresh_a, rows_v, rows_a = self._fresh(members[kept:], host, kept)
         dev = self.device
         for (x, vp), (ox, ovp), take, fresh, rows in (
@@ -229,6 +218,22 @@ class Engine:
         for k, m in enumerate(members):
             m.video_start, m.action_start = host.video_start[k], host.action_start[k]
         self._members, self._shape = members, shape
+
+    def _take(self, staying: list[_Member], host: HostPack, new: Buffers) -> tuple[Tensor, Tensor]:
+        """For each row of the new pack, the row of the old pack it comes from (-1: none).
+
+        Request 5 at video rows 96..159 of the old pack and 0..63 of the new one gives
+        ``take_v[0:64] = 96..159``; a joining request's rows stay -1 (``_fresh`` fills them).
+        """
+        tpf = self.model.config.tokens_per_frame
+        take_v = torch.full((new.x_v.shape[0],), -1, dtype=torch.int64)
+        take_a = torch.full((new.x_a.shape[0],), -1, dtype=torch.int64)
+        for k, m in enumerate(staying):
+            nv, v0 = (len(m.request.kept) + m.request.frames) * tpf, host.video_start[k]
+            take_v[v0 : v0 + nv] = torch.arange(nv) + m.video_start
+            na, a0 = m.request.actions, host.action_start[k]
+            take_a[a0 : a0 + na] = torch.arange(na) + m.action_start
+        return take_v, take_a
 
     def _fresh(
         self, joining: list[_Member], host: HostPack, first: int
