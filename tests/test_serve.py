@@ -215,3 +215,69 @@ def test_the_docs_example_runs():
     exec(compile(code.group(1), "docs/inference.md", "exec"), scope)
     assert tuple(scope["result"].latents.shape) == (2, 8, 4, 8)
     assert tuple(scope["result"].action.shape) == (16, 6)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_arrivals_packed_equal_alone(seed):
+    """Random requests joining at random steps, two shapes, both solvers: packed == alone."""
+    import random
+
+    rng = random.Random(seed)
+    model = _model(frame_causal=seed % 2 == 1)
+    sch = FlowScheduler(solver=("euler", "multistep2")[seed % 2], shift=2.0)
+    shapes = (
+        PackShape(frames=6, actions=8, requests=2),
+        PackShape(frames=14, actions=20, requests=4),
+    )
+    config = EngineConfig(shapes=shapes, scheduler=sch, max_steps=6)
+    reqs, when = [], []
+    for i in range(6):
+        n = rng.randint(0, 4)
+        keep = tuple(sorted(rng.sample(range(n), rng.randint(1, n)))) if n > 1 else None
+        reqs.append(Request(context=torch.randn(n, 8, 4, 8), frames=rng.randint(0, 2),
+                            actions=rng.randint(1, 4), seed=seed * 10 + i, task=f"t{i}",
+                            steps=rng.randint(1, 6), keep_frames=keep))  # fmt: skip
+        when.append(rng.randint(0, 6))
+    engine, ids, out = Engine(model, config), {}, {}
+    mixed, tick = False, 0
+    while len(out) < len(reqs):
+        for i, w in enumerate(when):
+            if i not in ids and w <= tick:
+                ids[i] = engine.submit(reqs[i])
+        out.update({r.request_id: r for r in engine.step()})  # idle: a no-op, time passes
+        mixed |= len({s for _, s in engine.last_pack}) > 1
+        tick += 1
+    assert mixed, "no step held requests at different steps"
+    for i, r in enumerate(reqs):
+        alone = Engine(model, config)
+        alone.submit(r)
+        (ref,) = alone.run()
+        got = out[ids[i]]
+        assert got.latents.shape == (r.frames, 8, 4, 8)
+        for a, b in ((got.latents, ref.latents), (got.action, ref.action)):
+            if b.numel():  # frames=0 generates actions only
+                assert (a - b).abs().max() <= 1e-5 * b.abs().max().clamp_min(1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_engine_equals_eager_and_makes_no_sync():
+    model = _model().cuda()
+    shapes = (PackShape(frames=12, actions=16, requests=4),)
+    reqs = [Request(context=torch.randn(i, 8, 4, 8), frames=1, actions=3, seed=i, steps=3 + i % 2)
+            for i in range(5)]  # fmt: skip
+    results = {}
+    for graphs in (False, True):
+        engine = Engine(model, EngineConfig(shapes=shapes, cuda_graphs=graphs, max_steps=4))
+        engine.submit(reqs[0])
+        engine.step()  # capture (graphs) happens here, before the checked steps
+        for r in reqs[1:]:
+            engine.submit(r)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = engine.run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        results[graphs] = {r.request_id: r for r in out}
+    for rid, r in results[True].items():
+        torch.testing.assert_close(r.latents, results[False][rid].latents, rtol=1e-5, atol=1e-5)
