@@ -204,19 +204,6 @@ def test_cli_verify_inference_exit_status(tmp_path, capsys):
     assert main(["verify", "--inference", "--device", "cuda"]) == 2
 
 
-def test_the_docs_example_runs():
-    import re
-    from pathlib import Path
-
-    doc = Path(__file__).resolve().parents[1] / "docs" / "inference.md"
-    code = re.search(r"```python\n(.*?)```", doc.read_text(), re.S)
-    assert code is not None
-    scope: dict = {}
-    exec(compile(code.group(1), "docs/inference.md", "exec"), scope)
-    assert tuple(scope["result"].latents.shape) == (2, 8, 4, 8)
-    assert tuple(scope["result"].action.shape) == (16, 6)
-
-
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_arrivals_packed_equal_alone(seed):
     """Random requests joining at random steps, two shapes, both solvers: packed == alone."""
