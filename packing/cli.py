@@ -6,6 +6,7 @@
     packing verify --no-document-mask       # proof it can fail: reports the leak, exits 1
     packing verify --dataset ~/data/my_robot --model my_models:build --json report.json
     packing verify --device cuda --dtype bfloat16 --compile
+    packing verify --inference              # packed inference == each request alone (serve)
 
 Exit status, a contract scripts can rely on (`EXIT_STATUS`):
 
@@ -100,6 +101,15 @@ def _add_run_options(v: argparse.ArgumentParser) -> None:
         help="float32 runs the model as is; bfloat16/float16 use autocast with fp32 weights",
     )
     v.add_argument("--compile", action="store_true", help="torch.compile both models")
+    v.add_argument(
+        "--inference",
+        action="store_true",
+        help=(
+            "verify packed inference instead (packing.serve): requests of mixed lengths at "
+            "mixed denoising steps in one pack == each request alone, fp32 CPU, rel 1e-5; "
+            "takes --mask, --no-document-mask, --seed, --json"
+        ),
+    )
     v.add_argument("--steps", type=int, default=3, help="AdamW steps (default 3)")
     v.add_argument("--episodes", type=int, default=None, help="first N episodes (default all)")
     v.add_argument(
@@ -280,6 +290,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.inference:
+        return _run_inference(args)
     import dataclasses
 
     from packing.verify._command import VerifyConfig, run_verify
@@ -310,6 +322,21 @@ def _run(args: argparse.Namespace) -> int:
     if report.passed:
         return 0
     return 2 if report.diverged else 1
+
+
+def _run_inference(args: argparse.Namespace) -> int:
+    if args.device != "cpu" or args.dtype != "float32":
+        raise ValueError(
+            "--inference runs the fp32 CPU proof; drop --device/--dtype (the bf16 GPU "
+            "comparison is benchmarks/bench_serve.py)"
+        )
+    from packing.serve._proof import verify_inference
+
+    report = verify_inference(mask=args.mask, document_mask=args.document_mask, seed=args.seed)
+    if args.json:
+        report.to_json(args.json)
+    print(report.format(), flush=True)
+    return 0 if report.passed else 1
 
 
 def _check_json_path(path: str | None) -> None:

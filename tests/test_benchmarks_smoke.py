@@ -28,6 +28,7 @@ SCRIPTS = [
     ),
     ("find_token_budget.py", []),
     ("bench_diffusers_wan.py", ["--regimes", "seed"]),
+    ("bench_serve.py", ["--configs", "small", "--concurrency", "1,2"]),
 ]
 
 
@@ -54,6 +55,10 @@ def test_script_runs_quick_on_cpu(script: str, extra: list[str], tmp_path: Path)
         # packed and the unmodified model per episode, same episodes and weights, fp32 CPU
         assert {r["variant"] for r in rows} == {"unpacked[diffusers]", "packed[auto]"}
         assert all(r["loss rel diff"] < 1e-5 for r in rows), rows
+    if script == "bench_serve.py":
+        # the CPU run is eager fp32: packed and alone agree, and the sync check ran
+        assert doc["cosine"]["small"]["min"] > 0.999999, doc["cosine"]
+        assert doc["sync_check"]["engine_steps"] >= 20, doc["sync_check"]
     if script == "bench_step.py":
         # every variant trains on the same episodes and weights: the losses must agree
         # (fp32 on CPU), and a NaN run would have been flagged as an error above

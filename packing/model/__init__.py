@@ -5,15 +5,26 @@
 - `tiny_reference_model`: the factory `packing verify` uses by default (``--model``).
 - `text_tokens`, `pack_text`: the toy text stream the reference model cross-attends to.
 - `param_count`: parameters of a config, without building it.
+- `PackInputs`: what `DiT.velocity` (the inference entry point, per-token times) takes
+  about a pack besides its tokens.
 """
 
 from packing.model._dit import (
     DiT,
     DiTConfig,
+    PackInputs,
     pack_text,
     param_count,
     text_tokens,
     tiny_reference_model,
 )
 
-__all__ = ["DiT", "DiTConfig", "pack_text", "param_count", "text_tokens", "tiny_reference_model"]
+__all__ = [
+    "DiT",
+    "DiTConfig",
+    "PackInputs",
+    "pack_text",
+    "param_count",
+    "text_tokens",
+    "tiny_reference_model",
+]

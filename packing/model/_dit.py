@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from einops import rearrange
@@ -50,6 +50,7 @@ __all__ = [
     "BOS",
     "DiT",
     "DiTConfig",
+    "PackInputs",
     "pack_text",
     "param_count",
     "text_tokens",
@@ -340,6 +341,12 @@ class DiT(nn.Module):
         _, ph, pw = self.config.patch
         return rearrange(x_SCHW, "s c (h ph) (w pw) -> (s h w) (c ph pw)", ph=ph, pw=pw)
 
+    def unpatchify(self, x_TP: Tensor) -> Tensor:
+        """Inverse of `patchify`: ``(S * h * w, C * ph * pw) -> (S, C, H, W)``."""
+        _, ph, pw = self.config.patch
+        gh, gw = self.config.grid
+        return rearrange(x_TP, "(s h w) (c ph pw) -> s c (h ph) (w pw)", h=gh, w=gw, ph=ph, pw=pw)
+
     def _text(self, batch: PackedBatch, device: torch.device) -> tuple[Tensor, StreamLayout]:
         if "text" in batch.layouts:
             return _h2d(batch.streams["text"], device), batch.layout("text").to(
@@ -460,39 +467,99 @@ class DiT(nn.Module):
         cfg = self.config
         prep = self.prepare(batch)
         joint = prep["joint"]
-
-        # Tokens: patchified latents and actions, one joint sequence per pack.
-        x_v = self.patch_embed(self.patchify(prep["xt_lat"]))
-        x_a = self.action_embed(prep["xt_act"])
-        x = joint.join({"latents": x_v, "action": x_a})
-        angles = rope_angles(prep["thw_J3"], cfg.head_dim, cfg.rope_theta)
-
         # Conditioning: the timestep MLP runs on K rows, then is gathered to the J tokens
         # (per_token: the timestep is gathered first and the MLP runs on J rows, slower).
         ids_J = joint.layout.doc_ids_T
         t_rows = prep["t_K"]
         if cfg.conditioning == "per_token":
             t_rows = broadcast_to_tokens(t_rows, ids_J)
-        e = self.time_mlp(timestep_embedding(t_rows, cfg.freq_dim).to(x_v.dtype))
+        # The dtype the patch embedding's output has (autocast's when on), as before.
+        dtype = _attention_dtype(next(self.parameters()))
+        e = self.time_mlp(timestep_embedding(t_rows, cfg.freq_dim).to(dtype))
         e0 = self.time_proj(e).unflatten(1, (6, cfg.dim))
         if cfg.conditioning == "per_token":
             e_J, e0_J = e, e0
         else:
             e_J, e0_J = broadcast_to_tokens(e, ids_J), broadcast_to_tokens(e0, ids_J)
-        ctx = self.text_mlp(self.text_embed(prep["text"]))
-
-        for block in self.blocks:
-            x = block(x, e0_J, ctx, angles, prep["self_mask"], prep["cross_mask"])
-
-        shift, scale = (self.head_modulation + e_J[:, None]).unbind(1)
-        x = self.head_norm(x) * (1 + scale) + shift
-        parts = joint.split(x)
-        pred = {
-            "latents": self.video_head(parts["latents"]),
-            "action": self.action_head(parts["action"]),
-        }
+        tokens = {"latents": self.patchify(prep["xt_lat"]), "action": prep["xt_act"]}
+        pack = PackInputs(
+            src_index_J=joint.src_index_J,
+            latents_dest_T=joint.dest_index["latents"],
+            action_dest_T=joint.dest_index["action"],
+            thw_J3=prep["thw_J3"],
+            text_X=prep["text"],
+            self_mask=prep["self_mask"],
+            cross_mask=prep["cross_mask"],
+        )
+        pred = self._denoise(tokens, e_J, e0_J, pack)
         target = {"latents": self.patchify(prep["v_lat"]), "action": prep["v_act"]}
         return pred, target
+
+    def velocity(
+        self, tokens: dict[str, Tensor], t_R: Tensor, row_J: Tensor, pack: PackInputs
+    ) -> dict[str, Tensor]:
+        """The velocity of noisy tokens at per-token times: the inference entry point.
+
+        ``tokens`` are token level, ``{"latents": (T_v, C*ph*pw), "action": (T_a, A)}`` (see
+        `patchify`); ``t_R`` holds R flow-matching times (``t = 0`` data, ``1`` noise) and
+        ``row_J`` names the row of ``t_R`` each joint token is conditioned on (-1: padding,
+        conditioned on nothing, as in training). A pack of two requests at times 0.9 and 0.3
+        whose clean context frames sit at ``t = 0``::
+
+            t_R     [0.9, 0.3, 0.0]
+            joint   c0 c0 g0 g0 a0 | c1 g1 a1 a1 | pad
+            row_J    2  2  0  0  0 |  2  1  1  1 |  -1
+
+        The timestep MLP runs on the R rows and is gathered to the tokens, so with
+        ``row_J = doc ids`` and ``t_R = t_K`` this is exactly the training forward's
+        prediction. Pure tensor work with shapes fixed by the pack's budget (no host-device
+        sync): `packing.serve` captures it in a CUDA graph. Returns ``{"latents": (T_v,
+        C*ph*pw), "action": (T_a, A)}`` in the model's dtype.
+        """
+        cfg = self.config
+        dtype = _attention_dtype(next(self.parameters()))
+        e = self.time_mlp(timestep_embedding(t_R, cfg.freq_dim).to(dtype))
+        e0 = self.time_proj(e).unflatten(1, (6, cfg.dim))
+        e_J, e0_J = broadcast_to_tokens(e, row_J), broadcast_to_tokens(e0, row_J)
+        return self._denoise(tokens, e_J, e0_J, pack)
+
+    def _denoise(
+        self, tokens: dict[str, Tensor], e_J: Tensor, e0_J: Tensor, pack: PackInputs
+    ) -> dict[str, Tensor]:
+        """The transformer on token-level inputs: joint sequence, blocks, the two heads."""
+        cfg = self.config
+        x_v = self.patch_embed(tokens["latents"])
+        x_a = self.action_embed(tokens["action"])
+        # The joint order is one gather (packing.data._joint.JointLayout.join, unchecked).
+        x = torch.cat([x_v, x_a], dim=0).index_select(0, pack.src_index_J)
+        angles = rope_angles(pack.thw_J3, cfg.head_dim, cfg.rope_theta)
+        ctx = self.text_mlp(self.text_embed(pack.text_X))
+        for block in self.blocks:
+            x = block(x, e0_J, ctx, angles, pack.self_mask, pack.cross_mask)
+        shift, scale = (self.head_modulation + e_J[:, None]).unbind(1)
+        x = self.head_norm(x) * (1 + scale) + shift
+        return {
+            "latents": self.video_head(x.index_select(0, pack.latents_dest_T)),
+            "action": self.action_head(x.index_select(0, pack.action_dest_T)),
+        }
+
+
+class PackInputs(NamedTuple):
+    """What `DiT.velocity` needs about a pack besides the tokens, all device tensors.
+
+    ``src_index_J`` puts ``cat(latent tokens, action tokens)`` into the joint order and the
+    two ``*_dest_T`` take it back (`packing.data.JointLayout`); ``thw_J3`` are the joint
+    tokens' (t, h, w) RoPE positions; ``text_X`` the packed text tokens; the masks come from
+    `packing.attention.prepare_attention` or are built from doc ids inside a captured step.
+    """
+
+    src_index_J: Tensor
+    latents_dest_T: Tensor
+    action_dest_T: Tensor
+    thw_J3: Tensor
+    text_X: Tensor
+    self_mask: AttentionMask
+    cross_mask: AttentionMask
 
 
 def _attention_dtype(p: Tensor) -> torch.dtype:

@@ -1,0 +1,34 @@
+"""Packed inference: many requests in one model call, each at its own denoising step.
+
+- `Request`, `Result`: one episode's next chunk (clean context frames, frames and actions to
+  generate, seed, steps, optional kept context frames) and what comes back.
+- `Engine`, `EngineConfig`, `PackShape`: continuous batching into a few static pack shapes,
+  one model call per step, optionally captured in CUDA graphs (docs/inference.md).
+- `FlowScheduler`, `reference_sample`: flow-matching Euler and a 2nd-order multistep solver
+  as per-step coefficients, and the scalar loop they are tested against.
+- `verify_inference`, `InferenceReport`: the proof that each request's output packed with
+  others equals the same request run alone (``packing verify --inference``).
+- `PolicyServer`, `PolicyClient`: environments send requests over 127.0.0.1 sockets to one
+  engine (examples/policy_server.py).
+"""
+
+from packing.serve._engine import Engine, EngineConfig
+from packing.serve._pack import PackShape
+from packing.serve._proof import InferenceReport, verify_inference
+from packing.serve._request import Request, Result
+from packing.serve._schedulers import FlowScheduler, reference_sample
+from packing.serve._server import PolicyClient, PolicyServer
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "FlowScheduler",
+    "InferenceReport",
+    "PackShape",
+    "PolicyClient",
+    "PolicyServer",
+    "Request",
+    "Result",
+    "reference_sample",
+    "verify_inference",
+]

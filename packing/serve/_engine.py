@@ -1,0 +1,312 @@
+"""The packed inference engine: continuous batching of denoising requests in static packs.
+
+Requests wait in a FIFO queue on the host. Between steps, finished requests leave and waiting
+ones join (FIFO, while they fit the largest `PackShape`); the pack takes the smallest shape
+that holds them. Each `Engine.step` is one model call over the pack with every request at its
+own step, then each request's solver update. A pack of three requests at three steps::
+
+    engine step 12 | request 4: step 9/10 | request 6: step 2/10 | request 7: step 0/6 | pad
+                   |  t = 0.10            |  t = 0.80            |  t = 1.00            |
+    after it       request 4 finishes (its Result is returned), request 8 joins at step 0
+
+Nothing here waits for the GPU: the host mirrors every request's step count, so it knows when
+one finishes without reading a device value; a `Result` holds device tensors (call ``.cpu()``
+when you need the numbers). With ``cuda_graphs=True`` each shape's step is captured once and
+replayed; admission copies the new composition into the captured buffers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from packing.attention._masks import frame_causal
+from packing.attention._packed import Backend, _resolve
+from packing.model._dit import DiT
+from packing.serve._pack import HostPack, PackShape, build_pack
+from packing.serve._request import Request, Result
+from packing.serve._schedulers import FlowScheduler
+from packing.serve._step import Buffers, GraphedStep, run_step
+
+__all__ = ["Engine", "EngineConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """``shapes``: the static packs (a few token budgets); ``max_steps``: the most denoising
+    steps a request may ask for (the width of the schedule tables); ``cuda_graphs``: capture
+    each shape's step in a CUDA graph (CUDA only); ``attention``: the backend (``auto``: sdpa
+    on CPU, FlexAttention on CUDA)."""
+
+    shapes: tuple[PackShape, ...]
+    scheduler: FlowScheduler = field(default_factory=FlowScheduler)
+    max_steps: int = 50
+    cuda_graphs: bool = False
+    attention: Backend = "auto"
+
+    def __post_init__(self) -> None:
+        shapes = tuple(self.shapes)
+        if not shapes or not all(isinstance(s, PackShape) for s in shapes):
+            raise ValueError(f"EngineConfig.shapes={self.shapes!r}; give one or more PackShape")
+        object.__setattr__(self, "shapes", shapes)
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int):
+            raise TypeError(f"EngineConfig.max_steps={self.max_steps!r} must be an int")
+        if self.max_steps < 1:
+            raise ValueError(f"EngineConfig.max_steps={self.max_steps} must be >= 1")
+
+
+@dataclass
+class _Member:
+    rid: int
+    request: Request
+    admitted: int
+    step: int = 0
+    video_start: int = 0
+    action_start: int = 0
+
+
+class Engine:
+    """Serve `Request`s with one model call per step over a pack of them.
+
+    ``engine.submit(req) -> id``; ``engine.step() -> [Result, ...]`` (those that finished);
+    ``engine.run()`` steps until every submitted request is done. ``model`` is the reference
+    `packing.model.DiT` (or anything with its ``config``, ``patchify``/``unpatchify`` and
+    ``velocity``); compile its blocks first (``block.compile()``) for compiled kernels.
+    """
+
+    def __init__(
+        self, model: DiT, config: EngineConfig, *, device: torch.device | str | None = None
+    ) -> None:
+        p = next(model.parameters())
+        self.device = torch.device(device) if device is not None else p.device
+        if p.device != self.device:
+            raise ValueError(f"the model is on {p.device} but device={self.device}; move it")
+        if config.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("EngineConfig.cuda_graphs=True needs a CUDA model; use False on CPU")
+        cfg = model.config
+        self.model, self.config = model, config
+        self.inner = frame_causal(cfg.tokens_per_frame) if cfg.frame_causal else None
+        self.backend = _resolve(config.attention, self.device, self.inner, p.dtype, cfg.head_dim)[0]
+        if self.backend == "varlen":
+            raise ValueError(
+                "the engine builds its masks inside the step from doc ids; backend 'varlen' "
+                "needs host-side lengths: use attention='flex' (or 'sdpa' on CPU)"
+            )
+        self.shapes = sorted(config.shapes, key=lambda s: (s.frames, s.actions, s.requests))
+        self._waiting: deque[tuple[int, Request]] = deque()
+        self._members: list[_Member] = []
+        self._buffers: dict[PackShape, Buffers] = {}
+        self._graphs: dict[PackShape, GraphedStep] = {}
+        self._shape: PackShape | None = None
+        self._next_id = 0
+        self._left = False  # a request finished since the last recomposition
+        self.clock = 0  # engine steps run
+        self.last_pack: tuple[tuple[int, int], ...] = ()  # (request id, its step) last step
+
+    # -- the public calls -------------------------------------------------------------------
+    def submit(self, request: Request) -> int:
+        """Queue ``request``; returns its id. Checked here, so a bad one never enters a pack."""
+        self._check(request)
+        rid = self._next_id
+        self._next_id += 1
+        self._waiting.append((rid, request))
+        return rid
+
+    @property
+    def active(self) -> int:
+        return len(self._members)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def shape(self) -> PackShape | None:
+        """The pack shape the last step ran in."""
+        return self._shape
+
+    def step(self) -> list[Result]:
+        """Admit, run one model call over the pack, return the requests that finished."""
+        self._admit()
+        if not self._members:
+            return []
+        self.last_pack = tuple((m.rid, m.step) for m in self._members)
+        assert self._shape is not None
+        self._run(self._shape)
+        self.clock += 1
+        done = []
+        for m in self._members:
+            m.step += 1
+            if m.step == m.request.steps:
+                done.append(self._result(m))
+        if done:
+            finished = {r.request_id for r in done}
+            self._members = [m for m in self._members if m.rid not in finished]
+            self._left = True
+        return done
+
+    def run(self) -> list[Result]:
+        """Step until nothing waits or runs; the results in the order they finished."""
+        out: list[Result] = []
+        while self._members or self._waiting:
+            out += self.step()
+        return out
+
+    # -- internals --------------------------------------------------------------------------
+    def _check(self, r: Request) -> None:
+        if not isinstance(r, Request):
+            raise TypeError(f"submit takes a packing.serve.Request, got {type(r).__name__}")
+        cfg = self.model.config
+        frame = (cfg.latent_channels, *cfg.latent_hw)
+        if tuple(r.context.shape[1:]) != frame:
+            raise ValueError(
+                f"Request.context frames are {tuple(r.context.shape[1:])}, the model takes "
+                f"(C, H, W) = {frame}; encode the frames at the model's latent size"
+            )
+        if r.steps > self.config.max_steps:
+            raise ValueError(
+                f"Request.steps={r.steps} > EngineConfig.max_steps={self.config.max_steps}; "
+                "raise max_steps or ask for fewer steps"
+            )
+        if not self.shapes[-1].fits([r]):
+            s = self.shapes[-1]
+            raise ValueError(
+                f"the request needs {len(r.kept) + r.frames} frames and {r.actions} actions, "
+                f"more than the largest PackShape (frames={s.frames}, actions={s.actions}); "
+                "add a larger shape or drop context frames (keep_frames=)"
+            )
+
+    def _admit(self) -> None:
+        """Recompose the pack when a request left or a waiting one fits (FIFO)."""
+        joining: list[_Member] = []
+        reqs = [m.request for m in self._members]
+        while self._waiting and self.shapes[-1].fits([*reqs, self._waiting[0][1]]):
+            rid, r = self._waiting.popleft()
+            joining.append(_Member(rid, r, admitted=self.clock))
+            reqs.append(r)
+        if not joining and not self._left:
+            return
+        self._left = False
+        shape = next(s for s in self.shapes if s.fits(reqs))
+        self._recompose(shape, self._members + joining, len(self._members))
+        self.last_pack = tuple((m.rid, m.step) for m in self._members)
+
+    def _recompose(self, shape: PackShape, members: list[_Member], kept: int) -> None:
+        """Lay ``members`` out in ``shape``; the first ``kept`` carry their state over."""
+        cfg = self.model.config
+        host = build_pack([m.request for m in members], shape, grid=cfg.grid,
+                          text_len=cfg.text_len)  # fmt: skip
+        old = self._buffers.get(self._shape) if self._shape is not None else None
+        new = self._buffers.get(shape)
+        if new is None:
+            new = self._buffers[shape] = Buffers(
+                shape, self.model, max_steps=self.config.max_steps, device=self.device
+            )
+        take_v, take_a = self._take(members[:kept], host, new)
+        fresh_v, fresh_a, rows_v, rows_a = self._fresh(members[kept:], host, kept)
+        dev = self.device
+        for (x, vp), (ox, ovp), take, fresh, rows in (
+            ((new.x_v, new.vp_v), (old.x_v, old.vp_v) if old else (None, None), take_v, fresh_v, rows_v),
+            ((new.x_a, new.vp_a), (old.x_a, old.vp_a) if old else (None, None), take_a, fresh_a, rows_a),
+        ):  # fmt: skip
+            _carry(x, vp, ox, ovp, take.to(dev, non_blocking=True))
+            x.index_copy_(0, rows.to(dev, non_blocking=True), fresh.to(dev, non_blocking=True))
+        new.load(host, *self._tables(members, shape))
+        for k, m in enumerate(members):
+            m.video_start, m.action_start = host.video_start[k], host.action_start[k]
+        self._members, self._shape = members, shape
+
+    def _take(self, staying: list[_Member], host: HostPack, new: Buffers) -> tuple[Tensor, Tensor]:
+        """For each row of the new pack, the row of the old pack it comes from (-1: none).
+
+        Request 5 at video rows 96..159 of the old pack and 0..63 of the new one gives
+        ``take_v[0:64] = 96..159``; a joining request's rows stay -1 (``_fresh`` fills them).
+        """
+        tpf = self.model.config.tokens_per_frame
+        take_v = torch.full((new.x_v.shape[0],), -1, dtype=torch.int64)
+        take_a = torch.full((new.x_a.shape[0],), -1, dtype=torch.int64)
+        for k, m in enumerate(staying):
+            nv, v0 = (len(m.request.kept) + m.request.frames) * tpf, host.video_start[k]
+            take_v[v0 : v0 + nv] = torch.arange(nv) + m.video_start
+            na, a0 = m.request.actions, host.action_start[k]
+            take_a[a0 : a0 + na] = torch.arange(na) + m.action_start
+        return take_v, take_a
+
+    def _fresh(
+        self, joining: list[_Member], host: HostPack, first: int
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The joining requests' tokens (clean context, then noise) and their rows."""
+        cfg, tpf = self.model.config, self.model.config.tokens_per_frame
+        frame = (cfg.latent_channels, *cfg.latent_hw)
+        vs, as_, rv, ra = (
+            [torch.zeros(0, cfg.patch_features)],
+            [torch.zeros(0, cfg.action_dim)],
+            [],
+            [],
+        )
+        for k, m in enumerate(joining, start=first):
+            r = m.request
+            lat, act = r.noise(frame, cfg.action_dim)
+            ctx = r.context[list(r.kept)].float().cpu()
+            vs.append(self.model.patchify(torch.cat([ctx, lat])))
+            as_.append(act)
+            v0, a0 = host.video_start[k], host.action_start[k]
+            rv.append(torch.arange(v0, v0 + (len(r.kept) + r.frames) * tpf))
+            ra.append(torch.arange(a0, a0 + r.actions))
+        rows_v = torch.cat(rv) if rv else torch.zeros(0, dtype=torch.int64)
+        rows_a = torch.cat(ra) if ra else torch.zeros(0, dtype=torch.int64)
+        return torch.cat(vs), torch.cat(as_), rows_v, rows_a
+
+    def _tables(self, members: list[_Member], shape: PackShape) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-request times, coefficients and current steps, (R, max_steps[, 2]) on the host."""
+        R, N = shape.requests, self.config.max_steps
+        t = torch.zeros(R, N, dtype=torch.float64)
+        coef = torch.zeros(R, N, 2, dtype=torch.float64)
+        for k, m in enumerate(members):
+            n = m.request.steps
+            t[k, :n] = torch.tensor(self.config.scheduler.sigmas(n)[:n], dtype=torch.float64)
+            coef[k, :n] = torch.tensor(self.config.scheduler.coefficients(n), dtype=torch.float64)
+        step = torch.tensor([m.step for m in members] + [0] * (R - len(members)), dtype=torch.int64)
+        return t.float(), coef.float(), step
+
+    def _run(self, shape: PackShape) -> None:
+        b = self._buffers[shape]
+
+        def fn() -> None:
+            run_step(self.model, b, backend=self.backend, inner=self.inner,
+                     document_mask=self.model.config.document_mask)  # fmt: skip
+
+        if not self.config.cuda_graphs:
+            with torch.no_grad():
+                fn()
+            return
+        g = self._graphs.get(shape)
+        if g is None:
+            with torch.no_grad():
+                g = self._graphs[shape] = GraphedStep(fn, b)
+        g()
+
+    def _result(self, m: _Member) -> Result:
+        b = self._buffers[self._shape]  # type: ignore[index]
+        r, tpf = m.request, self.model.config.tokens_per_frame
+        v0 = m.video_start + len(r.kept) * tpf
+        lat = self.model.unpatchify(b.x_v[v0 : v0 + r.frames * tpf].clone())
+        act = b.x_a[m.action_start : m.action_start + r.actions].clone()
+        return Result(m.rid, lat, act, admitted=m.admitted, finished=self.clock)
+
+
+def _carry(x: Tensor, vp: Tensor, ox: Tensor | None, ovp: Tensor | None, take: Tensor) -> None:
+    """``x[i] = ox[take[i]]`` where ``take >= 0``, else 0 (same for ``vp``); in place, so a
+    captured graph keeps reading the same buffers. Gathers first: ``ox`` may be ``x``."""
+    if ox is None or ovp is None:
+        x.zero_()
+        vp.zero_()
+        return
+    keep = (take >= 0)[:, None]
+    idx = take.clamp(min=0)
+    gx, gvp = ox.index_select(0, idx), ovp.index_select(0, idx)
+    x.copy_(torch.where(keep, gx, 0.0))
+    vp.copy_(torch.where(keep, gvp, 0.0))

@@ -1,0 +1,151 @@
+"""Host side of a pack: where each request's tokens lie, built at admission, never per step.
+
+Two requests in a pack of 4 frames (grid 1x2: 2 tokens a frame) and 4 action tokens; request
+0 has one context frame and generates one frame and 2 actions, request 1 generates one frame
+and 1 action (``.`` is padding)::
+
+    video stream   c0 c0 g0 g0 g1 g1 . .        action stream   a0 a0 a1 .
+    joint          c0 c0 g0 g0 a0 a0 | g1 g1 a1 | . . .
+    doc_J           0  0  0  0  0  0 |  1  1  1 | -1 -1 -1
+    row_J           R  R  0  0  0  0 |  1  1  1 | -1 -1 -1     t_R[R] = 0: clean context
+    slot (video)   -1 -1  0  0  1  1 -1 -1        the scheduler updates slot >= 0 rows
+
+Every tensor has a shape fixed by the `PackShape` alone, so a captured step replays over any
+composition: admission copies these into the step's static buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from packing.data._joint import joint_layout
+from packing.data._layout import PackedBatch, layout_from_lengths
+from packing.model._dit import text_tokens
+from packing.serve._request import Request
+
+__all__ = ["HostPack", "PackShape", "build_pack"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackShape:
+    """A static pack: ``frames`` latent frames (all requests' context and generated frames),
+    ``actions`` action tokens and at most ``requests`` requests. One compiled graph each."""
+
+    frames: int
+    actions: int
+    requests: int
+
+    def __post_init__(self) -> None:
+        for name in ("frames", "actions", "requests"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"PackShape.{name}={v!r}; use an int >= 1")
+
+    def fits(self, requests: Sequence[Request]) -> bool:
+        frames = sum(len(r.kept) + r.frames for r in requests)
+        actions = sum(r.actions for r in requests)
+        return len(requests) <= self.requests and frames <= self.frames and actions <= self.actions
+
+
+class HostPack(NamedTuple):
+    """The index tensors of one pack composition (int64, CPU), with each request's offsets."""
+
+    doc_J: Tensor
+    row_J: Tensor
+    src_index_J: Tensor
+    latents_dest_T: Tensor
+    action_dest_T: Tensor
+    thw_J3: Tensor
+    text_X: Tensor
+    text_doc_X: Tensor
+    slot_v: Tensor  # (T_v,) request of each generated video token, -1 elsewhere
+    slot_a: Tensor  # (T_a,) request of each action token, -1 on padding
+    video_start: tuple[int, ...]  # first video token of each request
+    action_start: tuple[int, ...]
+
+
+def build_pack(
+    requests: Sequence[Request],
+    shape: PackShape,
+    *,
+    grid: tuple[int, int],
+    text_len: int,
+) -> HostPack:
+    """Lay ``requests`` out in ``shape`` (host work only: a few numpy/torch CPU calls)."""
+    gh, gw = grid
+    tpf = gh * gw
+    R = shape.requests
+    frames = [len(r.kept) + r.frames for r in requests]
+    lay_v = layout_from_lengths(
+        [f * tpf for f in frames], frames, shape.frames * tpf, tpf, grid, max_docs=R
+    )
+    acts = [r.actions for r in requests]
+    lay_a = layout_from_lengths(acts, acts, shape.actions, max_docs=R)
+    batch = PackedBatch(
+        streams={}, layouts={"latents": lay_v, "action": lay_a}, per_episode={}, primary="latents"
+    )
+    joint = joint_layout(batch, ("latents", "action"))
+    doc_v, doc_a = lay_v.doc_ids_T.long(), lay_a.doc_ids_T.long()
+    thw_v, ctx_v = _video_positions(requests, lay_v.thw_T3, doc_v, tpf)
+    thw_a = _action_positions(requests, lay_a.position_ids_T.long(), doc_a, grid)
+    row_v = torch.where(doc_v >= 0, torch.where(ctx_v, R, doc_v), -1)
+    text = [text_tokens(r.task, text_len) for r in requests]
+    lens = [t.shape[0] for t in text]
+    lay_t = layout_from_lengths(lens, lens, R * text_len, max_docs=R)
+    text_X = torch.zeros(R * text_len, dtype=torch.int64)
+    if text:
+        text_X[: sum(lens)] = torch.cat(text)
+    return HostPack(
+        doc_J=joint.layout.doc_ids_T.long(),
+        row_J=joint.join({"latents": row_v, "action": doc_a}),
+        src_index_J=joint.src_index_J,
+        latents_dest_T=joint.dest_index["latents"],
+        action_dest_T=joint.dest_index["action"],
+        thw_J3=joint.join({"latents": thw_v, "action": thw_a}),
+        text_X=text_X,
+        text_doc_X=lay_t.doc_ids_T.long(),
+        slot_v=torch.where(ctx_v, -1, doc_v),
+        slot_a=doc_a,
+        video_start=tuple(int(x) for x in lay_v.cu_seqlens_K1[: len(requests)]),
+        action_start=tuple(int(x) for x in lay_a.cu_seqlens_K1[: len(requests)]),
+    )
+
+
+def _video_positions(
+    requests: Sequence[Request], thw_T3: Tensor | None, doc_T: Tensor, tpf: int
+) -> tuple[Tensor, Tensor]:
+    """(t, h, w) of the video tokens with t the frame's place in the whole episode (a kept
+    context frame keeps its index, generated frames follow the full context), and a bool
+    per token: is it context. Padding: (0, 0, 0), not context."""
+    assert thw_T3 is not None
+    pos, is_ctx = [], []
+    for r in requests:
+        n_ctx = r.context.shape[0]
+        pos += [*r.kept, *range(n_ctx, n_ctx + r.frames)]
+        is_ctx += [True] * len(r.kept) + [False] * r.frames
+    real = len(pos) * tpf
+    thw = thw_T3.long().clone()
+    frame_of_token = torch.arange(real) // tpf
+    thw[:real, 0] = torch.tensor(pos, dtype=torch.int64)[frame_of_token]
+    ctx = torch.zeros(doc_T.shape[0], dtype=torch.bool)
+    ctx[:real] = torch.tensor(is_ctx, dtype=torch.bool)[frame_of_token]
+    return thw, ctx
+
+
+def _action_positions(
+    requests: Sequence[Request], pos_T: Tensor, doc_T: Tensor, grid: tuple[int, int]
+) -> Tensor:
+    """The reference DiT's rule (`DiT._action_thw`) over the whole episode: action ``a`` of
+    ``A`` sits at frame ``a * F // A`` (``F``: context + generated frames), (h, w) one past
+    the grid's corner."""
+    f = torch.tensor([r.context.shape[0] + r.frames for r in requests] + [0], dtype=torch.int64)
+    a = torch.tensor([r.actions for r in requests] + [1], dtype=torch.int64)
+    k = torch.where(doc_T >= 0, doc_T, len(requests))
+    t = pos_T * f[k] // a[k]
+    hw = torch.tensor(grid, dtype=torch.int64).expand(t.shape[0], 2)
+    return torch.cat([t[:, None], hw], dim=1)

@@ -1,0 +1,101 @@
+"""What a client asks the engine for, and what it gets back.
+
+A request is one episode's next chunk: its clean context (the latent frames seen so far),
+how many latent frames and action steps to generate, a seed and a step count. In the pack it
+is ONE document, context first::
+
+    document k   c c c c | g g | a a a a a        c: context tokens (clean, t = 0)
+                 frames kept    generated frames    g: generated video tokens (noisy, t_k)
+                                then actions        a: generated action tokens (noisy, t_k)
+
+Frame sparsity is packing: ``keep_frames=(0, 3)`` keeps context frames 0 and 3 of 4, so the
+document is two frames shorter; the kept frames keep their original time positions (RoPE t),
+computed on the host at admission, never with a device-side ``nonzero``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["Request", "Result"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """One chunk to generate. ``context`` is ``(F_c, C, H, W)`` clean latent frames (``F_c``
+    may be 0), ``frames``/``actions`` the latent frames and action steps to generate,
+    ``steps`` the denoising steps, ``seed`` keys the initial noise (a CPU generator, so the
+    same request gives the same noise on any device and in any pack). ``keep_frames``: the
+    context frames to attend to, ascending (``None``: all)."""
+
+    context: Tensor
+    frames: int
+    actions: int
+    task: str = ""
+    seed: int = 0
+    steps: int = 10
+    keep_frames: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.context, Tensor) or self.context.dim() != 4:
+            got = tuple(self.context.shape) if isinstance(self.context, Tensor) else self.context
+            raise ValueError(
+                f"Request.context must be a (F_c, C, H, W) tensor of clean latent frames, got "
+                f"{got!r}; pass torch.zeros(0, C, H, W) for no context"
+            )
+        if not self.context.is_floating_point():
+            raise TypeError(f"Request.context must be floating point, got {self.context.dtype}")
+        for name, low in (("frames", 0), ("actions", 1), ("steps", 1)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < low:
+                raise ValueError(f"Request.{name}={v!r}; use an int >= {low}")
+            object.__setattr__(self, name, int(v))  # numpy ints welcome, stored as int
+        if not _is_int(self.seed):
+            raise TypeError(f"Request.seed={self.seed!r} must be an int")
+        object.__setattr__(self, "seed", int(self.seed))
+        if not isinstance(self.task, str):
+            raise TypeError(f"Request.task must be a str, got {type(self.task).__name__}")
+        if self.keep_frames is not None:
+            keep = tuple(self.keep_frames)
+            f_c = self.context.shape[0]
+            ints = all(_is_int(i) for i in keep)
+            if not ints or list(keep) != sorted(set(keep)) or any(not 0 <= i < f_c for i in keep):
+                raise ValueError(
+                    f"Request.keep_frames={self.keep_frames!r}: give distinct ascending ints in "
+                    f"[0, {f_c}) (the context has {f_c} frames)"
+                )
+            object.__setattr__(self, "keep_frames", tuple(int(i) for i in keep))
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        """Indices of the context frames in the pack (all of them without ``keep_frames``)."""
+        n = self.context.shape[0]
+        return tuple(range(n)) if self.keep_frames is None else self.keep_frames
+
+    def noise(self, frame_shape: tuple[int, int, int], action_dim: int) -> tuple[Tensor, Tensor]:
+        """The initial noise ``(frames, C, H, W)`` and ``(actions, action_dim)``, fp32 CPU."""
+        gen = torch.Generator().manual_seed(self.seed)
+        lat = torch.randn((self.frames, *frame_shape), generator=gen)
+        act = torch.randn((self.actions, action_dim), generator=gen)
+        return lat, act
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool | np.bool_)
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished request: ``latents`` ``(frames, C, H, W)`` and ``action`` ``(actions, A)``
+    in fp32 on the engine's device; ``admitted``/``finished`` are engine step numbers."""
+
+    request_id: int
+    latents: Tensor
+    action: Tensor
+    admitted: int
+    finished: int

@@ -1,0 +1,184 @@
+"""One engine step over static buffers: one model call for the whole pack, then every
+request's scheduler update, with no host-device sync, so it can be captured in a CUDA graph.
+
+Each request sits at its own step ``n_k`` of its own schedule; the step reads its time and
+solver coefficients from per-request tables (rows: requests, columns: steps)::
+
+    step_K    [3, 0, 7]                    after admission: each request's own counter
+    t_table   t_K = t_table[k, n_k]        coef   (a_K, b_K) = coef[k, n_k]
+    tokens    x += a_K[slot] * v + b_K[slot] * v_prev    on generated tokens (slot >= 0)
+
+Admission (`packing.serve._engine`) writes new index tensors and tables into the same buffers
+between replays (``copy_``), which is why the buffers, not the step, hold all state. The
+block mask is rebuilt inside the step from the static doc ids (`make_block_mask`'s tile
+classification is pure tensor work), so a captured graph stays right for any composition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from packing.attention._masks import InnerMask, dense_mask, make_block_mask
+from packing.attention._packed import AttentionMask
+from packing.model._dit import DiT, PackInputs
+from packing.serve._pack import HostPack, PackShape
+from packing.train._conditioning import broadcast_to_tokens
+
+__all__ = ["Buffers", "GraphedStep", "run_step", "step_masks"]
+
+_INDEX_FIELDS = (
+    "doc_J", "row_J", "src_index_J", "latents_dest_T", "action_dest_T", "thw_J3", "text_X",
+    "text_doc_X", "slot_v", "slot_a",
+)  # fmt: skip
+
+
+class Buffers:
+    """The static device tensors of one `PackShape`: state (tokens, previous velocities,
+    step counters), the pack's index tensors and the per-request schedule tables."""
+
+    def __init__(
+        self, shape: PackShape, model: DiT, *, max_steps: int, device: torch.device
+    ) -> None:
+        cfg = model.config
+        T_v, T_a, R = shape.frames * cfg.tokens_per_frame, shape.actions, shape.requests
+        J, X = T_v + T_a, R * cfg.text_len
+        f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
+        self.shape = shape
+        self.x_v = torch.zeros(T_v, cfg.patch_features, **f32)
+        self.x_a = torch.zeros(T_a, cfg.action_dim, **f32)
+        self.vp_v, self.vp_a = torch.zeros_like(self.x_v), torch.zeros_like(self.x_a)
+        self.step_K = torch.zeros(R, **i64)
+        self.t_table = torch.zeros(R, max_steps, **f32)
+        self.coef = torch.zeros(R, max_steps, 2, **f32)
+        # The pack's index tensors (`packing.serve._pack.HostPack`), -1 until a pack loads.
+        self.doc_J, self.row_J, self.src_index_J = (torch.full((J,), -1, **i64) for _ in range(3))
+        self.latents_dest_T, self.slot_v = (
+            torch.full((T_v,), -1, **i64),
+            torch.full((T_v,), -1, **i64),
+        )
+        self.action_dest_T, self.slot_a = (
+            torch.full((T_a,), -1, **i64),
+            torch.full((T_a,), -1, **i64),
+        )
+        self.text_X, self.text_doc_X = torch.full((X,), -1, **i64), torch.full((X,), -1, **i64)
+        self.thw_J3 = torch.zeros(J, 3, **i64)
+
+    def state(self) -> tuple[Tensor, ...]:
+        """What a step changes (saved around a graph's warm-up runs)."""
+        return (self.x_v, self.x_a, self.vp_v, self.vp_a, self.step_K)
+
+    def load(self, host: HostPack, t_table: Tensor, coef: Tensor, step_K: Tensor) -> None:
+        """Copy a new composition in (host -> device, non-blocking: no sync)."""
+        for name in _INDEX_FIELDS:
+            getattr(self, name).copy_(getattr(host, name), non_blocking=True)
+        self.t_table.copy_(t_table, non_blocking=True)
+        self.coef.copy_(coef, non_blocking=True)
+        self.step_K.copy_(step_K, non_blocking=True)
+
+
+def step_masks(
+    doc_J: Tensor,
+    text_doc_X: Tensor,
+    *,
+    backend: str,
+    inner: InnerMask | None,
+    document_mask: bool,
+) -> tuple[AttentionMask, AttentionMask]:
+    """The self- and cross-attention masks from doc ids alone (sync-free, static shapes).
+
+    ``backend`` is resolved already: ``"sdpa"`` (a dense mask, CPU) or ``"flex"``/
+    ``"flex_flash"`` (a block mask). ``document_mask=False`` treats all real tokens as one
+    document, the deliberately broken model the proof must catch."""
+    if not document_mask:
+        doc_J = torch.where(doc_J >= 0, 0, -1)
+        text_doc_X = torch.where(text_doc_X >= 0, 0, -1)
+    J, X = doc_J.shape[0], text_doc_X.shape[0]
+    common: dict[str, Any] = dict(
+        backend=backend, kernel=backend, reason="packing.serve step", q_len=J
+    )
+    if backend == "sdpa":
+        out = []
+        for kv, rule in ((None, inner), (text_doc_X, None)):
+            dense = dense_mask(doc_J, kv, rule)
+            has_key = dense.any(dim=1)
+            dense = dense | ~has_key[:, None]  # a row with no key would give NaN, then 0
+            out.append(
+                AttentionMask(
+                    **common,
+                    kv_len=J if kv is None else X,
+                    inner=rule,
+                    cross=kv is not None,
+                    dense_TT=dense,
+                    keep_T=has_key,
+                )
+            )
+        return out[0], out[1]
+    options = {"BACKEND": "FLASH"} if backend == "flex_flash" else None
+    self_mask = AttentionMask(
+        **common, kv_len=J, inner=inner, cross=False,
+        block_mask=make_block_mask(doc_J, None, inner), kernel_options=options,
+    )  # fmt: skip
+    cross_mask = AttentionMask(
+        **common, kv_len=X, inner=None, cross=True,
+        block_mask=make_block_mask(doc_J, text_doc_X, None), kernel_options=options,
+    )  # fmt: skip
+    return self_mask, cross_mask
+
+
+def run_step(
+    model: DiT, b: Buffers, *, backend: str, inner: InnerMask | None, document_mask: bool
+) -> None:
+    """One denoising step of every request in the pack, in place on ``b``."""
+    R, N = b.t_table.shape
+    n_K = b.step_K.clamp(max=N - 1)  # a finished request is removed on the host first
+    t_K = b.t_table.gather(1, n_K[:, None])[:, 0]
+    ab_K2 = b.coef.gather(1, n_K[:, None, None].expand(R, 1, 2))[:, 0]
+    t_R = torch.cat([t_K, t_K.new_zeros(1)])  # row R: the clean context, t = 0
+    self_mask, cross_mask = step_masks(
+        b.doc_J, b.text_doc_X, backend=backend, inner=inner, document_mask=document_mask
+    )
+    pack = PackInputs(b.src_index_J, b.latents_dest_T, b.action_dest_T, b.thw_J3, b.text_X,
+                      self_mask, cross_mask)  # fmt: skip
+    dtype = next(model.parameters()).dtype
+    tokens = {"latents": b.x_v.to(dtype), "action": b.x_a.to(dtype)}
+    v = model.velocity(tokens, t_R, b.row_J, pack)
+    _update(b.x_v, b.vp_v, v["latents"].float(), ab_K2, b.slot_v)
+    _update(b.x_a, b.vp_a, v["action"].float(), ab_K2, b.slot_a)
+    b.step_K.add_(1)
+
+
+def _update(x_TD: Tensor, vp_TD: Tensor, v_TD: Tensor, ab_K2: Tensor, slot_T: Tensor) -> None:
+    """``x <- x + a v + b v_prev`` on the rows of a request (slot >= 0); context and padding
+    rows are left exactly as they are."""
+    ab_T2 = broadcast_to_tokens(ab_K2, slot_T)
+    new = x_TD + ab_T2[:, :1] * v_TD + ab_T2[:, 1:] * vp_TD
+    x_TD.copy_(torch.where((slot_T >= 0)[:, None], new, x_TD))
+    vp_TD.copy_(v_TD)
+
+
+class GraphedStep:
+    """`run_step` on one `Buffers`, captured in a CUDA graph (torch's recipe: warm up on a
+    side stream, capture, replay). The warm-up runs really step the state, so it is saved
+    before and restored after; capturing itself runs nothing."""
+
+    def __init__(self, fn: Callable[[], None], b: Buffers) -> None:
+        saved = [t.clone() for t in b.state()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # the first call compiles and autotunes, the second settles
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        for t, s in zip(b.state(), saved, strict=True):
+            t.copy_(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            fn()
+
+    def __call__(self) -> None:
+        self.graph.replay()
