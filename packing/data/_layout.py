@@ -375,13 +375,14 @@ def layout_from_lengths(
 def _checked_counts(
     lengths: Any, steps: Any, padded: Any, tokens_per_step: Any
 ) -> tuple[list[int], list[int]]:
-    """`layout_from_lengths`' arguments checked: positive int counts (numpy ints too), never
-    a float or a string read as a sequence."""
+    """`layout_from_lengths`' arguments checked: int counts >= 0 (numpy ints too; an episode
+    may have no tokens in a stream, e.g. a request generating no actions), never a float or a
+    string read as a sequence."""
     check_int("padded", padded, min=0, hint="the stream's padded token count")
     check_int("tokens_per_step", tokens_per_step, min=1)
     ls = [
-        check_int(f"lengths[{k}]", x, min=1)
+        check_int(f"lengths[{k}]", x, min=0)
         for k, x in enumerate(check_sequence("lengths", lengths))
     ]
-    ss = [check_int(f"steps[{k}]", x, min=1) for k, x in enumerate(check_sequence("steps", steps))]
+    ss = [check_int(f"steps[{k}]", x, min=0) for k, x in enumerate(check_sequence("steps", steps))]
     return ls, ss
