@@ -24,6 +24,7 @@ the rank still runs forward and backward, so DDP/FSDP collectives stay matched.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Iterator
 from itertools import chain
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from packing.planning._plan import Algorithm, Oversize, PackPlan, plan_packs, positive_int
+from packing.planning._steps import fill_packs, step_token_budget
 
 __all__ = ["PackedBatchSampler", "equalise_packs"]
 
@@ -98,6 +100,15 @@ class PackedBatchSampler(Sampler[list[int]]):
     mid-epoch (the epoch's plan is recomputed from the seed). The number of packs per epoch,
     so ``len(sampler)``, can differ by a few from epoch to epoch; planning in windows costs
     a little fill (docs/planning.md gives the measured cost).
+
+    The step's padding tail: a pack's dense layers cost its whole budget, so packs planned
+    here are kept >= ``min_fill`` (default 0.97) full by `fill_packs`, all but at most one
+    per plan (per window with ``replan``) when the lengths allow it; ``min_fill=None``
+    keeps the planner's packs as they are (a prebuilt ``plan=`` is always kept as is). A
+    step defined by an episode count is ``episodes_per_step=K`` instead of
+    ``token_budget``: the budget is ``K * mean(lengths)`` rounded up to 128
+    (`step_token_budget`), and the count per step varies around K while the packs stay
+    full; a time budget is ``token_budget=step_token_budget(lengths, step_seconds=...)``.
     """
 
     def __init__(
@@ -117,6 +128,8 @@ class PackedBatchSampler(Sampler[list[int]]):
         oversize: Oversize = "error",
         replan: bool = False,
         replan_window: int = 16_384,
+        episodes_per_step: float | None = None,
+        min_fill: float | None = 0.97,
         **split: int,
     ) -> None:
         if replan and plan is not None:
@@ -126,7 +139,21 @@ class PackedBatchSampler(Sampler[list[int]]):
             )
         if replan_window < 1:
             raise ValueError(f"replan_window={replan_window} must be >= 1 (items)")
+        if episodes_per_step is not None:
+            if token_budget is not None or plan is not None:
+                raise ValueError(
+                    "episodes_per_step= defines the step's token budget from lengths=; pass "
+                    "it instead of token_budget= (or plan=), not with it"
+                )
+            if lengths is None:
+                raise ValueError("episodes_per_step= needs lengths= (the budget is planned)")
+            token_budget = step_token_budget(lengths, episodes_per_step=episodes_per_step)
+        if min_fill is not None and not 0.0 < min_fill <= 1.0:
+            raise ValueError(f"min_fill={min_fill!r} must be in (0, 1], or None (plan as is)")
+        self.min_fill = min_fill if plan is None else None  # a prebuilt plan is kept as is
         plan = _plan_of(plan, lengths, token_budget, algorithm, max_docs, oversize, split)
+        if self.min_fill is not None:
+            plan = _filled(plan, self.min_fill, algorithm, max_docs)
         num_replicas, rank = _world(num_replicas, rank)
         if balance not in ("tokens", "attention"):
             raise ValueError(f"balance={balance!r}; choose 'tokens' or 'attention'")
@@ -157,7 +184,8 @@ class PackedBatchSampler(Sampler[list[int]]):
         )
         if self.replan:
             self._fingerprint = zlib.crc32(
-                f"replan {self.replan_window}".encode(), self._fingerprint
+                f"replan {self.replan_window} min_fill {self.min_fill}".encode(),
+                self._fingerprint,
             )
 
     def __len__(self) -> int:
@@ -197,7 +225,13 @@ class PackedBatchSampler(Sampler[list[int]]):
                 algorithm=self._algorithm,
                 max_docs=self._max_docs,
             )
-            packs += [window[p].tolist() for p in sub.packs]
+            sub_packs = sub.packs
+            if self.min_fill is not None:
+                sub_packs = fill_packs(
+                    sub_packs, sub.item_lengths, sub.token_budget, min_fill=self.min_fill,
+                    algorithm=self._algorithm, max_docs=self._max_docs,
+                )  # fmt: skip
+            packs += [window[p].tolist() for p in sub_packs]
         return packs
 
     def set_epoch(self, epoch: int) -> None:
@@ -335,6 +369,22 @@ def _plan_of(
             "plan= they would be ignored: pass them to plan_packs when building the plan"
         )
     return plan
+
+
+def _filled(
+    plan: PackPlan, min_fill: float, algorithm: Algorithm, max_docs: int | None
+) -> PackPlan:
+    """``plan`` with its underfull packs re-planned by `fill_packs` (the same items)."""
+    packs = fill_packs(
+        plan.packs, plan.item_lengths, plan.token_budget, min_fill=min_fill,
+        algorithm=algorithm, max_docs=max_docs,
+    )  # fmt: skip
+    sizes = np.fromiter(map(len, packs), dtype=np.int64, count=len(packs))
+    return dataclasses.replace(
+        plan,
+        items_N=np.fromiter(chain.from_iterable(packs), dtype=np.int64, count=int(sizes.sum())),
+        offsets_P1=np.concatenate(([0], np.cumsum(sizes))).astype(np.int64),
+    )
 
 
 def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
