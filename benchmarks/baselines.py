@@ -190,8 +190,8 @@ def bucket_batch_loss(model: DiT, xt_v: Tensor, v_v: Tensor, xt_a: Tensor, v_a: 
     # back to the flat token order: real slots only, video first then actions (``n_v`` is
     # an empty (T_v, 0) tensor: the count as a shape, which dynamic=True traces as a symbol)
     x_real = x.flatten(0, 1)[gather_N]
-    err_v = (model.video_head(x_real[:n_v.shape[0]]).float() - v_v.float()).pow(2).mean(-1)
-    err_a = (model.action_head(x_real[n_v.shape[0]:]).float() - v_a.float()).pow(2).mean(-1)
+    err_v = (model.video_head(x_real[: n_v.shape[0]]).float() - v_v.float()).pow(2).mean(-1)
+    err_a = (model.action_head(x_real[n_v.shape[0] :]).float() - v_a.float()).pow(2).mean(-1)
     return err_v.sum() / denom_v + err_a.sum() / denom_a
 
 
