@@ -1,7 +1,7 @@
 """The baselines a skeptic picks, over the reference DiT's own modules (same weights, same math).
 
-* lean per-episode: one episode per micro-step at its exact length, the whole forward (embed,
-  blocks, head, loss) one function compiled ``dynamic=True``, plain SDPA (flash, no mask: one
+* lean per-episode: one episode per micro-step at its exact length, the blocks compiled
+  ``dynamic=True`` (one graph for every block and length), plain SDPA (flash, no mask: one
   unpadded episode needs none), inputs (noise, timestep, RoPE positions, text) prepared ahead
   as a data loader would. None of the reference path's per-micro-step work (PackedBatch,
   joint layout, masks, host-side RNG) is left in the step.
@@ -143,6 +143,12 @@ def block_forward(blk: Any, x: Tensor, e0_B6D: Tensor, ctx: Tensor, angles: Tens
     return x + gate2 * blk.ffn(blk.norm2(x) * (1 + scale2) + shift2)
 
 
+# What the loss functions call per block: `block_forward`, or the bench's compiled copy of it
+# (``torch.compile(block_forward, dynamic=True)``: one graph per attention function, shared by
+# every block -- the modules are inlined as inputs -- and by every length).
+block_fn: Callable[..., Tensor] = block_forward
+
+
 def _conditioning(model: DiT, t_B: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     cfg = model.config
     e = model.time_mlp(pm.timestep_embedding(t_B, cfg.freq_dim).to(dtype))
@@ -160,7 +166,7 @@ def lean_episode_loss(model: DiT, xt_v: Tensor, v_v: Tensor, xt_a: Tensor, v_a: 
     e, e0 = _conditioning(model, t, x.dtype)
     ctx = model.text_mlp(model.text_embed(text))[None]
     for blk in model.blocks:
-        x = block_forward(blk, x, e0, ctx, angles, sdpa_flash, None, sdpa_flash, None)
+        x = block_fn(blk, x, e0, ctx, angles, sdpa_flash, None, sdpa_flash, None)
     shift, scale = (model.head_modulation + e[:, None]).unbind(1)
     x = model.head_norm(x[0]) * (1 + scale) + shift
     n_v = xt_v.shape[0]
@@ -184,7 +190,7 @@ def bucket_batch_loss(model: DiT, xt_v: Tensor, v_v: Tensor, xt_a: Tensor, v_a: 
     e, e0 = _conditioning(model, t_B, x.dtype)
     ctx = model.text_mlp(model.text_embed(text_BL))
     for blk in model.blocks:
-        x = block_forward(blk, x, e0, ctx, angles, self_attn, self_mask, sdpa_masked, text_keep)
+        x = block_fn(blk, x, e0, ctx, angles, self_attn, self_mask, sdpa_masked, text_keep)
     shift, scale = (model.head_modulation + e[:, None]).unbind(1)
     x = model.head_norm(x) * (1 + scale[:, None]) + shift[:, None]
     # back to the flat token order: real slots only, video first then actions (``n_v`` is

@@ -159,6 +159,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
     # variant, and without a reset the variants' graphs pile up in one cache until dynamo hits
     # its recompile limit and silently runs the rest eager (seen in the first H200 run).
     torch._dynamo.reset()
+    _forget_compiled_block()
     if dev.type != "cuda":
         attn = "auto"  # CPU: sdpa (the unpacked run swaps in plain SDPA anyway)
     elif kind == "unpacked":
@@ -318,16 +319,18 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
     steps, weights and per-episode noise as `run_variant`; inputs prepared before the timed
     loop (a data loader's work)."""
     kind = name.split(":")[0]
-    torch._dynamo.reset()
+    # No dynamo reset: the baselines' compiled block is their own function (not Block.forward),
+    # so its graphs carry over between the baseline variants and regimes of one run.
     model = DiT(cfg).to(dev)
     model.load_state_dict(state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
     compiled = not args.no_compile and dev.type == "cuda"
     lean = bl.lean_episode_loss
     bucket = bl.bucket_batch_loss
-    if compiled:  # the whole forward, one function: no per-block graph breaks
-        lean = torch.compile(lean, dynamic=True)
-        bucket = torch.compile(bucket, dynamic=True)
+    global _COMPILED_BLOCK
+    if compiled and _COMPILED_BLOCK is None:
+        _COMPILED_BLOCK = torch.compile(bl.block_forward, dynamic=True)
+    bl.block_fn = _COMPILED_BLOCK if compiled else bl.block_forward
     tpf = cfg.tokens_per_frame + ACTIONS_PER_FRAME
     bounds = bl.bucket_bounds(args.fmin * tpf, args.fmax * tpf, args.buckets, tpf)
     mode = "crop" if kind == "bucket_crop" else "pad"
@@ -424,12 +427,20 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
     return row
 
 
+_COMPILED_BLOCK: Any = None
+
 BASELINE_ATTENTION = {
     "lean": "sdpa flash (per episode)",
     "bucket_sdpa": "sdpa + key-padding mask",
     "bucket_flex": "flex + key-padding block mask",
     "bucket_crop": "sdpa flash (cropped rows)",
 }
+
+
+def _forget_compiled_block() -> None:
+    """After a dynamo reset the baselines' compiled block must be compiled again."""
+    global _COMPILED_BLOCK
+    _COMPILED_BLOCK = None
 
 
 def _key_padding(mb: Any, dev: torch.device) -> torch.Tensor:
@@ -479,6 +490,7 @@ def run_fill_axis(args: Any, cfg: DiTConfig, regime: tuple[int, int, int, int], 
     sets = {f: random_packs(args, cfg, int(budget * f), fmin, fmax, max_docs,
                             args.warmup + steps, seed=args.seed + 7) for f in fills}  # fmt: skip
     torch._dynamo.reset()
+    _forget_compiled_block()
     mcfg = DiTConfig(**{**cfg.__dict__, "attention": "auto"})
     model = DiT(mcfg).to(dev)
     model.load_state_dict(state)
@@ -556,6 +568,7 @@ def main() -> None:
                    "bucket_flex,bucket_crop,padded,per_token,eager,fill")  # fmt: skip
     p.add_argument("--buckets", type=int, default=4, help="length buckets for bucket_*")
     p.add_argument("--fills", default="0.5,0.625,0.75,0.875,1.0", help="the fill axis")
+    p.add_argument("--fill-regimes", default="seed,short", help="regimes given the fill axis")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--profile", action="store_true", help="packing.train._profile kernel tables")
     args = p.parse_args()
@@ -607,6 +620,8 @@ def main() -> None:
         steps_eps = random_packs(args, cfg, budget, fmin, fmax, max_docs, args.warmup + args.steps)
         for v in args.variants.split(","):
             if v == "fill":
+                if rname not in args.fill_regimes.split(","):
+                    continue
                 try:
                     got = run_fill_axis(args, cfg, regimes[rname], dev, state)
                 except Exception as e:
