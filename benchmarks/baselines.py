@@ -56,12 +56,18 @@ class EpisodeInputs:
 def prepare_episodes(model: DiT, episodes: list[dict[str, Any]], step: int,
                      dev: torch.device) -> list[EpisodeInputs]:  # fmt: skip
     """Each episode's noise, timestep and positions exactly as the reference model draws them
-    for ``(seed=0, step, episode_index)``, so losses agree with the packed run."""
+    for ``(seed=0, step, episode_index)``, so losses agree with the packed run. The batch goes
+    to ``dev`` first: `packed_noise` draws with the generators of the batch's device, and the
+    packed run's batches are on the GPU (the first H200 run drew here on the CPU: same
+    distribution, other samples, a 1% loss difference)."""
     cfg = model.config
     collate = PackedCollator([*cfg.streams(), Stream("text")], pad_to_multiple=1)
     out = []
     for ep in episodes:
         batch = collate([ep])
+        ids = batch.per_episode["episode_index"]
+        batch = batch.to(dev)
+        batch.per_episode["episode_index"] = ids  # host ints: the RNG keys
         batch.extras["seed"], batch.extras["step"] = 0, step
         prep = model.prepare(batch)
         out.append(

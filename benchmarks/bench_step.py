@@ -9,6 +9,15 @@ optimizer step consumes the same set of episodes in every variant:
 * ``unpacked SDPA flash``: one episode per micro-step + gradient accumulation, blocks compiled
   with ``dynamic=True``, attention = plain ``scaled_dot_product_attention`` (flash kernel, no
   mask: one unpadded episode needs none) -- the strongest unpacked setup.
+* ``lean``: one episode per micro-step, exact length, SDPA flash, one compiled block function
+  (``dynamic=True``) over the same modules, inputs prepared ahead, none of the reference
+  path's per-micro-step host work (benchmarks/baselines.py).
+* ``bucket_sdpa`` / ``bucket_flex`` / ``bucket_crop``: length bucketing as Open-Sora 2.0 does
+  it (``--buckets`` frame buckets, a batch size per bucket for about equal micro-step tokens,
+  rows padded with a key-padding mask through SDPA or Flex, or cropped to the bucket below);
+  the padding and cropped-data fractions and the number of shapes are reported.
+* ``fill``: the whole step (packed auto) at fills of ``--fills`` of one static budget, one
+  compiled model: step time against fill x the full pack's time (the padding tail).
 * ``padded batch``: every episode padded to the longest of the step (the FLOPs and memory of a
   ``(K, L_max)`` batch; run through the packed model so the kernels are the same).
 * ``packed, per-token conditioning``: the mistake -- the timestep MLP run on every token.
@@ -601,8 +610,7 @@ def main() -> None:
         "per_token": "per_token: packed auto, timestep MLP per token (mistake)",
         "eager": "eager: packed auto, no compile",
         "cudagraphs": "cudagraphs: packed auto, compiled, CUDA graphs (reduce-overhead)",
-        "lean": "lean: 1 episode/micro-step, exact length, SDPA flash, whole forward compiled "
-        "dynamic",
+        "lean": "lean: 1 episode/micro-step, exact length, SDPA flash, blocks compiled dynamic",
         "bucket_sdpa": "bucket_sdpa: length buckets, batch per bucket, padded, SDPA key mask",
         "bucket_flex": "bucket_flex: length buckets, batch per bucket, padded, Flex key mask",
         "bucket_crop": "bucket_crop: length buckets, batch per bucket, cropped (Open-Sora)",
