@@ -21,6 +21,7 @@ are its video tokens, then its actions (as in the packed model); text is padded 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +118,13 @@ def key_padding_block_mask(lengths_B: Tensor, L: int) -> Any:
 
 
 Attention = Callable[[Tensor, Tensor, Tensor, Any], Tensor]
+
+ATTENTION_NAMES = {
+    "lean": "sdpa flash (per episode)",
+    "bucket_sdpa": "sdpa + key-padding mask",
+    "bucket_flex": "flex + key-padding block mask",
+    "bucket_crop": "sdpa flash (cropped rows)",
+}
 
 
 # -- the forward over the reference blocks ------------------------------------------------------
@@ -226,13 +234,19 @@ class BucketBatch:
     slots: int
     cropped_tokens: int
     rows_jt: list[tuple[int, int]]  # (joint tokens, text tokens) per row: the useful FLOPs
+    weight: float = 1.0  # 0: a copy that only keeps the ranks' micro-step counts equal
 
 
 def bucket_step(inputs: list[EpisodeInputs], bounds: list[int], token_target: int,
-                mode: str, text_len: int, dev: torch.device) -> list[BucketBatch]:  # fmt: skip
+                mode: str, text_len: int, dev: torch.device,
+                min_batches: int = 0) -> list[BucketBatch]:  # fmt: skip
     """The step's episodes as bucket batches: ``pad`` (up to the bucket above) or ``crop``
     (the video cut to the bucket below, actions kept in proportion); batch size per bucket
-    ``max(1, token_target // L)`` (Open-Sora's equal-time rule, by tokens)."""
+    ``max(1, token_target // L)`` (Open-Sora's equal-time rule, by tokens).
+
+    ``min_batches``: under FSDP every rank must run as many micro-steps as the others (each
+    one all-gathers every block): the batch with most rows is halved until there are that
+    many, and if every batch has one row, copies of the last one train with weight 0."""
     groups: dict[int, list[tuple[EpisodeInputs, int]]] = {}
     for ep in inputs:
         n = ep.tokens
@@ -246,12 +260,18 @@ def bucket_step(inputs: list[EpisodeInputs], bounds: list[int], token_target: in
         else:
             raise ValueError(f"mode={mode!r}; choose 'pad' or 'crop'")
         groups.setdefault(L, []).append((ep, keep))
-    out = []
+    chunks: list[tuple[int, list[tuple[EpisodeInputs, int]]]] = []
     for L in sorted(groups):
         rows = max(1, token_target // L)
         items = groups[L]
-        for lo in range(0, len(items), rows):
-            out.append(_bucket_batch(items[lo : lo + rows], L, text_len, dev))
+        chunks += [(L, items[lo : lo + rows]) for lo in range(0, len(items), rows)]
+    while len(chunks) < min_batches and chunks and max(len(c) for _, c in chunks) > 1:
+        i = max(range(len(chunks)), key=lambda j: (len(chunks[j][1]), -j))
+        L, items = chunks[i]
+        chunks[i : i + 1] = [(L, items[: len(items) // 2]), (L, items[len(items) // 2 :])]
+    out = [_bucket_batch(items, L, text_len, dev) for L, items in chunks]
+    while out and len(out) < min_batches:
+        out.append(dataclasses.replace(out[-1], weight=0.0))
     return out
 
 

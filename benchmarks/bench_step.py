@@ -438,12 +438,7 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
 
 _COMPILED_BLOCK: Any = None
 
-BASELINE_ATTENTION = {
-    "lean": "sdpa flash (per episode)",
-    "bucket_sdpa": "sdpa + key-padding mask",
-    "bucket_flex": "flex + key-padding block mask",
-    "bucket_crop": "sdpa flash (cropped rows)",
-}
+BASELINE_ATTENTION = bl.ATTENTION_NAMES
 
 
 def _forget_compiled_block() -> None:
