@@ -149,3 +149,19 @@ def test_sampler_by_episode_count_resumes_mid_epoch():
                                replan_window=300, min_fill=None)  # fmt: skip
     with pytest.raises(ValueError):
         other.load_state_dict(state)  # another fill rule plans other packs: refused
+
+
+@pytest.mark.parametrize("world", [3, 6, 7])
+def test_ranks_split_the_underfull_pack_not_a_full_one(world):
+    # Equalising to a multiple of the ranks halves packs; with the fill rule it halves the
+    # underfull one first: each split adds one underfull pack, not two (a full one halved).
+    lengths = np.random.default_rng(world).integers(144, 337, 700) * 33
+    samplers = [PackedBatchSampler(lengths, episodes_per_step=16, num_replicas=world, rank=r,
+                                   seed=2) for r in range(world)]  # fmt: skip
+    got = [p for s in samplers for p in s]
+    assert sorted(i for p in got for i in p) == list(range(len(lengths)))
+    planned = len(compose_steps(lengths, episodes_per_step=16))
+    splits = (-planned) % world
+    assert splits > 0 and len(got) == planned + splits  # the case really needs splits
+    under = int((pack_fill(got, lengths, samplers[0].plan.token_budget) < 0.97).sum())
+    assert under == 1 + splits, under  # 44 packs: 3 ranks 2 (not 3), 6: 5 (not 9), 7: 6 (not 10)

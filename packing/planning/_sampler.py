@@ -43,15 +43,21 @@ Balance = Literal["tokens", "attention"]
 
 
 def equalise_packs(
-    packs: list[list[int]], lengths: np.ndarray, num_replicas: int
+    packs: list[list[int]], lengths: np.ndarray, num_replicas: int, min_tokens: float = 0.0
 ) -> list[list[int]]:
     """Split packs until their number is a multiple of ``num_replicas``; pad with ``[]`` only
-    when no pack has two episodes left to split. Splitting keeps every episode exactly once."""
+    when no pack has two episodes left to split. Splitting keeps every episode exactly once.
+
+    Packs with fewer than ``min_tokens`` tokens are split first: halving a pack that is
+    already underfull (the step composer's last one) leaves the full packs full, where
+    halving a full one would add two half-empty packs."""
     packs = list(packs)
     docs, tokens = _docs_and_cost(packs, lengths.astype(np.float64))
     while len(packs) % num_replicas or not packs:
-        # The pack with most episodes (then most tokens, then first) loses least by halving.
-        key = np.where(docs > 1, docs * (tokens.max(initial=0) + 1) + tokens, -1)
+        # The pack with most episodes (then most tokens, then first) loses least by halving;
+        # an underfull pack before any full one.
+        under = (tokens < min_tokens) * (docs.max(initial=0) + 1) * (tokens.max(initial=0) + 1)
+        key = np.where(docs > 1, under + docs * (tokens.max(initial=0) + 1) + tokens, -1)
         i = int(np.argmax(key)) if len(key) else 0
         if not len(key) or key[i] < 0:
             packs.append([])
@@ -104,7 +110,8 @@ class PackedBatchSampler(Sampler[list[int]]):
     The step's padding tail: a pack's dense layers cost its whole budget, so packs planned
     here are kept >= ``min_fill`` (default 0.97) full by `fill_packs`, all but at most one
     per plan (per window with ``replan``) when the lengths allow it; ``min_fill=None``
-    keeps the planner's packs as they are (a prebuilt ``plan=`` is always kept as is). A
+    keeps the planner's packs as they are (a prebuilt ``plan=`` is always kept as is); to
+    reach a multiple of the ranks the underfull pack is halved first. A
     step defined by an episode count is ``episodes_per_step=K`` instead of
     ``token_budget``: the budget is ``K * mean(lengths)`` rounded up to 128
     (`step_token_budget`), and the count per step varies around K while the packs stay
@@ -197,7 +204,8 @@ class PackedBatchSampler(Sampler[list[int]]):
     def _plan_epoch(self, packs: list[list[int]]) -> tuple[list[list[int]], np.ndarray]:
         """Equalise ``packs`` to a multiple of the ranks and cost them."""
         lengths = self.plan.item_lengths
-        packs = equalise_packs(packs, lengths, self.num_replicas)
+        floor = 0.0 if self.min_fill is None else self.min_fill * self.plan.token_budget
+        packs = equalise_packs(packs, lengths, self.num_replicas, min_tokens=floor)
         power = 1 if self.balance == "tokens" else 2
         _, cost_P = _docs_and_cost(packs, lengths.astype(np.float64) ** power)
         return packs, cost_P
