@@ -32,6 +32,7 @@ from torch import Tensor
 
 import packing.model._dit as pm
 from packing.data import PackedCollator, Stream
+from packing.data._joint import joint_layout
 from packing.model import DiT
 from packing.model._rope import apply_rope, rope_angles
 
@@ -70,7 +71,7 @@ def prepare_episodes(model: DiT, episodes: list[dict[str, Any]], step: int,
         batch = batch.to(dev)
         batch.per_episode["episode_index"] = ids  # host ints: the RNG keys
         batch.extras["seed"], batch.extras["step"] = 0, step
-        prep = model.prepare(batch)
+        prep = _inputs_only(model, batch, dev)
         out.append(
             EpisodeInputs(
                 xt_v=model.patchify(prep["xt_lat"]).to(dev),
@@ -83,6 +84,21 @@ def prepare_episodes(model: DiT, episodes: list[dict[str, Any]], step: int,
             )
         )
     return out
+
+
+def _inputs_only(model: DiT, batch: Any, dev: torch.device) -> dict[str, Any]:
+    """`DiT.prepare` without its attention masks (a baseline needs none, and building a Flex
+    block mask per episode length costs compiles): noised inputs, targets, timesteps, the
+    joint (t, h, w) positions and the text tokens."""
+    prep = model._inputs(batch)
+    joint = joint_layout(batch, ("latents", "action"))
+    if joint.layout.doc_ids_T.device != dev:
+        joint = joint.to(dev)
+    thw_v = batch.layout("latents").thw_T3
+    thw_a = model._action_thw(batch, dev)
+    prep["thw_J3"] = joint.join({"latents": thw_v.to(dev).long(), "action": thw_a})
+    prep["text"] = model._text(batch, dev)[0]
+    return prep
 
 
 # -- attention on (B, H, L, hd) -------------------------------------------------------------------
@@ -223,6 +239,20 @@ def bucket_bounds(tmin: int, tmax: int, buckets: int, multiple: int) -> list[int
     span = (tmax - tmin) / buckets
     up = [-(-int(tmin + span * (i + 1)) // multiple) * multiple for i in range(buckets)]
     return sorted(set(up))
+
+
+def crop_bounds(tmin: int, tmax: int, buckets: int, multiple: int) -> list[int]:
+    """The lower edges for ``crop``: every episode >= ``tmin`` is cut down to one of them
+    (``crop_bounds(4752, 11088, 4, 33)`` -> ``[4752, 6336, 7920, 9504]``)."""
+    return sorted(
+        {-(-tmin // multiple) * multiple, *bucket_bounds(tmin, tmax, buckets, multiple)[:-1]}
+    )
+
+
+def bounds_for(mode: str, tmin: int, tmax: int, buckets: int, multiple: int) -> list[int]:
+    """Upper edges to pad up to (``pad``) or lower edges to crop down to (``crop``)."""
+    pick = crop_bounds if mode == "crop" else bucket_bounds
+    return pick(tmin, tmax, buckets, multiple)
 
 
 @dataclass

@@ -535,8 +535,8 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
     n_steps = args.warmup + args.steps
     tpf = cfg.tokens_per_frame + 1  # joint tokens a frame: video + one action
     lo, hi = REGIMES[args.regime] if not args.smoke else (2, 6)
-    bounds = bl.bucket_bounds(lo * tpf, hi * tpf, args.buckets, tpf)
     mode = "crop" if kind == "bucket_crop" else "pad"
+    bounds = bl.bounds_for(mode, lo * tpf, hi * tpf, args.buckets, tpf)
     attn = {"bucket_flex": bl.flex_masked, "bucket_crop": bl.sdpa_flash}.get(kind, bl.sdpa_masked)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # FSDP's param dtype
     steps, plans = [], []

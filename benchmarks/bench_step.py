@@ -341,8 +341,8 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
         _COMPILED_BLOCK = torch.compile(bl.block_forward, dynamic=True)
     bl.block_fn = _COMPILED_BLOCK if compiled else bl.block_forward
     tpf = cfg.tokens_per_frame + ACTIONS_PER_FRAME
-    bounds = bl.bucket_bounds(args.fmin * tpf, args.fmax * tpf, args.buckets, tpf)
     mode = "crop" if kind == "bucket_crop" else "pad"
+    bounds = bl.bounds_for(mode, args.fmin * tpf, args.fmax * tpf, args.buckets, tpf)
     attn = {"bucket_flex": bl.flex_masked, "bucket_crop": bl.sdpa_flash}.get(kind, bl.sdpa_masked)
     prepared, plans = [], []
     for s, eps in enumerate(steps_eps):
