@@ -23,6 +23,8 @@ memory, recompiles after warm-up, and each step's loss next to the unpacked one 
 episodes ("loss rel diff": bf16 noise, a packing bug would show as O(1)).
 
     python benchmarks/bench_diffusers_wan.py --out /tmp/wan       # one H200, ~3-4 min
+    python benchmarks/bench_diffusers_wan.py --depth 30 --checkpointing packed --out /tmp/wan30
+                                    # full depth: the packed path checkpointed per block
     python benchmarks/bench_diffusers_wan.py --quick --out /tmp/q  # tiny Wan on CPU (CI smoke)
 """
 
@@ -135,6 +137,10 @@ def run_variant(kind: str, args: Any, model0: torch.nn.Module, steps_eps: list[l
     budget, _, _, max_docs = regime
     compiled = dev.type == "cuda" and not args.no_compile
     model = copy.deepcopy(model0).to(dev)
+    if args.checkpointing in (kind, "both"):
+        # diffusers' own switch; the packed adapter's run_blocks honours it too (per block,
+        # use_reentrant=False): what lets the seed regime's 64K pack fit at 30 blocks
+        model.enable_gradient_checkpointing()
     runner: PackedWan | WanReference
     if kind == "packed":
         runner = install(model, latent_hw=LATENT_HW, attention="auto")
@@ -243,6 +249,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compile included)")
     p.add_argument("--regimes", default="seed,short")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument(
+        "--checkpointing",
+        default="none",
+        choices=["none", "packed", "unpacked", "both"],
+        help="per-block gradient checkpointing of these variants (30 blocks: packed)",
+    )
+    p.add_argument("--budget", type=int, default=None,
+                   help="packed latent-token budget for every regime (default: the regime's; "
+                   "size it with benchmarks/find_token_budget.py's memory model)")  # fmt: skip
     p.add_argument("--unpacked-backend", default="probe",
                    help="diffusers attention backend of the unpacked run (default: fastest probed)")  # fmt: skip
     args = p.parse_args()
@@ -260,7 +275,9 @@ def main() -> None:
     else:
         backend, probe = args.unpacked_backend, {}
     print(f"unpacked attention backend: {backend} {probe}", flush=True)
-    regimes = QUICK_REGIMES if args.quick else REGIMES
+    regimes = dict(QUICK_REGIMES if args.quick else REGIMES)
+    if args.budget:
+        regimes = {k: (args.budget, *v[1:]) for k, v in regimes.items()}
     rows: list[dict[str, Any]] = []
     for rname in args.regimes.split(","):
         steps_eps = draw_steps(args, regimes[rname], cfg.in_channels, cfg.text_dim)
@@ -270,7 +287,8 @@ def main() -> None:
                 row = run_variant(kind, args, model0, steps_eps, regimes[rname], dev, backend)
             except Exception as e:  # one failed variant must not lose the other rows
                 row = {"variant": kind, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            rows.append({"regime": rname, **row})
+            rows.append({"regime": rname, "checkpointed": args.checkpointing in (kind, "both"),
+                         **row})  # fmt: skip
             gc.collect()  # the variant's model, optimizer state and graphs go before the next
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -285,7 +303,8 @@ def main() -> None:
             r["loss rel diff"] = float(((lp - lu).abs() / lu.abs()).max())
             if not torch.isfinite(lp).all():
                 r["error"] = "non-finite loss"
-    cols = ["regime", "variant", "attention", "episodes/step", "micro-steps/step", "step ms",
+    cols = ["regime", "variant", "checkpointed", "attention", "episodes/step", "micro-steps/step",
+            "step ms",
             "p10-p90 ms", "tokens/s", "vs unpacked", "loss rel diff", "peak GB",
             "recompiles after warm-up", "error"]  # fmt: skip
     print()

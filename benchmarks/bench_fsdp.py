@@ -17,6 +17,13 @@ same episodes and initial weights in every variant::
                      dynamic=True, attention = plain SDPA on the one unpadded episode (flash)
     unpacked_nosync  the same, reduce-scatter only on the last micro-step
                      (set_requires_gradient_sync(False) before: the best unpacked setup)
+    lean             one episode per micro-step, sync on the last, through
+                     benchmarks/baselines.py's lean forward (inputs prepared ahead, exact
+                     length, SDPA flash, the blocks compiled dynamic=True inside the same
+                     FSDP + checkpoint wrapping): the strongest per-episode setup
+    bucket_sdpa      length bucketing as Open-Sora 2.0 (--buckets frame buckets, a batch per
+    bucket_flex      bucket of ~--pack-budget tokens, padded rows with a key-padding mask
+    bucket_crop      through SDPA or Flex, or cropped to the bucket below), sync on the last
     packed           the step's episodes of ALL ranks through the distributed sampler
                      (`PackedBatchSampler`: the fewest packs of --pack-budget tokens, the
                      same count on every rank, ranks balanced by tokens; 16 episodes per
@@ -68,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baselines as bl
 import common
 from bench_step import (
     _LIB_ATTENTION,
@@ -90,7 +98,11 @@ DEFAULT_BUDGET = {"seed": 65536, "short": 24576}  # pooled packs fill ~92% / ~85
 MESH: dict[str, Any] = {}  # one DeviceMesh for the whole run (set in main)
 VARIANTS = ("packed", "unpacked_sync", "unpacked_nosync")  # packed first: the headline
 # packed[_b<budget>][_ac<blocks> | _ops | _attn], or an unpacked baseline
-VARIANT_NAME = re.compile(r"unpacked_sync|unpacked_nosync|packed(_b\d+)?(_ac\d+|_ops|_attn)?")
+VARIANT_NAME = re.compile(
+    r"unpacked_sync|unpacked_nosync|lean|bucket_sdpa|bucket_flex|bucket_crop"
+    r"|packed(_b\d+)?(_ac\d+|_ops|_attn)?"
+)
+BASELINES = ("lean", "bucket_sdpa", "bucket_flex", "bucket_crop")  # benchmarks/baselines.py
 
 
 # -- episodes and plans ------------------------------------------------------------------------
@@ -182,7 +194,7 @@ def packed_collator(cfg: DiTConfig, budget: int, max_docs: int) -> PackedCollato
 def build(args: Any, cfg: DiTConfig, dev: torch.device, kind: str, depth: int | None = None) -> Any:
     """Fresh model (same seed -> same weights on every rank and in every variant), sharded."""
     torch._dynamo.reset()  # each variant compiles from scratch: its compile time is its own
-    unpacked = kind.startswith("unpacked")
+    unpacked = kind.startswith("unpacked") or kind in BASELINES
     attn = "auto" if dev.type != "cuda" else ("varlen" if unpacked else args.attention)
     mcfg = DiTConfig(**{**cfg.__dict__, "attention": attn,
                         "depth": depth or cfg.depth})  # fmt: skip
@@ -196,7 +208,26 @@ def build(args: Any, cfg: DiTConfig, dev: torch.device, kind: str, depth: int | 
                 compile_options={"backend": args.compile_backend},
                 param_dtype=torch.bfloat16 if dev.type == "cuda" else None)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    if kind in BASELINES:
+        _route_through_baselines(model)
     return model, opt, mcfg
+
+
+def _route_through_baselines(model: Any) -> None:
+    """Make the sharded model run `benchmarks/baselines.py`'s forward: each inner Block's
+    ``forward`` becomes `bl.block_forward` (so FSDP's per-block hooks, the checkpoint wrapper
+    and the compiled wrapper still run around it), the baseline losses call the wrapped
+    blocks, and ``model(...)`` (the root's hooks: embeddings and head gathered) runs the loss
+    function given as its first argument."""
+    import types
+
+    for layer in model.blocks:
+        inner = layer
+        while not isinstance(inner, pm.Block):  # through _orig_mod / _checkpoint_wrapped_module
+            inner = next(inner.children())
+        inner.forward = types.MethodType(bl.block_forward, inner)
+    bl.block_fn = lambda layer, *args: layer(*args)
+    model.forward = lambda loss_fn, *args: loss_fn(model, *args)
 
 
 def train_step(model: Any, opt: Any, mbs: list[PackedBatch], step: int, dev: torch.device,
@@ -374,6 +405,8 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
     t_build = time.perf_counter()
     model, opt, mcfg = build(args, cfg, dev, kind)
     build_s = time.perf_counter() - t_build
+    if kind in BASELINES:
+        return run_baseline(kind, args, model, opt, mcfg, dev, data, build_s)
     unpacked = kind.startswith("unpacked")
     sync_every = kind == "unpacked_sync" or sweep_m is not None
     n_steps = args.warmup + args.steps
@@ -493,6 +526,145 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
     return row
 
 
+def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev: torch.device,
+                 data: Episodes, build_s: float) -> dict[str, Any]:  # fmt: skip
+    """The lean per-episode loop (gradient sync on the last micro-step only) or length
+    bucketing (one micro-step per bucket batch, sync on the last), over this rank's own
+    episodes, through the sharded model (benchmarks/baselines.py, as in bench_step)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_steps = args.warmup + args.steps
+    tpf = cfg.tokens_per_frame + 1  # joint tokens a frame: video + one action
+    lo, hi = REGIMES[args.regime] if not args.smoke else (2, 6)
+    mode = "crop" if kind == "bucket_crop" else "pad"
+    bounds = bl.bounds_for(mode, lo * tpf, hi * tpf, args.buckets, tpf)
+    attn = {"bucket_flex": bl.flex_masked, "bucket_crop": bl.sdpa_flash}.get(kind, bl.sdpa_masked)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # FSDP's param dtype
+    steps, plans = [], []
+    for s in range(n_steps):
+        eps = [data.get(s, g) for g in data.own(s, rank)]
+        inputs = bl.prepare_episodes(model, eps, s, dev)
+        steps.append(inputs)
+        if kind != "lean":
+            mbs = bl.bucket_step(inputs, bounds, args.pack_budget, mode, cfg.text_len, dev)
+            # every rank runs as many micro-steps (FSDP all-gathers in each one)
+            n = torch.tensor([len(mbs)], device=dev)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            if int(n) > len(mbs):
+                mbs = bl.bucket_step(inputs, bounds, args.pack_budget, mode, cfg.text_len, dev,
+                                     min_batches=int(n))  # fmt: skip
+            plans.append(mbs)
+    clock = Clock(dev)
+    marks, losses, first_s, g0 = [], [], 0.0, 0
+    for s in range(n_steps):
+        if s == args.warmup:
+            common.sync(dev)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            g0 = common.dynamo_counters()["unique_graphs"]
+        if kind == "lean":
+            micro = [(bl.lean_episode_loss, x.xt_v.to(dtype), x.v_v, x.xt_a.to(dtype), x.v_a, x.t,
+                      x.thw, x.text) for x in steps[s]]  # fmt: skip
+        else:
+            micro = []
+            for mb in plans[s]:
+                a = mb.args
+                mask = (bl.key_padding_block_mask(mb.lengths_B, mb.L) if kind == "bucket_flex"
+                        else (torch.arange(mb.L, device=dev)[None] < mb.lengths_B[:, None])[
+                            :, None, None])  # fmt: skip
+                micro.append((bl.bucket_batch_loss, a[0].to(dtype), a[1], a[2].to(dtype), *a[3:],
+                              attn, mask, mb.weight))  # fmt: skip
+        # one global denominator per stream (every rank's trained tokens), times W: FSDP
+        # averages gradients over the ranks (packing.train.LossNormalizer does the same)
+        weights = [1.0] * len(micro) if kind == "lean" else [m[-1] for m in micro]
+        micro = micro if kind == "lean" else [m[:-1] for m in micro]
+        local = torch.tensor([float(sum(m[1].shape[0] * w for m, w in zip(micro, weights, strict=True))),
+                              float(sum(m[3].shape[0] * w for m, w in zip(micro, weights, strict=True)))],
+                             device=dev)  # fmt: skip
+        dist.all_reduce(local)
+        dv, da = local[0] / world, local[1] / world
+        t0 = time.perf_counter()
+        a0 = clock.mark()
+        total = torch.zeros((), device=dev)
+        for i, m in enumerate(micro):
+            model.set_requires_gradient_sync(i == len(micro) - 1)
+            loss = model(*m, dv, da) * weights[i]
+            loss.backward()
+            total += loss.detach().float() / world
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+        done = clock.mark()
+        barrier_on(dev)
+        after = clock.mark()
+        if s < args.warmup:
+            common.sync(dev)
+            if s == 0:
+                first_s = time.perf_counter() - t0
+        else:
+            marks.append((a0, done, after))
+    common.sync(dev)
+    recompiles = common.dynamo_counters()["unique_graphs"] - g0
+    step_ms = [Clock.ms(a, c) for a, _, c in marks]
+    wait_ms = [Clock.ms(b, c) for _, b, c in marks]
+    step_losses = torch.stack(losses)
+    dist.all_reduce(step_losses)
+    trained = [[data.get(s, g) for g in data.own(s, rank)] for s in range(args.warmup, n_steps)]
+    ran = sum(len(p) for p in plans[args.warmup :])  # weight-0 copies included: they ran
+    flat = [b for p in plans[args.warmup :] for b in p if b.weight > 0]
+    mine = {
+        "step_ms": statistics.median(step_ms) if step_ms else float("nan"),
+        "wait_ms": statistics.median(wait_ms) if wait_ms else float("nan"),
+        "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0,
+        "tokens": float(sum(x.tokens for inputs in steps[args.warmup :] for x in inputs))
+        if kind != "bucket_crop" else float(sum(b.real_tokens for b in flat)),
+        "flops": sum(step_flops(cfg, eps) for eps in trained),
+        "micro_steps": (sum(len(x) for x in steps[args.warmup :]) if kind == "lean"
+                        else ran) / max(args.steps, 1),
+        "slots": float(sum(b.slots for b in flat)),
+        "real": float(sum(b.real_tokens for b in flat)),
+        "cropped": float(sum(b.cropped_tokens for b in flat)),
+    }  # fmt: skip
+    ranks = gather_floats(mine, dev)
+    del model, opt
+    bl.block_fn = bl.block_forward
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    step_s = max(r["step_ms"] for r in ranks) / 1e3
+    tokens = sum(r["tokens"] for r in ranks) / max(args.steps, 1)
+    flops = sum(r["flops"] for r in ranks) / max(args.steps, 1)
+    peak_tf = common.H200_BF16_PEAK_TFLOPS * 1e12 * world
+    row: dict[str, Any] = {
+        "variant": kind,
+        "attention": bl.ATTENTION_NAMES[kind],
+        "budget": args.pack_budget if kind != "lean" else None,
+        "micro-steps": ranks[0]["micro_steps"],
+        "s/step": step_s,
+        "tokens/s": tokens / step_s,
+        # crop trains on fewer tokens than the episodes hold: scale the FLOPs to the kept
+        "MFU": flops / step_s / peak_tf
+        * (1.0 if kind != "bucket_crop" else
+           sum(r["real"] for r in ranks) / max(sum(r["real"] + r["cropped"] for r in ranks), 1)),
+        "first step s": first_s,
+        "compile s (est.)": first_s - step_s,
+        "build+shard s": build_s,
+        "peak GB": max(r["peak_gb"] for r in ranks),
+        "wait ms (per rank)": [round(r["wait_ms"], 1) for r in ranks],
+        "wait % of step": 100 * max(r["wait_ms"] for r in ranks) / 1e3 / step_s,
+        "recompiles after warm-up": recompiles,
+        "losses": [float(x) for x in step_losses.tolist()],
+        "steps timed": args.steps,
+        "ranks": ranks,
+    }  # fmt: skip
+    if kind != "lean":
+        slots = sum(r["slots"] for r in ranks)
+        real = sum(r["real"] for r in ranks)
+        cropped = sum(r["cropped"] for r in ranks)
+        row["padding fraction"] = 1 - real / max(slots, 1)
+        row["cropped fraction"] = cropped / max(real + cropped, 1)
+        row["buckets"] = bounds
+    return row
+
+
 def attention_name(cfg: DiTConfig, dev: torch.device) -> str:
     from packing.data import layout_from_lengths
 
@@ -536,7 +708,8 @@ def recompile_check(args: Any, cfg: DiTConfig, dev: torch.device) -> dict[str, A
 
 
 COLUMNS = ["variant", "attention", "micro-steps", "budget", "s/step", "tokens/s",
-           "vs unpacked_sync", "vs best unpacked", "MFU", "MFU incl. recompute", "first step s",
+           "vs unpacked_sync", "vs best unpacked", "vs lean", "vs best bucketing", "MFU",
+           "padding fraction", "cropped fraction", "MFU incl. recompute", "first step s",
            "compile s (est.)", "peak GB", "wait % of step", "exposed comm ms (per rank)",
            "loss rel diff (step 0)", "loss rel diff (max)", "recompiles after warm-up",
            "host syncs per micro-step", "seconds", "error"]  # fmt: skip
@@ -550,6 +723,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--episodes-per-gpu", type=int, default=16)
     p.add_argument("--pack-budget", type=int, default=None, help="tokens (default per regime)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--buckets", type=int, default=4, help="length buckets of bucket_*")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant")
     p.add_argument("--checkpointing", default="full",
@@ -707,9 +881,17 @@ def main() -> None:
             r["vs unpacked_sync"] = r["tokens/s"] / base["tokens/s"]
     best_u = max((r["tokens/s"] for r in rows if str(r.get("variant")).startswith("unpacked")
                   and "tokens/s" in r), default=None)  # fmt: skip
+    lean = next((r["tokens/s"] for r in rows if r.get("variant") == "lean" and "tokens/s" in r),
+                None)  # fmt: skip
+    best_b = max((r["tokens/s"] for r in rows if str(r.get("variant")).startswith("bucket")
+                  and "tokens/s" in r), default=None)  # fmt: skip
     for r in rows:
         if best_u and "tokens/s" in r:
             r["vs best unpacked"] = r["tokens/s"] / best_u
+        if lean and "tokens/s" in r:
+            r["vs lean"] = r["tokens/s"] / lean
+        if best_b and "tokens/s" in r:
+            r["vs best bucketing"] = r["tokens/s"] / best_b
     extra["total_seconds"] = time.perf_counter() - t_start
     watchdog.cancel()
     if rank == 0:

@@ -26,6 +26,18 @@ SCRIPTS = [
         "bench_step.py",
         ["--regimes", "seed", "--variants", "unpacked,packed,per_token,cudagraphs", "--profile"],
     ),
+    (
+        "bench_step.py",
+        [
+            "--regimes",
+            "seed,short",
+            "--variants",
+            "lean,bucket_sdpa,bucket_crop,fill",
+            "--fills",
+            "1.0,0.5",
+        ],
+    ),
+    ("bench_step_fill.py", []),
     ("find_token_budget.py", []),
     ("bench_diffusers_wan.py", ["--regimes", "seed"]),
     ("bench_serve.py", ["--configs", "small", "--concurrency", "1,2"]),
@@ -64,7 +76,8 @@ def test_script_runs_quick_on_cpu(script: str, extra: list[str], tmp_path: Path)
         # (fp32 on CPU), and a NaN run would have been flagged as an error above
         for r in rows:
             assert len(r["losses"]) == 3 and all(abs(x) < 1e3 for x in r["losses"]), r
-            if not r["variant"].startswith("unpacked"):
+            # cropped buckets train on fewer tokens: their loss differs by design
+            if not r["variant"].startswith(("unpacked", "bucket_crop")):
                 assert r["loss rel diff"] < 1e-4, r
 
 

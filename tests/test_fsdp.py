@@ -156,7 +156,7 @@ def test_shard_model_refuses_a_model_without_its_blocks():
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
-def torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
+def torchrun(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     import socket
 
     with socket.socket() as s:
@@ -168,9 +168,30 @@ def torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONPATH": str(ROOT),
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={port}", str(ROOT / "benchmarks" / script), *args]  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_bench_fsdp_smoke_baselines_agree_with_unpacked(tmp_path, nproc):
+    # issue 29's variants: the lean loop and bucketing through the sharded model. With two
+    # ranks the bucket micro-step counts differ per rank and must be equalised (else a hang).
+    proc = torchrun("bench_fsdp.py", "--smoke", "--out", str(tmp_path), "--hard-limit", "300",
+                    "--variants", "unpacked_nosync,lean,bucket_sdpa,bucket_crop,packed",
+                    nproc=nproc)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(
+        (tmp_path / "bench_fsdp_seed_smoke.json").read_text())["rows"]}  # fmt: skip
+    assert set(rows) == {"unpacked_nosync", "lean", "bucket_sdpa", "bucket_crop", "packed"}
+    assert not [r for r in rows.values() if r.get("error")]
+    for name in ("lean", "bucket_sdpa", "packed"):  # the same episodes: the same loss
+        assert rows[name]["loss rel diff (max)"] < 1e-5, rows[name]
+    assert rows["lean"]["micro-steps"] == 4
+    assert 0 < rows["bucket_sdpa"]["padding fraction"] < 1
+    assert rows["bucket_sdpa"]["micro-steps"] < 4  # several episodes a bucket batch
 
 
 @pytest.mark.slow

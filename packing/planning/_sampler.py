@@ -24,6 +24,7 @@ the rank still runs forward and backward, so DDP/FSDP collectives stay matched.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Iterator
 from itertools import chain
@@ -33,8 +34,9 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from packing._validate import check_bool, check_int
+from packing._validate import check_bool, check_int, check_real
 from packing.planning._plan import Algorithm, Oversize, PackPlan, plan_packs, positive_int
+from packing.planning._steps import fill_packs, step_token_budget
 
 __all__ = ["PackedBatchSampler", "equalise_packs"]
 
@@ -42,15 +44,21 @@ Balance = Literal["tokens", "attention"]
 
 
 def equalise_packs(
-    packs: list[list[int]], lengths: np.ndarray, num_replicas: int
+    packs: list[list[int]], lengths: np.ndarray, num_replicas: int, min_tokens: float = 0.0
 ) -> list[list[int]]:
     """Split packs until their number is a multiple of ``num_replicas``; pad with ``[]`` only
-    when no pack has two episodes left to split. Splitting keeps every episode exactly once."""
+    when no pack has two episodes left to split. Splitting keeps every episode exactly once.
+
+    Packs with fewer than ``min_tokens`` tokens are split first: halving a pack that is
+    already underfull (the step composer's last one) leaves the full packs full, where
+    halving a full one would add two half-empty packs."""
     packs = list(packs)
     docs, tokens = _docs_and_cost(packs, lengths.astype(np.float64))
     while len(packs) % num_replicas or not packs:
-        # The pack with most episodes (then most tokens, then first) loses least by halving.
-        key = np.where(docs > 1, docs * (tokens.max(initial=0) + 1) + tokens, -1)
+        # The pack with most episodes (then most tokens, then first) loses least by halving;
+        # an underfull pack before any full one.
+        under = (tokens < min_tokens) * (docs.max(initial=0) + 1) * (tokens.max(initial=0) + 1)
+        key = np.where(docs > 1, under + docs * (tokens.max(initial=0) + 1) + tokens, -1)
         i = int(np.argmax(key)) if len(key) else 0
         if not len(key) or key[i] < 0:
             packs.append([])
@@ -99,6 +107,16 @@ class PackedBatchSampler(Sampler[list[int]]):
     mid-epoch (the epoch's plan is recomputed from the seed). The number of packs per epoch,
     so ``len(sampler)``, can differ by a few from epoch to epoch; planning in windows costs
     a little fill (docs/planning.md gives the measured cost).
+
+    The step's padding tail: a pack's dense layers cost its whole budget, so packs planned
+    here are kept >= ``min_fill`` (default 0.97) full by `fill_packs`, all but at most one
+    per plan (per window with ``replan``) when the lengths allow it; ``min_fill=None``
+    keeps the planner's packs as they are (a prebuilt ``plan=`` is always kept as is); to
+    reach a multiple of the ranks the underfull pack is halved first. A
+    step defined by an episode count is ``episodes_per_step=K`` instead of
+    ``token_budget``: the budget is ``K * mean(lengths)`` rounded up to 128
+    (`step_token_budget`), and the count per step varies around K while the packs stay
+    full; a time budget is ``token_budget=step_token_budget(lengths, step_seconds=...)``.
     """
 
     def __init__(
@@ -118,6 +136,8 @@ class PackedBatchSampler(Sampler[list[int]]):
         oversize: Oversize = "error",
         replan: bool = False,
         replan_window: int = 16_384,
+        episodes_per_step: float | None = None,
+        min_fill: float | None = 0.97,
         **split: int,
     ) -> None:
         replan = check_bool("replan", replan)
@@ -127,7 +147,21 @@ class PackedBatchSampler(Sampler[list[int]]):
                 "replan=True plans the packs every epoch from lengths=; a prebuilt plan= is "
                 "fixed. Pass lengths and token_budget instead"
             )
+        if episodes_per_step is not None:
+            if token_budget is not None or plan is not None:
+                raise ValueError(
+                    "episodes_per_step= defines the step's token budget from lengths=; pass "
+                    "it instead of token_budget= (or plan=), not with it"
+                )
+            if lengths is None:
+                raise ValueError("episodes_per_step= needs lengths= (the budget is planned)")
+            token_budget = step_token_budget(lengths, episodes_per_step=episodes_per_step)
+        if min_fill is not None and not 0.0 < check_real("min_fill", min_fill) <= 1.0:
+            raise ValueError(f"min_fill={min_fill!r} must be in (0, 1], or None (plan as is)")
+        self.min_fill = min_fill if plan is None else None  # a prebuilt plan is kept as is
         plan = _plan_of(plan, lengths, token_budget, algorithm, max_docs, oversize, split)
+        if self.min_fill is not None:
+            plan = _filled(plan, self.min_fill, algorithm, max_docs)
         num_replicas, rank = _world(num_replicas, rank)
         if balance not in ("tokens", "attention"):
             raise ValueError(f"balance={balance!r}; choose 'tokens' or 'attention'")
@@ -158,7 +192,8 @@ class PackedBatchSampler(Sampler[list[int]]):
         )
         if self.replan:
             self._fingerprint = zlib.crc32(
-                f"replan {self.replan_window}".encode(), self._fingerprint
+                f"replan {self.replan_window} min_fill {self.min_fill}".encode(),
+                self._fingerprint,
             )
 
     def __len__(self) -> int:
@@ -170,7 +205,8 @@ class PackedBatchSampler(Sampler[list[int]]):
     def _plan_epoch(self, packs: list[list[int]]) -> tuple[list[list[int]], np.ndarray]:
         """Equalise ``packs`` to a multiple of the ranks and cost them."""
         lengths = self.plan.item_lengths
-        packs = equalise_packs(packs, lengths, self.num_replicas)
+        floor = 0.0 if self.min_fill is None else self.min_fill * self.plan.token_budget
+        packs = equalise_packs(packs, lengths, self.num_replicas, min_tokens=floor)
         power = 1 if self.balance == "tokens" else 2
         _, cost_P = _docs_and_cost(packs, lengths.astype(np.float64) ** power)
         return packs, cost_P
@@ -198,7 +234,13 @@ class PackedBatchSampler(Sampler[list[int]]):
                 algorithm=self._algorithm,
                 max_docs=self._max_docs,
             )
-            packs += [window[p].tolist() for p in sub.packs]
+            sub_packs = sub.packs
+            if self.min_fill is not None:
+                sub_packs = fill_packs(
+                    sub_packs, sub.item_lengths, sub.token_budget, min_fill=self.min_fill,
+                    algorithm=self._algorithm, max_docs=self._max_docs,
+                )  # fmt: skip
+            packs += [window[p].tolist() for p in sub_packs]
         return packs
 
     def set_epoch(self, epoch: int) -> None:
@@ -361,6 +403,22 @@ def _plan_of(
             "plan= they would be ignored: pass them to plan_packs when building the plan"
         )
     return plan
+
+
+def _filled(
+    plan: PackPlan, min_fill: float, algorithm: Algorithm, max_docs: int | None
+) -> PackPlan:
+    """``plan`` with its underfull packs re-planned by `fill_packs` (the same items)."""
+    packs = fill_packs(
+        plan.packs, plan.item_lengths, plan.token_budget, min_fill=min_fill,
+        algorithm=algorithm, max_docs=max_docs,
+    )  # fmt: skip
+    sizes = np.fromiter(map(len, packs), dtype=np.int64, count=len(packs))
+    return dataclasses.replace(
+        plan,
+        items_N=np.fromiter(chain.from_iterable(packs), dtype=np.int64, count=int(sizes.sum())),
+        offsets_P1=np.concatenate(([0], np.cumsum(sizes))).astype(np.int64),
+    )
 
 
 def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
