@@ -340,6 +340,29 @@ def positive_int(name: str, value: Any, unit: str) -> int:
     return int(value)
 
 
+def _check_options(
+    algorithm: Any,
+    oversize: Any,
+    tokens_per_step: Any,
+    fixed_tokens: Any,
+    split_multiple: Any,
+    split_overlap: Any,
+) -> None:
+    """`plan_packs`' choices and split sizes, checked with the validation helper."""
+    check_choice("algorithm", algorithm, sorted(_ALGORITHMS))
+    check_choice("oversize", oversize, ("error", "split", "drop"))
+    check_int("tokens_per_step", tokens_per_step, min=1, hint="tokens of one step (frame)")
+    check_int("fixed_tokens", fixed_tokens, min=0, hint="tokens every piece repeats, e.g. text")
+    check_int("split_multiple", split_multiple, min=1, hint="steps a cut falls on a multiple of")
+    check_int(
+        "split_overlap",
+        split_overlap,
+        min=0,
+        hint="no-loss context steps repeated from the previous piece; a negative overlap "
+        "would leave steps out of every piece",
+    )
+
+
 def plan_packs(
     lengths: Any,
     token_budget: int,
@@ -368,17 +391,8 @@ def plan_packs(
     token_budget = positive_int("token_budget", token_budget, "tokens per pack, e.g. 8192")
     if max_docs is not None:
         max_docs = positive_int("max_docs", max_docs, "episodes per pack, or None")
-    check_choice("algorithm", algorithm, sorted(_ALGORITHMS))
-    check_choice("oversize", oversize, ("error", "split", "drop"))
-    check_int("tokens_per_step", tokens_per_step, min=1, hint="tokens of one step (frame)")
-    check_int("fixed_tokens", fixed_tokens, min=0, hint="tokens every piece repeats, e.g. text")
-    check_int("split_multiple", split_multiple, min=1, hint="steps a cut falls on a multiple of")
-    check_int(
-        "split_overlap",
-        split_overlap,
-        min=0,
-        hint="no-loss context steps repeated from the previous piece; a negative overlap "
-        "would leave steps out of every piece",
+    _check_options(
+        algorithm, oversize, tokens_per_step, fixed_tokens, split_multiple, split_overlap
     )
     if (lengths_N < 1).any():
         bad = int(np.flatnonzero(lengths_N < 1)[0])
@@ -412,8 +426,6 @@ def plan_packs(
         )
         item_lengths = fixed_tokens + (pieces_I4[:, 2] - pieces_I4[:, 1]) * tokens_per_step
         keep = np.arange(len(pieces_I4))
-    elif oversize not in ("error", "drop"):
-        raise ValueError(f"oversize={oversize!r}; choose 'error', 'split' or 'drop'")
     if len(keep) == 0:  # nothing to plan (every episode filtered out or dropped)
         bin_N = np.zeros(0, dtype=np.int64)
     else:

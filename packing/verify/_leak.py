@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -179,6 +179,28 @@ def _doc_rows(layout: StreamLayout, target: int) -> slice:
     return slice(start, start + layout.lengths_K[target])
 
 
+def _perturbed_run(
+    run: Any,
+    clean: dict[str, torch.Tensor],
+    name: str,
+    j: int,
+    rows: list[tuple[int, int]],
+    gen: torch.Generator,
+    scale: float,
+) -> Any:
+    """The outputs with stream ``name``'s rows of document ``j`` (or the padding) moved by
+    noise of ``scale`` times their spread; None when there is nothing to move."""
+    x = clean[name]
+    lo, hi = (rows[-1][1], x.shape[0]) if j == PADDING else rows[j]
+    if hi <= lo:
+        return None
+    noise = torch.randn(x[lo:hi].shape, generator=gen).to(x.device, x.dtype)
+    spread = x[lo:hi].float().std().nan_to_num(1.0).clamp_min(1e-3).item()
+    xp = x.clone()
+    xp[lo:hi] = x[lo:hi] + noise * scale * spread
+    return run({**clean, name: xp})
+
+
 def find_leaks(
     fn: Callable[[PackedBatch], Mapping[str, torch.Tensor]],
     batch: PackedBatch,
@@ -244,19 +266,10 @@ def find_leaks(
     perturbations = comparisons = 0
     sources = list(range(num_docs)) + ([PADDING] if padding else [])
     for name in names:
-        x = clean[name]
         for j in sources:
-            if j == PADDING:
-                lo, hi = input_rows[name][-1][1], x.shape[0]
-                if hi <= lo:  # the stream has no padding rows
-                    continue
-            else:
-                lo, hi = input_rows[name][j]
-            noise = torch.randn(x[lo:hi].shape, generator=gen).to(x.device, x.dtype)
-            spread = x[lo:hi].float().std().nan_to_num(1.0).clamp_min(1e-3).item()
-            xp = x.clone()
-            xp[lo:hi] = x[lo:hi] + noise * scale * spread
-            moved = run({**clean, name: xp})
+            moved = _perturbed_run(run, clean, name, j, input_rows[name], gen, scale)
+            if moved is None:  # the stream has no padding rows
+                continue
             perturbations += 1
             found, compared = _compare_others(
                 base, moved, j, name, num_docs, layouts, input_rows, tol
