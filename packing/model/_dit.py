@@ -39,6 +39,7 @@ from packing.data._joint import joint_layout
 from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
 from packing.model._rope import apply_rope, rope_angles, rope_split
 from packing.train._conditioning import (
+    batch_rng_keys,
     broadcast_to_tokens,
     episode_timesteps,
     flow_matching_inputs,
@@ -366,15 +367,7 @@ class DiT(nn.Module):
 
     def _inputs(self, batch: PackedBatch) -> dict[str, Any]:
         """Noised inputs, targets and per-episode times, all keyed by (seed, step, episode)."""
-        for key in ("seed", "step"):
-            if key not in batch.extras:
-                raise KeyError(
-                    f"batch.extras[{key!r}] is missing: the DiT draws each episode's noise and "
-                    "timestep from (seed, step, episode_index); set batch.extras['seed'] and "
-                    "batch.extras['step'] (the optimizer step) before calling the model"
-                )
-        seed = check_int("batch.extras['seed']", batch.extras["seed"])
-        step = check_int("batch.extras['step']", batch.extras["step"])
+        seed, step = batch_rng_keys(batch)
         p = next(self.parameters())
         dev, dtype = p.device, p.dtype
         lat_lay, act_lay = batch.layout("latents"), batch.layout("action")

@@ -2,7 +2,8 @@
 
 - Per-episode randomness, from (seed, step, episode) alone: `episode_seed`,
   `episode_timesteps`, `episode_noise`, `packed_noise`, `cfg_dropout_mask`,
-  `flow_matching_inputs`; `broadcast_to_tokens` gathers per-episode values to tokens.
+  `flow_matching_inputs`; `broadcast_to_tokens` gathers per-episode values to tokens;
+  `batch_rng_keys` reads a batch's ``(seed, step)``.
 - Losses that are exact under packing, accumulation and data parallelism: `reduce_loss`
   ("token", "frame", "step", "episode"), `LossNormalizer`, `global_denominator`,
   `token_weights`.
@@ -15,6 +16,7 @@
 
 from packing.train._budget import MemoryModel, Probe, fit_memory_model, probe_peak
 from packing.train._conditioning import (
+    batch_rng_keys,
     broadcast_to_tokens,
     cfg_dropout_mask,
     episode_noise,
@@ -42,6 +44,7 @@ __all__ = [
     "Probe",
     "Reduction",
     "StepProfiler",
+    "batch_rng_keys",
     "broadcast_to_tokens",
     "cfg_dropout_mask",
     "episode_noise",

@@ -56,6 +56,7 @@ from packing._validate import (
 from packing.data._layout import PackedBatch, StreamLayout
 
 __all__ = [
+    "batch_rng_keys",
     "broadcast_to_tokens",
     "cfg_dropout_mask",
     "episode_noise",
@@ -439,3 +440,17 @@ def flow_matching_inputs(
         )
     t_ = t.to(x0.dtype).view(-1, *([1] * (x0.dim() - 1)))
     return (1 - t_) * x0 + t_ * noise, noise - x0
+
+
+def batch_rng_keys(batch: PackedBatch) -> tuple[int, int]:
+    """``(seed, step)`` from ``batch.extras``: every episode's noise and timestep are drawn
+    from ``(seed, step, episode_index)``, so a model that draws them needs both, as ints."""
+    for key in ("seed", "step"):
+        if key not in batch.extras:
+            raise KeyError(
+                f"batch.extras[{key!r}] is missing: each episode's noise and timestep come from "
+                "(seed, step, episode_index); set batch.extras['seed'] and ['step'] (the "
+                "optimizer step) before calling the model"
+            )
+    seed = check_int("batch.extras['seed']", batch.extras["seed"])
+    return seed, check_int("batch.extras['step']", batch.extras["step"])

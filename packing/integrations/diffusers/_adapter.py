@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from packing._validate import check_bool, check_int, check_int_tuple, check_real
+from packing._validate import check_bool, check_int_tuple, check_real
 from packing.attention._packed import AttentionMask, Backend, prepare_attention
 from packing.data._collate import Stream
 from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
@@ -46,6 +46,7 @@ from packing.integrations.diffusers._streams import (
     patchify,
 )
 from packing.train._conditioning import (
+    batch_rng_keys,
     broadcast_to_tokens,
     episode_timesteps,
     flow_matching_inputs,
@@ -180,15 +181,7 @@ class FlowMatchingAdapter(nn.Module):
 
     def flow_inputs(self, batch: PackedBatch) -> dict[str, Any]:
         """Per-episode ``t_K`` and the noised latents / velocity targets ``(S, C, H, W)``."""
-        for key in ("seed", "step"):
-            if key not in batch.extras:
-                raise KeyError(
-                    f"batch.extras[{key!r}] is missing: each episode's noise and timestep come "
-                    "from (seed, step, episode_index); set batch.extras['seed'] and ['step'] "
-                    "(the optimizer step)"
-                )
-        seed = check_int("batch.extras['seed']", batch.extras["seed"])
-        step = check_int("batch.extras['step']", batch.extras["step"])
+        seed, step = batch_rng_keys(batch)
         p = next(self.transformer.parameters())
         name = self.latents_stream
         lay = batch.layout(name)
