@@ -79,6 +79,12 @@ def test_requests_and_engine_reject_bad_input():
         VideoShape(frames=2, text=0, requests=1)
     with pytest.raises(TypeError, match="ServedWan takes a PackedWan"):
         ServedWan(tiny_wan("2.2"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"must be a VideoModel; PackedWan has no .*ServedWan"):
+        VideoEngine(
+            install(tiny_wan("2.2"), latent_hw=HW), [VideoShape(frames=2, text=2, requests=1)]
+        )  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"latent_hw=\(4, 5\) is not divisible by the patch"):
+        ServedWan(install(tiny_wan("2.2"), latent_hw=HW), latent_hw=(4, 5))
     _, served = _models()
     engine = VideoEngine(served, [VideoShape(frames=3, text=4, requests=1)], max_steps=4)
     with pytest.raises(ValueError, match=r"the model takes \(C, H, W\) = \(48, 4, 6\)"):
@@ -91,6 +97,9 @@ def test_requests_and_engine_reject_bad_input():
         engine.submit(VideoRequest(text=z(2, D_TXT), context=z(1, C, *HW), frames=3, steps=4))
     with pytest.raises(TypeError, match="submit takes a VideoRequest"):
         engine.submit("a request")  # type: ignore[arg-type]
+    served.packed.uninstall()
+    with pytest.raises(ValueError, match=r"uninstalled; install\(model\) again"):
+        ServedWan(served.packed)
 
 
 def _serve(served: ServedWan, reqs: list[VideoRequest], when: list[int], sch: FlowScheduler):

@@ -195,6 +195,14 @@ class VideoEngine:
         scheduler: FlowScheduler | None = None,
         max_steps: int = 50,
     ) -> None:
+        missing = [a for a in ("frame_shape", "grid", "text_dim", "device", "velocity")
+                   if not hasattr(model, a)]  # fmt: skip
+        if missing:
+            raise TypeError(
+                f"VideoEngine's model must be a VideoModel; {type(model).__name__} has no "
+                f"{missing}: wrap a packed diffusers Wan in ServedWan "
+                "(packing.integrations.diffusers), serve the reference DiT with Engine"
+            )
         shapes = tuple(shapes)
         if not shapes or not all(isinstance(s, VideoShape) for s in shapes):
             raise ValueError(f"shapes={shapes!r}; give one or more VideoShape")

@@ -23,6 +23,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from packing._validate import check_int_tuple
 from packing.attention._packed import _resolve
 from packing.integrations.diffusers._adapter import TIMESTEP_SCALE
 from packing.integrations.diffusers._wan import PackedWan
@@ -44,9 +45,12 @@ class ServedWan:
                 f"ServedWan takes a PackedWan (install(WanTransformer3DModel)), got "
                 f"{type(packed).__name__}"
             )
-        hw = latent_hw if latent_hw is not None else packed.latent_hw
-        if hw is None:
+        if not packed.installed:
+            raise ValueError("this PackedWan was uninstalled; install(model) again to serve it")
+        given = latent_hw if latent_hw is not None else packed.latent_hw
+        if given is None:
             raise ValueError("pass latent_hw=(H, W), the latent frame size to serve")
+        hw = check_int_tuple("latent_hw", given, length=2)
         ph, pw = packed.patch_hw
         if hw[0] % ph or hw[1] % pw:
             raise ValueError(f"latent_hw={tuple(hw)} is not divisible by the patch {ph}x{pw}")
@@ -66,6 +70,8 @@ class ServedWan:
     def velocity(self, x_SCHW: Tensor, t_T: Tensor, text_XD: Tensor, pack: VideoPack) -> Tensor:
         """The packed Wan's velocity ``(S, C, H, W)``; ``t_T`` per token in [0, 1]."""
         p, dtype = self.packed, self.packed.transformer.dtype
+        if not p.installed:  # its packed blocks need the swapped processors
+            raise ValueError("this PackedWan was uninstalled; install(model) again to serve it")
         self_mask, cross_mask = step_masks(
             pack.doc_T, pack.text_doc_X, backend=self.backend, inner=None,
             document_mask=p.document_mask,
