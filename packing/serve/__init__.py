@@ -21,7 +21,8 @@ from packing.serve._proof import InferenceReport, verify_inference
 from packing.serve._request import Request, Result
 from packing.serve._schedulers import FlowScheduler, reference_sample
 from packing.serve._server import PolicyClient, PolicyServer
-from packing.serve._video import VideoEngine, VideoModel, VideoPack, VideoRequest, VideoShape
+from packing.serve._video import VideoEngine
+from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
 
 __all__ = [
     "Engine",

@@ -29,7 +29,7 @@ from packing.integrations.diffusers._adapter import TIMESTEP_SCALE
 from packing.integrations.diffusers._wan import PackedWan
 from packing.serve._schedulers import FlowScheduler
 from packing.serve._step import step_masks
-from packing.serve._video import VideoPack, VideoRequest
+from packing.serve._video_request import VideoPack, VideoRequest
 
 __all__ = ["ServedWan", "reference_generate"]
 
