@@ -6,6 +6,9 @@
   one model call per step, optionally captured in CUDA graphs (docs/inference.md).
 - `FlowScheduler`, `reference_sample`: flow-matching Euler and a 2nd-order multistep solver
   as per-step coefficients, and the scalar loop they are tested against.
+- `VideoEngine`, `VideoRequest`, `VideoShape`, `VideoModel`, `VideoPack`: the same batching
+  for any model behind a one-call protocol (velocity over the pack from per-token times), e.g.
+  a packed diffusers Wan (`packing.integrations.diffusers.ServedWan`).
 - `verify_inference`, `InferenceReport`: the proof that each request's output packed with
   others equals the same request run alone (``packing verify --inference``).
 - `PolicyServer`, `PolicyClient`: environments send requests over 127.0.0.1 sockets to one
@@ -18,6 +21,8 @@ from packing.serve._proof import InferenceReport, verify_inference
 from packing.serve._request import Request, Result
 from packing.serve._schedulers import FlowScheduler, reference_sample
 from packing.serve._server import PolicyClient, PolicyServer
+from packing.serve._video import VideoEngine
+from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
 
 __all__ = [
     "Engine",
@@ -29,6 +34,11 @@ __all__ = [
     "PolicyServer",
     "Request",
     "Result",
+    "VideoEngine",
+    "VideoModel",
+    "VideoPack",
+    "VideoRequest",
+    "VideoShape",
     "reference_sample",
     "verify_inference",
 ]

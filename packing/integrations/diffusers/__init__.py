@@ -19,6 +19,8 @@ model's class: the same lines pack an ``LTXVideoTransformer3DModel``.
   first frame, the pipeline's ``expand_timesteps``).
 - Streams: `patchify` / `unpatchify` (latents <-> tokens), `pack_text_embeddings` and
   `drop_masked_rows` (the text encoder's output per episode).
+- `ServedWan`: a `PackedWan` served by `packing.serve.VideoEngine` (packed inference, each
+  request at its own step; docs/inference.md).
 - `packing.integrations.diffusers.testing`: tiny random-init models, a toy text encoder and the
   unpacked references the proofs compare against (``packing verify --model
   packing.integrations.diffusers.testing:tiny_wan_2_2``).
@@ -35,6 +37,7 @@ from packing.integrations.diffusers._adapter import (  # noqa: E402
 )
 from packing.integrations.diffusers._families import FAMILIES, install  # noqa: E402
 from packing.integrations.diffusers._ltx import PackedLTX  # noqa: E402
+from packing.integrations.diffusers._serve import ServedWan  # noqa: E402
 from packing.integrations.diffusers._streams import (  # noqa: E402
     drop_masked_rows,
     pack_text_embeddings,
@@ -49,6 +52,7 @@ __all__ = [
     "PackedAdapter",
     "PackedLTX",
     "PackedWan",
+    "ServedWan",
     "drop_masked_rows",
     "install",
     "pack_text_embeddings",

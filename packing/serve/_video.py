@@ -1,0 +1,286 @@
+"""Serving a latent-video model behind a small protocol: the engine asks the model for ONE
+velocity over the pack given per-token times, and runs the scheduler itself.
+
+`Engine` serves the reference DiT (video and action streams, its own patchify and text ids);
+`VideoEngine` serves any `VideoModel`, e.g. a packed diffusers Wan
+(`packing.integrations.diffusers.ServedWan`). A request is one episode: its text embeddings,
+optional clean context frames and the latent frames to generate. The pack is frame-major, one
+frame ``tokens_per_frame`` tokens, tokens of a frame in (h, w) order::
+
+    frames  S    c0 g0 g0 | g1 | g2 g2 | .          request 0: 1 context frame, 2 generated
+    doc_S         0  0  0 |  1 |  2  2 | -1
+    slot_S       -1  0  0 |  1 |  2  2 | -1          the scheduler updates slot >= 0 frames
+    t_S           0 t0 t0 | t1 | t2 t2 | 0           (per token: each frame's t, tpf times)
+    text   X     w0 w0 w0 | w1 w1 | w2 | . .         doc_X 0 0 0 1 1 2 -1 -1
+
+Context frames are clean (``t = 0`` on their tokens: Wan 2.2 TI2V's first frame, the
+pipeline's ``expand_timesteps``). Shapes are fixed by a `VideoShape` (frames, text rows,
+requests); admission copies a composition into the shape's static buffers, and the step
+(`video_step`) is tensor work only, no host sync, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from packing.serve._request import Result, _is_int
+from packing.serve._schedulers import FlowScheduler
+from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
+from packing.train._conditioning import broadcast_to_tokens
+
+__all__ = ["VideoEngine", "video_step"]
+
+
+class _Buffers:
+    """The static device tensors of one `VideoShape`: state, index tensors, schedule tables."""
+
+    def __init__(self, shape: VideoShape, model: VideoModel, max_steps: int) -> None:
+        dev, (gh, gw) = model.device, model.grid
+        S, R, X = shape.frames, shape.requests, shape.text
+        self.x_S = torch.zeros(S, *model.frame_shape, device=dev)
+        self.vp_S = torch.zeros_like(self.x_S)
+        self.slot_S = torch.full((S,), -1, dtype=torch.int64, device=dev)
+        self.text_XD = torch.zeros(X, model.text_dim, device=dev)
+        self.pack = VideoPack(
+            torch.full((S * gh * gw,), -1, dtype=torch.int64, device=dev),
+            torch.zeros(S * gh * gw, 3, dtype=torch.int64, device=dev),
+            torch.full((X,), -1, dtype=torch.int64, device=dev),
+        )
+        self.step_K = torch.zeros(R, dtype=torch.int64, device=dev)
+        self.t_table = torch.zeros(R, max_steps, device=dev)
+        self.coef = torch.zeros(R, max_steps, 2, device=dev)
+
+
+def video_step(model: VideoModel, b: _Buffers) -> None:
+    """One denoising step of every request in the pack, in place on ``b`` (no host sync)."""
+    R, N = b.t_table.shape
+    n_K = b.step_K.clamp(max=N - 1)  # a finished request is removed on the host first
+    t_K = b.t_table.gather(1, n_K[:, None])[:, 0]
+    ab_K2 = b.coef.gather(1, n_K[:, None, None].expand(R, 1, 2))[:, 0]
+    tpf = b.pack.doc_T.shape[0] // b.x_S.shape[0]
+    t_T = broadcast_to_tokens(t_K, b.slot_S).repeat_interleave(tpf)  # context, padding: 0
+    v = model.velocity(b.x_S, t_T, b.text_XD, b.pack).float()
+    ab_S2 = broadcast_to_tokens(ab_K2, b.slot_S)[:, :, None, None, None]
+    new = b.x_S + ab_S2[:, 0] * v + ab_S2[:, 1] * b.vp_S
+    b.x_S.copy_(torch.where((b.slot_S >= 0)[:, None, None, None], new, b.x_S))
+    b.vp_S.copy_(v)
+    b.step_K.add_(1)
+
+
+@dataclass
+class _Member:
+    rid: int
+    request: VideoRequest
+    admitted: int
+    step: int = 0
+    start: int = 0  # first frame in the pack
+
+
+class VideoEngine:
+    """Serve `VideoRequest`s with one `VideoModel.velocity` call per step over a pack.
+
+    ``engine.submit(req) -> id``; ``engine.step() -> [Result, ...]`` (those that finished;
+    ``Result.latents`` the generated frames ``(frames, C, H, W)``, ``Result.action`` empty);
+    ``engine.run()`` steps until every request is done. Admission is `Engine`'s: FIFO while
+    the largest shape holds them, the smallest shape that fits; state carries over in place.
+    """
+
+    def __init__(
+        self,
+        model: VideoModel,
+        shapes: Sequence[VideoShape],
+        *,
+        scheduler: FlowScheduler | None = None,
+        max_steps: int = 50,
+    ) -> None:
+        missing = [a for a in ("frame_shape", "grid", "text_dim", "device", "velocity")
+                   if not hasattr(model, a)]  # fmt: skip
+        if missing:
+            raise TypeError(
+                f"VideoEngine's model must be a VideoModel; {type(model).__name__} has no "
+                f"{missing}: wrap a packed diffusers Wan in ServedWan "
+                "(packing.integrations.diffusers), serve the reference DiT with Engine"
+            )
+        shapes = tuple(shapes)
+        if not shapes or not all(isinstance(s, VideoShape) for s in shapes):
+            raise ValueError(f"shapes={shapes!r}; give one or more VideoShape")
+        if not _is_int(max_steps) or max_steps < 1:
+            raise ValueError(f"max_steps={max_steps!r}; use an int >= 1")
+        self.model, self.max_steps = model, int(max_steps)
+        self.scheduler = scheduler if scheduler is not None else FlowScheduler()
+        self.shapes = sorted(shapes, key=lambda s: (s.frames, s.text, s.requests))
+        self._waiting: deque[tuple[int, VideoRequest]] = deque()
+        self._members: list[_Member] = []
+        self._buffers: dict[VideoShape, _Buffers] = {}
+        self._shape: VideoShape | None = None
+        self._next_id = 0
+        self._left = False
+        self.clock = 0
+        self.last_pack: tuple[tuple[int, int], ...] = ()  # (request id, its step) last step
+
+    def submit(self, request: VideoRequest) -> int:
+        """Queue ``request``; returns its id. Checked here, so a bad one never enters a pack."""
+        if not isinstance(request, VideoRequest):
+            raise TypeError(f"submit takes a VideoRequest, got {type(request).__name__}")
+        m = self.model
+        if tuple(request.context.shape[1:]) != tuple(m.frame_shape):
+            raise ValueError(
+                f"VideoRequest.context frames are {tuple(request.context.shape[1:])}, the model "
+                f"takes (C, H, W) = {tuple(m.frame_shape)}; encode at the model's latent size"
+            )
+        if request.text.shape[1] != m.text_dim:
+            raise ValueError(
+                f"VideoRequest.text is (L, {request.text.shape[1]}), the model reads text "
+                f"width {m.text_dim}; pass the model's text encoder output"
+            )
+        if request.steps > self.max_steps:
+            raise ValueError(
+                f"VideoRequest.steps={request.steps} > max_steps={self.max_steps}; raise "
+                "max_steps or ask for fewer steps"
+            )
+        if not self.shapes[-1].fits([request]):
+            s = self.shapes[-1]
+            raise ValueError(
+                f"the request needs {request.context.shape[0] + request.frames} frames and "
+                f"{request.text.shape[0]} text rows, more than the largest VideoShape "
+                f"(frames={s.frames}, text={s.text}); add a larger shape"
+            )
+        rid = self._next_id
+        self._next_id += 1
+        self._waiting.append((rid, request))
+        return rid
+
+    @property
+    def active(self) -> int:
+        return len(self._members)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def shape(self) -> VideoShape | None:
+        """The pack shape the last step ran in."""
+        return self._shape
+
+    def step(self) -> list[Result]:
+        """Admit, run one model call over the pack, return the requests that finished."""
+        self._admit()
+        if not self._members:
+            return []
+        assert self._shape is not None
+        self.last_pack = tuple((m.rid, m.step) for m in self._members)
+        with torch.no_grad():
+            video_step(self.model, self._buffers[self._shape])
+        self.clock += 1
+        done = []
+        for m in self._members:
+            m.step += 1
+            if m.step == m.request.steps:
+                done.append(self._result(m))
+        if done:
+            finished = {r.request_id for r in done}
+            self._members = [m for m in self._members if m.rid not in finished]
+            self._left = True
+        return done
+
+    def run(self) -> list[Result]:
+        """Step until nothing waits or runs; the results in the order they finished."""
+        out: list[Result] = []
+        while self._members or self._waiting:
+            out += self.step()
+        return out
+
+    # -- internals --------------------------------------------------------------------------
+    def _admit(self) -> None:
+        joining: list[_Member] = []
+        reqs = [m.request for m in self._members]
+        while self._waiting and self.shapes[-1].fits([*reqs, self._waiting[0][1]]):
+            rid, r = self._waiting.popleft()
+            joining.append(_Member(rid, r, admitted=self.clock))
+            reqs.append(r)
+        if not joining and not self._left:
+            return
+        self._left = False
+        shape = next(s for s in self.shapes if s.fits(reqs))
+        self._recompose(shape, self._members, joining)
+
+    def _recompose(self, shape: VideoShape, staying: list[_Member], joining: list[_Member]) -> None:
+        """Lay the members out in ``shape``: host index tensors, then in-place device copies
+        (the staying requests' frames gathered from the old buffers, the joining ones' clean
+        context and noise written in)."""
+        dev, (gh, gw) = self.model.device, self.model.grid
+        members = staying + joining
+        b = self._buffers.get(shape)
+        if b is None:
+            b = self._buffers[shape] = _Buffers(shape, self.model, self.max_steps)
+        old = self._buffers[self._shape] if self._shape is not None else None
+        S, X, R, N = shape.frames, shape.text, shape.requests, self.max_steps
+        doc_S = torch.full((S,), -1, dtype=torch.int64)
+        slot_S, pos_S = doc_S.clone(), torch.zeros(S, dtype=torch.int64)
+        take_S = doc_S.clone()  # the old pack's frame each new frame comes from (-1: none)
+        text_doc_X = torch.full((X,), -1, dtype=torch.int64)
+        text_XD = torch.zeros(X, self.model.text_dim)
+        fresh, fresh_rows = [torch.zeros(0, *self.model.frame_shape)], []
+        s0 = x0 = 0
+        for k, m in enumerate(members):
+            r = m.request
+            f_c, n, L = r.context.shape[0], r.context.shape[0] + r.frames, r.text.shape[0]
+            doc_S[s0 : s0 + n] = k
+            slot_S[s0 + f_c : s0 + n] = k
+            pos_S[s0 : s0 + n] = torch.arange(n)
+            text_doc_X[x0 : x0 + L] = k
+            text_XD[x0 : x0 + L] = r.text.float().cpu()
+            if k < len(staying):
+                take_S[s0 : s0 + n] = torch.arange(m.start, m.start + n)
+            else:
+                fresh.append(torch.cat([r.context.float().cpu(), r.noise()]))
+                fresh_rows.append(torch.arange(s0, s0 + n))
+            m.start = s0
+            s0, x0 = s0 + n, x0 + L
+        tpf = gh * gw
+        hw = torch.stack(torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij"), -1)
+        thw_T3 = torch.cat([pos_S[:, None, None].expand(S, tpf, 1),
+                            hw.reshape(1, tpf, 2).expand(S, tpf, 2)], -1).reshape(-1, 3)  # fmt: skip
+        doc_T = doc_S.repeat_interleave(tpf)
+        thw_T3 = torch.where((doc_T >= 0)[:, None], thw_T3, 0)
+        # Carry the staying requests' state (gather first: ``old`` may be ``b``).
+        take = take_S.to(dev, non_blocking=True)
+        keep, idx = (take >= 0)[:, None, None, None], take.clamp(min=0)
+        if old is not None:
+            gx, gvp = old.x_S.index_select(0, idx), old.vp_S.index_select(0, idx)
+            b.x_S.copy_(torch.where(keep, gx, 0.0))
+            b.vp_S.copy_(torch.where(keep, gvp, 0.0))
+        else:
+            b.x_S.zero_()
+            b.vp_S.zero_()
+        if fresh_rows:
+            rows = torch.cat(fresh_rows).to(dev, non_blocking=True)
+            b.x_S.index_copy_(0, rows, torch.cat(fresh).to(dev, non_blocking=True))
+        for dst, src in ((b.slot_S, slot_S), (b.text_XD, text_XD), (b.pack.doc_T, doc_T),
+                         (b.pack.thw_T3, thw_T3), (b.pack.text_doc_X, text_doc_X)):  # fmt: skip
+            dst.copy_(src, non_blocking=True)
+        t = torch.zeros(R, N, dtype=torch.float64)
+        coef = torch.zeros(R, N, 2, dtype=torch.float64)
+        for k, m in enumerate(members):
+            n = m.request.steps
+            t[k, :n] = torch.tensor(self.scheduler.sigmas(n)[:n], dtype=torch.float64)
+            coef[k, :n] = torch.tensor(self.scheduler.coefficients(n), dtype=torch.float64)
+        step = torch.tensor([m.step for m in members] + [0] * (R - len(members)))
+        b.t_table.copy_(t.float(), non_blocking=True)
+        b.coef.copy_(coef.float(), non_blocking=True)
+        b.step_K.copy_(step, non_blocking=True)
+        self._members, self._shape = members, shape
+        self.last_pack = tuple((m.rid, m.step) for m in members)
+
+    def _result(self, m: _Member) -> Result:
+        b = self._buffers[self._shape]  # type: ignore[index]
+        r = m.request
+        s0 = m.start + r.context.shape[0]
+        lat = b.x_S[s0 : s0 + r.frames].clone()
+        act = torch.zeros(0, 0, device=lat.device)
+        return Result(m.rid, lat, act, admitted=m.admitted, finished=self.clock)
