@@ -17,7 +17,6 @@ replayed; admission copies the new composition into the captured buffers.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +25,7 @@ from torch import Tensor
 from packing.attention._masks import frame_causal
 from packing.attention._packed import Backend, _resolve
 from packing.model._dit import DiT
+from packing.serve._batching import ContinuousBatcher
 from packing.serve._pack import HostPack, PackShape, build_pack
 from packing.serve._request import Request, Result
 from packing.serve._schedulers import FlowScheduler
@@ -68,7 +68,7 @@ class _Member:
     action_start: int = 0
 
 
-class Engine:
+class Engine(ContinuousBatcher[Request, PackShape]):
     """Serve `Request`s with one model call per step over a pack of them.
 
     ``engine.submit(req) -> id``; ``engine.step() -> [Result, ...]`` (those that finished);
@@ -96,64 +96,10 @@ class Engine:
                 "needs host-side lengths: use attention='flex' (or 'sdpa' on CPU)"
             )
         self.shapes = sorted(config.shapes, key=lambda s: (s.frames, s.actions, s.requests))
-        self._waiting: deque[tuple[int, Request]] = deque()
-        self._members: list[_Member] = []
+        self.scheduler, self.max_steps = config.scheduler, config.max_steps
         self._buffers: dict[PackShape, Buffers] = {}
         self._graphs: dict[PackShape, GraphedStep] = {}
-        self._shape: PackShape | None = None
-        self._next_id = 0
-        self._left = False  # a request finished since the last recomposition
-        self.clock = 0  # engine steps run
-        self.last_pack: tuple[tuple[int, int], ...] = ()  # (request id, its step) last step
-
-    # -- the public calls -------------------------------------------------------------------
-    def submit(self, request: Request) -> int:
-        """Queue ``request``; returns its id. Checked here, so a bad one never enters a pack."""
-        self._check(request)
-        rid = self._next_id
-        self._next_id += 1
-        self._waiting.append((rid, request))
-        return rid
-
-    @property
-    def active(self) -> int:
-        return len(self._members)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def shape(self) -> PackShape | None:
-        """The pack shape the last step ran in."""
-        return self._shape
-
-    def step(self) -> list[Result]:
-        """Admit, run one model call over the pack, return the requests that finished."""
-        self._admit()
-        if not self._members:
-            return []
-        self.last_pack = tuple((m.rid, m.step) for m in self._members)
-        assert self._shape is not None
-        self._run(self._shape)
-        self.clock += 1
-        done = []
-        for m in self._members:
-            m.step += 1
-            if m.step == m.request.steps:
-                done.append(self._result(m))
-        if done:
-            finished = {r.request_id for r in done}
-            self._members = [m for m in self._members if m.rid not in finished]
-            self._left = True
-        return done
-
-    def run(self) -> list[Result]:
-        """Step until nothing waits or runs; the results in the order they finished."""
-        out: list[Result] = []
-        while self._members or self._waiting:
-            out += self.step()
-        return out
+        self._start()
 
     # -- internals --------------------------------------------------------------------------
     def _check(self, r: Request) -> None:
@@ -179,23 +125,12 @@ class Engine:
                 "add a larger shape or drop context frames (keep_frames=)"
             )
 
-    def _admit(self) -> None:
-        """Recompose the pack when a request left or a waiting one fits (FIFO)."""
-        joining: list[_Member] = []
-        reqs = [m.request for m in self._members]
-        while self._waiting and self.shapes[-1].fits([*reqs, self._waiting[0][1]]):
-            rid, r = self._waiting.popleft()
-            joining.append(_Member(rid, r, admitted=self.clock))
-            reqs.append(r)
-        if not joining and not self._left:
-            return
-        self._left = False
-        shape = next(s for s in self.shapes if s.fits(reqs))
-        self._recompose(shape, self._members + joining, len(self._members))
-        self.last_pack = tuple((m.rid, m.step) for m in self._members)
+    def _member(self, rid: int, request: Request) -> _Member:
+        return _Member(rid, request, admitted=self.clock)
 
-    def _recompose(self, shape: PackShape, members: list[_Member], kept: int) -> None:
-        """Lay ``members`` out in ``shape``; the first ``kept`` carry their state over."""
+    def _recompose(self, shape: PackShape, staying: list[_Member], joining: list[_Member]) -> None:
+        """Lay the members out in ``shape``; the ``staying`` ones carry their state over."""
+        members, kept = staying + joining, len(staying)
         cfg = self.model.config
         host = build_pack([m.request for m in members], shape, grid=cfg.grid,
                           text_len=cfg.text_len)  # fmt: skip
@@ -214,7 +149,7 @@ class Engine:
         ):  # fmt: skip
             _carry(x, vp, ox, ovp, take.to(dev, non_blocking=True))
             x.index_copy_(0, rows.to(dev, non_blocking=True), fresh.to(dev, non_blocking=True))
-        new.load(host, *self._tables(members, shape))
+        new.load(host, *self._tables(members, shape.requests))
         for k, m in enumerate(members):
             m.video_start, m.action_start = host.video_start[k], host.action_start[k]
         self._members, self._shape = members, shape
@@ -259,18 +194,6 @@ class Engine:
         rows_v = torch.cat(rv) if rv else torch.zeros(0, dtype=torch.int64)
         rows_a = torch.cat(ra) if ra else torch.zeros(0, dtype=torch.int64)
         return torch.cat(vs), torch.cat(as_), rows_v, rows_a
-
-    def _tables(self, members: list[_Member], shape: PackShape) -> tuple[Tensor, Tensor, Tensor]:
-        """Per-request times, coefficients and current steps, (R, max_steps[, 2]) on the host."""
-        R, N = shape.requests, self.config.max_steps
-        t = torch.zeros(R, N, dtype=torch.float64)
-        coef = torch.zeros(R, N, 2, dtype=torch.float64)
-        for k, m in enumerate(members):
-            n = m.request.steps
-            t[k, :n] = torch.tensor(self.config.scheduler.sigmas(n)[:n], dtype=torch.float64)
-            coef[k, :n] = torch.tensor(self.config.scheduler.coefficients(n), dtype=torch.float64)
-        step = torch.tensor([m.step for m in members] + [0] * (R - len(members)), dtype=torch.int64)
-        return t.float(), coef.float(), step
 
     def _run(self, shape: PackShape) -> None:
         b = self._buffers[shape]

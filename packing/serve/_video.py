@@ -21,12 +21,12 @@ requests); admission copies a composition into the shape's static buffers, and t
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from packing.serve._batching import ContinuousBatcher
 from packing.serve._request import Result, _is_int
 from packing.serve._schedulers import FlowScheduler
 from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
@@ -80,7 +80,7 @@ class _Member:
     start: int = 0  # first frame in the pack
 
 
-class VideoEngine:
+class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
     """Serve `VideoRequest`s with one `VideoModel.velocity` call per step over a pack.
 
     ``engine.submit(req) -> id``; ``engine.step() -> [Result, ...]`` (those that finished;
@@ -113,17 +113,11 @@ class VideoEngine:
         self.model, self.max_steps = model, int(max_steps)
         self.scheduler = scheduler if scheduler is not None else FlowScheduler()
         self.shapes = sorted(shapes, key=lambda s: (s.frames, s.text, s.requests))
-        self._waiting: deque[tuple[int, VideoRequest]] = deque()
-        self._members: list[_Member] = []
         self._buffers: dict[VideoShape, _Buffers] = {}
-        self._shape: VideoShape | None = None
-        self._next_id = 0
-        self._left = False
-        self.clock = 0
-        self.last_pack: tuple[tuple[int, int], ...] = ()  # (request id, its step) last step
+        self._start()
 
-    def submit(self, request: VideoRequest) -> int:
-        """Queue ``request``; returns its id. Checked here, so a bad one never enters a pack."""
+    # -- internals --------------------------------------------------------------------------
+    def _check(self, request: VideoRequest) -> None:
         if not isinstance(request, VideoRequest):
             raise TypeError(f"submit takes a VideoRequest, got {type(request).__name__}")
         m = self.model
@@ -149,65 +143,13 @@ class VideoEngine:
                 f"{request.text.shape[0]} text rows, more than the largest VideoShape "
                 f"(frames={s.frames}, text={s.text}); add a larger shape"
             )
-        rid = self._next_id
-        self._next_id += 1
-        self._waiting.append((rid, request))
-        return rid
 
-    @property
-    def active(self) -> int:
-        return len(self._members)
+    def _member(self, rid: int, request: VideoRequest) -> _Member:
+        return _Member(rid, request, admitted=self.clock)
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def shape(self) -> VideoShape | None:
-        """The pack shape the last step ran in."""
-        return self._shape
-
-    def step(self) -> list[Result]:
-        """Admit, run one model call over the pack, return the requests that finished."""
-        self._admit()
-        if not self._members:
-            return []
-        assert self._shape is not None
-        self.last_pack = tuple((m.rid, m.step) for m in self._members)
+    def _run(self, shape: VideoShape) -> None:
         with torch.no_grad():
-            video_step(self.model, self._buffers[self._shape])
-        self.clock += 1
-        done = []
-        for m in self._members:
-            m.step += 1
-            if m.step == m.request.steps:
-                done.append(self._result(m))
-        if done:
-            finished = {r.request_id for r in done}
-            self._members = [m for m in self._members if m.rid not in finished]
-            self._left = True
-        return done
-
-    def run(self) -> list[Result]:
-        """Step until nothing waits or runs; the results in the order they finished."""
-        out: list[Result] = []
-        while self._members or self._waiting:
-            out += self.step()
-        return out
-
-    # -- internals --------------------------------------------------------------------------
-    def _admit(self) -> None:
-        joining: list[_Member] = []
-        reqs = [m.request for m in self._members]
-        while self._waiting and self.shapes[-1].fits([*reqs, self._waiting[0][1]]):
-            rid, r = self._waiting.popleft()
-            joining.append(_Member(rid, r, admitted=self.clock))
-            reqs.append(r)
-        if not joining and not self._left:
-            return
-        self._left = False
-        shape = next(s for s in self.shapes if s.fits(reqs))
-        self._recompose(shape, self._members, joining)
+            video_step(self.model, self._buffers[shape])
 
     def _recompose(self, shape: VideoShape, staying: list[_Member], joining: list[_Member]) -> None:
         """Lay the members out in ``shape``: host index tensors, then in-place device copies
@@ -219,7 +161,7 @@ class VideoEngine:
         if b is None:
             b = self._buffers[shape] = _Buffers(shape, self.model, self.max_steps)
         old = self._buffers[self._shape] if self._shape is not None else None
-        S, X, R, N = shape.frames, shape.text, shape.requests, self.max_steps
+        S, X, R = shape.frames, shape.text, shape.requests
         doc_S = torch.full((S,), -1, dtype=torch.int64)
         slot_S, pos_S = doc_S.clone(), torch.zeros(S, dtype=torch.int64)
         take_S = doc_S.clone()  # the old pack's frame each new frame comes from (-1: none)
@@ -264,18 +206,11 @@ class VideoEngine:
         for dst, src in ((b.slot_S, slot_S), (b.text_XD, text_XD), (b.pack.doc_T, doc_T),
                          (b.pack.thw_T3, thw_T3), (b.pack.text_doc_X, text_doc_X)):  # fmt: skip
             dst.copy_(src, non_blocking=True)
-        t = torch.zeros(R, N, dtype=torch.float64)
-        coef = torch.zeros(R, N, 2, dtype=torch.float64)
-        for k, m in enumerate(members):
-            n = m.request.steps
-            t[k, :n] = torch.tensor(self.scheduler.sigmas(n)[:n], dtype=torch.float64)
-            coef[k, :n] = torch.tensor(self.scheduler.coefficients(n), dtype=torch.float64)
-        step = torch.tensor([m.step for m in members] + [0] * (R - len(members)))
-        b.t_table.copy_(t.float(), non_blocking=True)
-        b.coef.copy_(coef.float(), non_blocking=True)
+        t, coef, step = self._tables(members, R)
+        b.t_table.copy_(t, non_blocking=True)
+        b.coef.copy_(coef, non_blocking=True)
         b.step_K.copy_(step, non_blocking=True)
         self._members, self._shape = members, shape
-        self.last_pack = tuple((m.rid, m.step) for m in members)
 
     def _result(self, m: _Member) -> Result:
         b = self._buffers[self._shape]  # type: ignore[index]
