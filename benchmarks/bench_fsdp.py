@@ -299,6 +299,31 @@ def count_syncs(model: Any, opt: Any, mb: PackedBatch, step: int, dev: torch.dev
     return len(syncs)
 
 
+def end_of_step(
+    clock: Clock, dev: torch.device, s: int, warmup: int, t0: float, start: Any, marks: list
+) -> float | None:
+    """Mark step ``s``'s end and its wait at the end-of-step barrier; a timed step's
+    (start, done, after-barrier) marks go to ``marks``. Returns the first step's seconds
+    (compile included) at ``s == 0``, else None."""
+    done = clock.mark()
+    barrier_on(dev)
+    after = clock.mark()
+    if s >= warmup:
+        marks.append((start, done, after))
+        return None
+    common.sync(dev)
+    return time.perf_counter() - t0 if s == 0 else None
+
+
+def timing_summary(dev: torch.device, marks: list, g0: int) -> tuple[int, list[float], list[float]]:
+    """(graphs compiled since the warm-up, step ms, barrier-wait ms) of the timed steps."""
+    common.sync(dev)
+    recompiles = common.dynamo_counters()["unique_graphs"] - g0
+    step_ms = [Clock.ms(a, c) for a, _, c in marks]
+    wait_ms = [Clock.ms(b, c) for _, b, c in marks]
+    return recompiles, step_ms, wait_ms
+
+
 def barrier_on(dev: torch.device) -> None:
     """A barrier that runs on the GPU stream (an all-reduce of one element)."""
     dist.all_reduce(torch.zeros(1, device=dev))
@@ -435,19 +460,8 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         t0 = time.perf_counter()
         a = clock.mark()
         losses.append(train_step(model, opt, plans[s], s, dev, sync_every))
-        done = clock.mark()
-        barrier_on(dev)
-        after = clock.mark()
-        if s < args.warmup:
-            common.sync(dev)
-            if s == 0:
-                first_s = time.perf_counter() - t0
-        else:
-            marks.append((a, done, after))
-    common.sync(dev)
-    recompiles = common.dynamo_counters()["unique_graphs"] - g0
-    step_ms = [Clock.ms(a, c) for a, _, c in marks]
-    wait_ms = [Clock.ms(b, c) for _, b, c in marks]
+        first_s = end_of_step(clock, dev, s, args.warmup, t0, a, marks) or first_s
+    recompiles, step_ms, wait_ms = timing_summary(dev, marks, g0)
     peak = torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0
     prof_row: dict[str, float] = {}
     if dev.type == "cuda" and sweep_m is None:
@@ -593,19 +607,8 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
-        done = clock.mark()
-        barrier_on(dev)
-        after = clock.mark()
-        if s < args.warmup:
-            common.sync(dev)
-            if s == 0:
-                first_s = time.perf_counter() - t0
-        else:
-            marks.append((a0, done, after))
-    common.sync(dev)
-    recompiles = common.dynamo_counters()["unique_graphs"] - g0
-    step_ms = [Clock.ms(a, c) for a, _, c in marks]
-    wait_ms = [Clock.ms(b, c) for _, b, c in marks]
+        first_s = end_of_step(clock, dev, s, args.warmup, t0, a0, marks) or first_s
+    recompiles, step_ms, wait_ms = timing_summary(dev, marks, g0)
     step_losses = torch.stack(losses)
     dist.all_reduce(step_losses)
     trained = [[data.get(s, g) for g in data.own(s, rank)] for s in range(args.warmup, n_steps)]

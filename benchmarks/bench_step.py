@@ -62,6 +62,17 @@ from packing.train import StepProfiler
 ACTIONS_PER_FRAME = 1
 
 
+def packed_collator(mcfg: Any, budget: int, max_docs: int) -> PackedCollator:
+    """The static-shape collator of the packed variants: latents at ``budget`` tokens, the
+    actions and text sized from it (every pack one shape, so the compiled step compiles once)."""
+    a_budget = -(-budget // mcfg.tokens_per_frame * ACTIONS_PER_FRAME // 128) * 128
+    return PackedCollator(
+        [Stream("latents", grid=mcfg.grid, budget=budget, step_shape=(48, 8, 16)),
+         Stream("action", budget=a_budget), Stream("text", budget=max_docs * mcfg.text_len)],
+        max_docs=max_docs,
+    )  # fmt: skip
+
+
 def random_packs(args: Any, cfg: DiTConfig, budget: int, fmin: int, fmax: int, max_docs: int,
                  n_steps: int, seed: int | None = None) -> list[list[dict[str, Any]]]:  # fmt: skip
     """``n_steps`` random packs drawn from a pool of episodes (random lengths, random order),
@@ -198,13 +209,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
     if kind == "unpacked":
         collator = PackedCollator([*mcfg.streams(), Stream("text")], pad_to_multiple=1)
     else:
-        max_docs = args.max_docs
-        a_budget = -(-budget // tpf * ACTIONS_PER_FRAME // 128) * 128
-        collator = PackedCollator(
-            [Stream("latents", grid=mcfg.grid, budget=budget, step_shape=(48, 8, 16)),
-             Stream("action", budget=a_budget), Stream("text", budget=max_docs * mcfg.text_len)],
-            max_docs=max_docs,
-        )  # fmt: skip
+        collator = packed_collator(mcfg, budget, args.max_docs)
 
     def micro_batches(eps: list[dict[str, Any]]) -> list[PackedBatch]:
         if kind == "unpacked":
@@ -503,12 +508,7 @@ def run_fill_axis(args: Any, cfg: DiTConfig, regime: tuple[int, int, int, int], 
         for i, b in enumerate(model.blocks):
             model.blocks[i] = torch.compile(b)
     tpf = mcfg.tokens_per_frame
-    a_budget = -(-budget // tpf * ACTIONS_PER_FRAME // 128) * 128
-    collator = PackedCollator(
-        [Stream("latents", grid=mcfg.grid, budget=budget, step_shape=(48, 8, 16)),
-         Stream("action", budget=a_budget), Stream("text", budget=max_docs * mcfg.text_len)],
-        max_docs=max_docs,
-    )  # fmt: skip
+    collator = packed_collator(mcfg, budget, max_docs)
     rows = []
     for f in sorted(fills, reverse=True):  # the full pack first: its time is the reference
         eps_list = sets[f]

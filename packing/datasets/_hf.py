@@ -34,6 +34,19 @@ from packing.datasets import _arrow
 __all__ = ["HFEpisodes"]
 
 
+def _int_column(dataset: Any, column: str, what: str, fix: str) -> np.ndarray:
+    """One integer per row of ``column``, read as numpy, or a TypeError naming it."""
+    values = _arrow.arrow_to_numpy(
+        dataset.select_columns([column]).with_format("arrow")[column], key=column
+    )
+    if values.ndim != 1 or values.dtype.kind not in "iu":
+        raise TypeError(
+            f"{what} {column!r} must be one integer per row, got {values.dtype} of shape "
+            f"{values.shape[1:]}{fix}"
+        )
+    return values
+
+
 def group_rows(
     episode_ids: np.ndarray, frames: np.ndarray | None = None, frame_column: str = "frame_index"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -123,30 +136,14 @@ class HFEpisodes(Dataset):
         self.keys = tuple(keys)
         self._plan = _arrow.plan_columns(self.keys, [c for c in columns if c != episode_column])
         self.task_column = task_column
-        ep_ids = _arrow.arrow_to_numpy(
-            dataset.select_columns([episode_column]).with_format("arrow")[episode_column],
-            key=episode_column,
-        )
-        if ep_ids.ndim != 1 or ep_ids.dtype.kind not in "iu":
-            raise TypeError(
-                f"episode column {episode_column!r} must be one integer per row, "
-                f"got {ep_ids.dtype} of shape {ep_ids.shape[1:]}"
-            )
+        ep_ids = _int_column(dataset, episode_column, "episode column", "")
         schema = dataset.data.schema  # validate early, not in a DataLoader worker
         for _, col, _ in self._plan:
             _arrow.check_numeric(schema.field(col).type, key=col)
         frames = None
         if frame_column is not None and frame_column in columns:
-            frames = _arrow.arrow_to_numpy(
-                dataset.select_columns([frame_column]).with_format("arrow")[frame_column],
-                key=frame_column,
-            )
-            if frames.ndim != 1 or frames.dtype.kind not in "iu":
-                raise TypeError(
-                    f"frame column {frame_column!r} must be one integer per row, got "
-                    f"{frames.dtype} of shape {frames.shape[1:]}; pass frame_column=None to "
-                    "serve rows in row order"
-                )
+            fix = "; pass frame_column=None to serve rows in row order"
+            frames = _int_column(dataset, frame_column, "frame column", fix)
         ids, offsets, self._order = group_rows(ep_ids, frames, frame_column or "")
         # "arrow" format: indexing returns pyarrow Tables and honours select/shuffle indices;
         # selecting columns first keeps a gather of scattered rows to the columns we serve.
