@@ -299,6 +299,15 @@ def count_syncs(model: Any, opt: Any, mb: PackedBatch, step: int, dev: torch.dev
     return len(syncs)
 
 
+def start_timing(dev: torch.device) -> int:
+    """After the warm-up: peak memory from here, and the graph count recompiles are taken
+    against."""
+    common.sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    return int(common.dynamo_counters()["unique_graphs"])
+
+
 def end_of_step(
     clock: Clock, dev: torch.device, s: int, warmup: int, t0: float, start: Any, marks: list
 ) -> float | None:
@@ -453,10 +462,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
     g0 = 0
     for s in range(n_steps):
         if s == args.warmup:
-            common.sync(dev)
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            g0 = common.dynamo_counters()["unique_graphs"]
+            g0 = start_timing(dev)
         t0 = time.perf_counter()
         a = clock.mark()
         losses.append(train_step(model, opt, plans[s], s, dev, sync_every))
@@ -571,10 +577,7 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
     marks, losses, first_s, g0 = [], [], 0.0, 0
     for s in range(n_steps):
         if s == args.warmup:
-            common.sync(dev)
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            g0 = common.dynamo_counters()["unique_graphs"]
+            g0 = start_timing(dev)
         if kind == "lean":
             micro = [(bl.lean_episode_loss, x.xt_v.to(dtype), x.v_v, x.xt_a.to(dtype), x.v_a, x.t,
                       x.thw, x.text) for x in steps[s]]  # fmt: skip
