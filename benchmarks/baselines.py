@@ -112,8 +112,15 @@ def sdpa_flash(q: Tensor, k: Tensor, v: Tensor, mask: Any = None) -> Tensor:
 
 
 def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Any) -> Tensor:
-    """``mask`` (B, 1, 1, L_kv) bool, True = attend: SDPA picks its masked kernel."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    """``mask`` (B, 1, 1, L_kv) bool, True = attend. On the GPU only SDPA's fused masked
+    kernels (memory-efficient, cuDNN) may run: a careful user would not let it fall back to
+    the math path (an (L, L) score matrix per head), and an unsupported call raises instead."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def flex_masked(q: Tensor, k: Tensor, v: Tensor, mask: Any) -> Tensor:
@@ -255,6 +262,9 @@ def bounds_for(mode: str, tmin: int, tmax: int, buckets: int, multiple: int) -> 
     return pick(tmin, tmax, buckets, multiple)
 
 
+PAD_ALIGN = 16  # padded bucket rows are a multiple of this many tokens
+
+
 @dataclass
 class BucketBatch:
     args: tuple[Tensor, ...]  # the tensors of bucket_batch_loss, in order, up to self_attn
@@ -294,7 +304,11 @@ def bucket_step(inputs: list[EpisodeInputs], bounds: list[int], token_target: in
     for L in sorted(groups):
         rows = max(1, token_target // L)
         items = groups[L]
-        chunks += [(L, items[lo : lo + rows]) for lo in range(0, len(items), rows)]
+        # padded rows: the row length rounded up to the masked kernels' alignment (SDPA's
+        # memory-efficient kernel wants the mask's last dim a multiple of 16); cropped rows
+        # are exact (no mask, flash needs no alignment)
+        slots = -(-L // PAD_ALIGN) * PAD_ALIGN if mode == "pad" else L
+        chunks += [(slots, items[lo : lo + rows]) for lo in range(0, len(items), rows)]
     while len(chunks) < min_batches and chunks and max(len(c) for _, c in chunks) > 1:
         i = max(range(len(chunks)), key=lambda j: (len(chunks[j][1]), -j))
         L, items = chunks[i]

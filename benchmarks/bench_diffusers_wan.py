@@ -23,14 +23,13 @@ memory, recompiles after warm-up, and each step's loss next to the unpacked one 
 episodes ("loss rel diff": bf16 noise, a packing bug would show as O(1)).
 
     python benchmarks/bench_diffusers_wan.py --out /tmp/wan       # one H200, ~3-4 min
-    python benchmarks/bench_diffusers_wan.py --depth 30 --checkpointing packed --out /tmp/wan30
-                                    # full depth: the packed path checkpointed per block
+    python benchmarks/bench_diffusers_wan.py --depth 30 --checkpointing seed=both,short=packed \
+        --out /tmp/wan30            # full depth: checkpointed per block where it must be
     python benchmarks/bench_diffusers_wan.py --quick --out /tmp/q  # tiny Wan on CPU (CI smoke)
 """
 
 from __future__ import annotations
 
-import copy
 import gc
 import random
 import sys
@@ -67,15 +66,30 @@ REGIMES = {"seed": (65536, 144, 336, 16), "short": (49152, 10, 79, 160)}
 QUICK_REGIMES = {"seed": (1024, 4, 8, 16), "short": (512, 1, 3, 64)}
 TEXT_LEN = (16, 128)
 UNPACKED_BACKENDS = ("native", "_native_flash", "_native_cudnn", "_native_efficient")
+CHECKPOINTING = ("none", "packed", "unpacked", "both")
 
 
-def build_model(args: Any) -> torch.nn.Module:
+def build_model(args: Any, dev: torch.device) -> torch.nn.Module:
+    """The model, built on ``dev`` (a 5B init on the host takes minutes; on the GPU, seconds)."""
     torch.manual_seed(args.seed)
     if args.quick:
-        return tiny_wan("2.2")
+        return tiny_wan("2.2").to(dev)
     from diffusers import WanTransformer3DModel
 
-    return WanTransformer3DModel(**TI2V_5B, num_layers=args.depth)
+    with torch.device(dev):
+        return WanTransformer3DModel(**TI2V_5B, num_layers=args.depth)
+
+
+def checkpointed(setting: str, regime: str, kind: str) -> bool:
+    """Whether ``kind`` (packed / unpacked) runs checkpointed in ``regime``: ``setting`` is one
+    of none/packed/unpacked/both for every regime, or per regime, ``seed=both,short=packed``."""
+    if "=" in setting:
+        per = dict(part.split("=", 1) for part in setting.split(","))
+        setting = per.get(regime, "none")
+    if setting not in CHECKPOINTING:
+        raise ValueError(f"--checkpointing {setting!r}: choose from {CHECKPOINTING}, or per "
+                         "regime as seed=both,short=packed")  # fmt: skip
+    return setting in (kind, "both")
 
 
 def draw_steps(
@@ -128,16 +142,18 @@ def probe_backends(dev: torch.device, heads: int, head_dim: int) -> tuple[str, d
     return min(ok, key=ok.__getitem__), times
 
 
-def run_variant(kind: str, args: Any, model0: torch.nn.Module, steps_eps: list[list[dict[str, Any]]],
-                regime: tuple[int, ...], dev: torch.device, backend: str) -> dict[str, Any]:  # fmt: skip
+def run_variant(kind: str, args: Any, state: dict[str, torch.Tensor],
+                steps_eps: list[list[dict[str, Any]]], regime: tuple[int, ...], rname: str,
+                dev: torch.device, backend: str) -> dict[str, Any]:  # fmt: skip
     # No dynamo reset between variants: the two compile different code objects (the packed
     # block step, WanTransformerBlock.forward), and the unpacked dynamic graph serves both
     # regimes (one compile saved). The packed step is compiled static (dynamic=False), so the
     # second regime's budget compiles a second static graph instead of a dynamic one.
     budget, _, _, max_docs = regime
     compiled = dev.type == "cuda" and not args.no_compile
-    model = copy.deepcopy(model0).to(dev)
-    if args.checkpointing in (kind, "both"):
+    model = build_model(args, dev)
+    model.load_state_dict(state)  # the same initial weights in every variant
+    if checkpointed(args.checkpointing, rname, kind):
         # diffusers' own switch; the packed adapter's run_blocks honours it too (per block,
         # use_reentrant=False): what lets the seed regime's 64K pack fit at 30 blocks
         model.enable_gradient_checkpointing()
@@ -252,8 +268,8 @@ def main() -> None:
     p.add_argument(
         "--checkpointing",
         default="none",
-        choices=["none", "packed", "unpacked", "both"],
-        help="per-block gradient checkpointing of these variants (30 blocks: packed)",
+        help="per-block gradient checkpointing: none, packed, unpacked or both, or per regime "
+        "(seed=both,short=packed: at 30 blocks what fits one H200)",
     )
     p.add_argument("--budget", type=int, default=None,
                    help="packed latent-token budget for every regime (default: the regime's; "
@@ -268,8 +284,13 @@ def main() -> None:
     dev = torch.device(args.device)
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 4096
-    model0 = build_model(args)
+    for rname in args.regimes.split(","):
+        for kind in ("unpacked", "packed"):
+            checkpointed(args.checkpointing, rname, kind)  # a bad setting fails before the runs
+    model0 = build_model(args, dev)
     cfg = model0.config
+    state = {k: v.detach().cpu() for k, v in model0.state_dict().items()}
+    del model0
     if args.unpacked_backend == "probe":
         backend, probe = probe_backends(dev, cfg.num_attention_heads, cfg.attention_head_dim)
     else:
@@ -284,10 +305,12 @@ def main() -> None:
         for kind in ("unpacked", "packed"):
             print(f"{rname}: {kind} ...", flush=True)
             try:
-                row = run_variant(kind, args, model0, steps_eps, regimes[rname], dev, backend)
+                row = run_variant(kind, args, state, steps_eps, regimes[rname], rname, dev,
+                                  backend)  # fmt: skip
             except Exception as e:  # one failed variant must not lose the other rows
                 row = {"variant": kind, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            rows.append({"regime": rname, "checkpointed": args.checkpointing in (kind, "both"),
+            rows.append({"regime": rname,
+                         "checkpointed": checkpointed(args.checkpointing, rname, kind),
                          **row})  # fmt: skip
             gc.collect()  # the variant's model, optimizer state and graphs go before the next
             if dev.type == "cuda":

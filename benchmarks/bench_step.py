@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -355,13 +356,41 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
         prepared.append(inputs)
         if kind != "lean":
             plans.append(bl.bucket_step(inputs, bounds, args.budget, mode, cfg.text_len, dev))
+
+    def micro_step(item: Any, dv: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+        """One micro-step's forward and backward; its share of the step loss (detached)."""
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            if kind == "lean":
+                x = item
+                loss = lean(model, x.xt_v, x.v_v, x.xt_a, x.v_a, x.t, x.thw, x.text, dv, da)
+            else:
+                mask = (bl.key_padding_block_mask(item.lengths_B, item.L)
+                        if kind == "bucket_flex" else _key_padding(item, dev))  # fmt: skip
+                loss = bucket(model, *item.args, attn, mask, dv, da)
+        loss.backward()
+        return loss.detach().float()
+
+    started = time.monotonic()
+    if compiled:
+        # Dynamo specialises a batch of one row apart from B >= 2 (its 0/1 rule), so the
+        # steps can meet a graph the warm-up steps did not: compile each class now, untimed
+        # (forward and backward, gradients dropped, no optimizer step).
+        one = torch.ones((), device=dev)
+        for item in _graph_classes(kind, prepared, plans):
+            micro_step(item, one, one)
+        opt.zero_grad(set_to_none=True)
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    compile_s = time.monotonic() - started
     times: list[Any] = []
     step_losses: list[torch.Tensor] = []
     g0 = None
+    cut = None
     for s, inputs in enumerate(prepared):
+        if args.variant_limit and time.monotonic() - started > args.variant_limit:
+            cut = f"cut at the {args.variant_limit:g} s variant limit after {s} steps"
+            break
         if s == args.warmup:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -378,19 +407,8 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
         da = torch.tensor(float(n_a), device=dev)
         a, b = _timer(dev)
         step_loss = torch.zeros((), device=dev)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            if kind == "lean":
-                for x in inputs:
-                    loss = lean(model, x.xt_v, x.v_v, x.xt_a, x.v_a, x.t, x.thw, x.text, dv, da)
-                    loss.backward()
-                    step_loss += loss.detach().float()
-            else:
-                for mb in plans[s]:
-                    mask = (bl.key_padding_block_mask(mb.lengths_B, mb.L)
-                            if kind == "bucket_flex" else _key_padding(mb, dev))  # fmt: skip
-                    loss = bucket(model, *mb.args, attn, mask, dv, da)
-                    loss.backward()
-                    step_loss += loss.detach().float()
+        for item in inputs if kind == "lean" else plans[s]:
+            step_loss += micro_step(item, dv, da)
         step_losses.append(step_loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -398,8 +416,11 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
         if s >= args.warmup:
             times.append(t)
     times = _elapsed(dev, times)
+    if len(times) < 2:
+        raise RuntimeError(f"{cut or 'no timed steps'}: {len(times)} timed, too few to report")
     peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
-    timed = steps_eps[args.warmup :]
+    ran = slice(args.warmup, args.warmup + len(times))  # the timed steps (fewer if cut)
+    timed = steps_eps[ran]
     tpf_v = cfg.tokens_per_frame
     tok = [sum(e["latents"].shape[0] * tpf_v + e["action"].shape[0] for e in eps) for eps in timed]
     ms_total = sum(times)
@@ -409,11 +430,13 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
         "compiled": compiled,
         "steps timed": len(times),
         "micro-steps/step": (
-            sum(len(x) for x in prepared[args.warmup :])
+            sum(len(x) for x in prepared[ran])
             if kind == "lean"
-            else sum(len(p) for p in plans[args.warmup :])
+            else sum(len(p) for p in plans[ran])
         )
         / max(len(timed), 1),
+        "compile s": compile_s,
+        "cut": cut,
         "step ms": common.summarize(times).median_ms,
         "p10-p90 ms": "{:.0f}-{:.0f}".format(*_p10_p90(times)),
         "peak GB": peak / 1e9,
@@ -422,7 +445,7 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
         "timing": common.summarize(times).as_dict(),
     }
     if kind == "bucket_crop":  # tokens/s and MFU count what was trained on, not what was cut
-        rows_jt = [jt for p in plans[args.warmup :] for b in p for jt in b.rows_jt]
+        rows_jt = [jt for p in plans[ran] for b in p for jt in b.rows_jt]
         row["tokens/s"] = sum(j for j, _ in rows_jt) / (ms_total * 1e-3)
         flops = lengths_flops(cfg, rows_jt)
     else:
@@ -430,7 +453,7 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
         flops = sum(step_flops(cfg, eps) for eps in timed)
     row["MFU"] = flops / (ms_total * 1e-3) / (common.H200_BF16_PEAK_TFLOPS * 1e12)
     if kind != "lean":
-        flat = [b for p in plans[args.warmup :] for b in p]
+        flat = [b for p in plans[ran] for b in p]
         real = sum(b.real_tokens for b in flat)
         row["padding fraction"] = 1 - real / sum(b.slots for b in flat)
         row["cropped fraction"] = sum(b.cropped_tokens for b in flat) / (
@@ -439,6 +462,17 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
         row["buckets"] = bounds
         row["shapes"] = len({(b.slots // b.L, b.L) for b in flat})
     return row
+
+
+def _graph_classes(kind: str, prepared: list[Any], plans: list[Any]) -> list[Any]:
+    """One micro-batch of each graph class the steps meet: the first episode (lean), or the
+    first bucket batch of one row and the first of several (bucketing)."""
+    if kind == "lean":
+        return [prepared[0][0]]
+    first: dict[bool, Any] = {}
+    for mb in (mb for p in plans for mb in p):
+        first.setdefault(mb.args[4].shape[0] == 1, mb)
+    return list(first.values())
 
 
 _COMPILED_BLOCK: Any = None
@@ -574,6 +608,9 @@ def main() -> None:
     p.add_argument("--fills", default="0.5,0.625,0.75,0.875,1.0", help="the fill axis")
     p.add_argument("--fill-regimes", default="seed,short", help="regimes given the fill axis")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--variant-limit", type=float, default=0.0,
+                   help="seconds a baseline variant may run (compile included); past it the "
+                   "variant stops at a step boundary and reports the steps it timed")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="packing.train._profile kernel tables")
     args = p.parse_args()
     dev = torch.device(args.device)
@@ -634,6 +671,7 @@ def main() -> None:
                 checkpoint()
                 continue
             name = variants[v]
+            print(f"== {rname} {v} {time.strftime('%H:%M:%S')}", flush=True)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             rows.append(variant_row(name, rname, args, cfg, steps_eps, dev, state))
@@ -671,7 +709,7 @@ def main() -> None:
     cols = ["regime", "variant", "attention", "episodes/step", "micro-steps/step", "step ms",
             "p10-p90 ms", "tokens/s", "vs unpacked", "vs lean", "vs best baseline",
             "loss rel diff", "MFU", "padding fraction", "cropped fraction", "shapes", "peak GB",
-            "recompiles after warm-up", "steps timed", "error"]  # fmt: skip
+            "recompiles after warm-up", "steps timed", "compile s", "cut", "error"]  # fmt: skip
     print(common.markdown_table(rows, cols))
     if fill_rows:
         print(common.markdown_table(fill_rows, ["regime", "fill target", "fill", "step ms",
