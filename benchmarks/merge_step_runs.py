@@ -32,7 +32,7 @@ def merge(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         r["vs lean"] = r["tokens/s"] / anchor if anchor else None
     for regime in sorted({r["regime"] for r in rows}):
         mine = [r for r in rows if r["regime"] == regime]
-        base = [r for r in mine if r["kind"] == "lean" or r["kind"].startswith("bucket")]
+        base = [r for r in mine if r["kind"].startswith(("lean", "bucket"))]
         if not base:
             continue
         best_direct = max(base, key=lambda r: r["tokens/s"])
