@@ -36,11 +36,14 @@ def merge(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not base:
             continue
         best_direct = max(base, key=lambda r: r["tokens/s"])
-        best_anchored = max((r for r in base if r["vs lean"]), key=lambda r: r["vs lean"])
+        # through the anchors only where every baseline row has one (else it would silently
+        # leave out the baselines of an anchorless run)
+        anchored = all(r["vs lean"] for r in base)
+        best_anchored = max(base, key=lambda r: r["vs lean"] or 0.0)
         for r in mine:
             r["best baseline"] = best_direct["kind"]
             r["vs best baseline"] = r["tokens/s"] / best_direct["tokens/s"]
-            if r["vs lean"]:
+            if anchored and r["vs lean"]:
                 r["vs best baseline (anchored)"] = r["vs lean"] / best_anchored["vs lean"]
         leans = [r for r in mine if r["kind"] == "lean"]
         for r in leans[1:]:
