@@ -573,11 +573,10 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
                 mbs = bl.bucket_step(inputs, bounds, args.pack_budget, mode, cfg.text_len, dev,
                                      min_batches=int(n))  # fmt: skip
             plans.append(mbs)
-    clock = Clock(dev)
-    marks, losses, first_s, g0 = [], [], 0.0, 0
-    for s in range(n_steps):
-        if s == args.warmup:
-            g0 = start_timing(dev)
+
+    def step_inputs(s: int) -> tuple[list[tuple], list[float], torch.Tensor, torch.Tensor]:
+        """Step ``s``'s micro-batches (the loss function and its arguments), their weights and
+        the step's denominators."""
         if kind == "lean":
             micro = [(bl.lean_episode_loss, x.xt_v.to(dtype), x.v_v, x.xt_a.to(dtype), x.v_a, x.t,
                       x.thw, x.text) for x in steps[s]]  # fmt: skip
@@ -598,15 +597,34 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
                               float(sum(m[3].shape[0] * w for m, w in zip(micro, weights, strict=True)))],
                              device=dev)  # fmt: skip
         dist.all_reduce(local)
-        dv, da = local[0] / world, local[1] / world
-        t0 = time.perf_counter()
-        a0 = clock.mark()
+        return micro, weights, local[0] / world, local[1] / world
+
+    def micro_steps(net: Any, micro: list[tuple], weights: list[float], dv: Any,
+                    da: Any) -> torch.Tensor:  # fmt: skip
         total = torch.zeros((), device=dev)
         for i, m in enumerate(micro):
-            model.set_requires_gradient_sync(i == len(micro) - 1)
-            loss = model(*m, dv, da) * weights[i]
+            net.set_requires_gradient_sync(i == len(micro) - 1)
+            loss = net(*m, dv, da) * weights[i]
             loss.backward()
             total += loss.detach().float() / world
+        return total
+
+    if args.warm_pass:
+        # dynamic shapes compile several graphs (batch-of-one, divisibility and range guards:
+        # bench_step's H200 run met them in timed steps): every step's micro-batches once,
+        # untimed, gradients dropped, no optimizer step
+        for s in range(n_steps):
+            micro_steps(model, *step_inputs(s))
+            opt.zero_grad(set_to_none=True)
+    clock = Clock(dev)
+    marks, losses, first_s, g0 = [], [], 0.0, 0
+    for s in range(n_steps):
+        if s == args.warmup:
+            g0 = start_timing(dev)
+        micro, weights, dv, da = step_inputs(s)
+        t0 = time.perf_counter()
+        a0 = clock.mark()
+        total = micro_steps(model, micro, weights, dv, da)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
@@ -731,6 +749,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--buckets", type=int, default=4, help="length buckets of bucket_*")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warm-pass", action=argparse.BooleanOptionalAction, default=True,
+                   help="baselines: every micro-batch once before the steps, untimed, so no "
+                   "dynamic-shape compile lands in a timed step (--no-warm-pass: skip)")  # fmt: skip
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant")
     p.add_argument("--checkpointing", default="full",
                    choices=["full", "ops", "attention", "none"])  # fmt: skip
