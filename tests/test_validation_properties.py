@@ -36,6 +36,14 @@ from packing.planning import (
     plan_packs,
     split_windows,
 )
+from packing.serve import (
+    EngineConfig,
+    FlowScheduler,
+    PackShape,
+    Request,
+    VideoRequest,
+    VideoShape,
+)
 from packing.train import LossNormalizer, MemoryModel, StepProfiler, episode_seed, reduce_loss
 
 PACKAGE = str(Path(__file__).resolve().parents[1] / "packing")
@@ -107,6 +115,22 @@ INT_ARGS: list[tuple[str, Callable[[Any], Any], int]] = [
         1,
     ),
 ]
+_CTX = torch.zeros(0, 4, 2, 2)  # a request with no context frames
+_TXT = torch.zeros(3, 8)
+INT_ARGS += [
+    *[(f"PackShape.{k}", lambda v, k=k: PackShape(**{"frames": 2, "actions": 2, "requests": 1, k: v}), 1)
+      for k in ("frames", "actions", "requests")],
+    *[(f"VideoShape.{k}", lambda v, k=k: VideoShape(**{"frames": 2, "text": 4, "requests": 1, k: v}), 1)
+      for k in ("frames", "text", "requests")],
+    ("Request.frames", lambda v: Request(context=_CTX, frames=v, actions=2), 0),
+    ("Request.actions", lambda v: Request(context=_CTX, frames=2, actions=v), 1),
+    ("Request.steps", lambda v: Request(context=_CTX, frames=2, actions=2, steps=v), 1),
+    ("VideoRequest.frames", lambda v: VideoRequest(context=_CTX, text=_TXT, frames=v), 1),
+    ("VideoRequest.steps", lambda v: VideoRequest(context=_CTX, text=_TXT, frames=2, steps=v), 1),
+    ("EngineConfig.max_steps", lambda v: EngineConfig(
+        shapes=[PackShape(frames=2, actions=2, requests=1)], max_steps=v), 1),
+    ("steps", lambda v: FlowScheduler().sigmas(v), 1),
+]  # fmt: skip
 # Entries whose argument is optional (None is valid: unset).
 OPTIONAL = [
     call for name, call, _ in INT_ARGS if name in ("max_docs", "budget", "kernel_step", "tokens")

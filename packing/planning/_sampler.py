@@ -165,11 +165,9 @@ class PackedBatchSampler(Sampler[list[int]]):
         num_replicas, rank = _world(num_replicas, rank)
         if balance not in ("tokens", "attention"):
             raise ValueError(f"balance={balance!r}; choose 'tokens' or 'attention'")
-        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-            raise ValueError(
-                f"seed={seed!r} must be an int >= 0 (numpy seeds the epoch's shuffle with "
-                "[seed, epoch])"
-            )
+        seed = check_int(
+            "seed", seed, min=0, hint="numpy seeds the epoch's shuffle with [seed, epoch]"
+        )
         if not isinstance(shuffle, bool):
             raise TypeError(f"shuffle={shuffle!r} must be True or False")
         self.plan = plan
@@ -245,11 +243,10 @@ class PackedBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (its shuffle); a resumed position is kept for the epoch it was in."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
-            raise ValueError(f"set_epoch({epoch!r}): the epoch must be an int >= 0")
+        epoch = check_int("set_epoch(epoch)", epoch, min=0)
         if epoch != self.epoch:
             self._start = 0
-        self.epoch = check_int("epoch", epoch)
+        self.epoch = epoch
 
     def schedule(self, epoch: int | None = None) -> np.ndarray:
         """Pack ids of the epoch as a (steps, num_replicas) table; column r is rank r's order."""
@@ -301,11 +298,11 @@ class PackedBatchSampler(Sampler[list[int]]):
         The settings that shape an epoch's order are saved too, so that a sampler built
         differently refuses the state instead of serving some episodes twice and others never.
         """
-        if consumed is not None and (isinstance(consumed, bool) or not isinstance(consumed, int)):
-            raise TypeError(f"consumed={consumed!r} must be an int (packs used this epoch)")
+        if consumed is not None:
+            consumed = check_int("consumed", consumed, hint="packs used this epoch")
         return {
             "epoch": self.epoch,
-            "consumed": self._yielded if consumed is None else check_int("consumed", consumed),
+            "consumed": self._yielded if consumed is None else consumed,
             "version": _STATE_VERSION,
             "num_replicas": self.num_replicas,
             "fingerprint": self._fingerprint,
@@ -358,11 +355,8 @@ class PackedBatchSampler(Sampler[list[int]]):
                     f"episodes twice and others never; build the sampler with {k}={state[k]!r}"
                 )
         consumed, epoch = state["consumed"], state["epoch"]
-        if isinstance(consumed, bool) or not isinstance(consumed, int | np.integer):
-            raise TypeError(f"state consumed={consumed!r} must be an int")
-        if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
-            raise ValueError(f"state epoch={epoch!r} must be an int >= 0")
-        epoch, consumed = check_int("state epoch", epoch), check_int("state consumed", consumed)
+        epoch = check_int("state epoch", epoch, min=0)
+        consumed = check_int("state consumed", consumed)
         steps = self._num_steps(epoch)
         if not 0 <= consumed <= steps:
             raise ValueError(f"consumed={consumed} is outside [0, {steps}]")

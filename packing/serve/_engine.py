@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from packing._validate import check_int
 from packing.attention._masks import frame_causal
 from packing.attention._packed import Backend, _resolve
 from packing.model._dit import DiT
@@ -52,10 +53,9 @@ class EngineConfig:
         if not shapes or not all(isinstance(s, PackShape) for s in shapes):
             raise ValueError(f"EngineConfig.shapes={self.shapes!r}; give one or more PackShape")
         object.__setattr__(self, "shapes", shapes)
-        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int):
-            raise TypeError(f"EngineConfig.max_steps={self.max_steps!r} must be an int")
-        if self.max_steps < 1:
-            raise ValueError(f"EngineConfig.max_steps={self.max_steps} must be >= 1")
+        object.__setattr__(
+            self, "max_steps", check_int("EngineConfig.max_steps", self.max_steps, min=1)
+        )
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from packing._validate import check_int
 from packing.data._joint import joint_layout
 from packing.data._layout import PackedBatch, layout_from_lengths
 from packing.model._dit import text_tokens
@@ -42,9 +43,9 @@ class PackShape:
 
     def __post_init__(self) -> None:
         for name in ("frames", "actions", "requests"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"PackShape.{name}={v!r}; use an int >= 1")
+            object.__setattr__(
+                self, name, check_int(f"PackShape.{name}", getattr(self, name), min=1)
+            )
 
     def fits(self, requests: Sequence[Request]) -> bool:
         frames = sum(len(r.kept) + r.frames for r in requests)

@@ -15,12 +15,12 @@ computed on the host at admission, never with a device-side ``nonzero``.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
+
+from packing._validate import check_int, is_int
 
 __all__ = ["Request", "Result"]
 
@@ -50,20 +50,15 @@ class Request:
             )
         if not self.context.is_floating_point():
             raise TypeError(f"Request.context must be floating point, got {self.context.dtype}")
-        for name, low in (("frames", 0), ("actions", 1), ("steps", 1)):
-            v = getattr(self, name)
-            if not _is_int(v) or v < low:
-                raise ValueError(f"Request.{name}={v!r}; use an int >= {low}")
-            object.__setattr__(self, name, int(v))  # numpy ints welcome, stored as int
-        if not _is_int(self.seed):
-            raise TypeError(f"Request.seed={self.seed!r} must be an int")
-        object.__setattr__(self, "seed", int(self.seed))
+        for name, low in (("frames", 0), ("actions", 1), ("steps", 1), ("seed", None)):
+            v = check_int(f"Request.{name}", getattr(self, name), min=low)
+            object.__setattr__(self, name, v)  # numpy ints welcome, stored as int
         if not isinstance(self.task, str):
             raise TypeError(f"Request.task must be a str, got {type(self.task).__name__}")
         if self.keep_frames is not None:
             keep = tuple(self.keep_frames)
             f_c = self.context.shape[0]
-            ints = all(_is_int(i) for i in keep)
+            ints = all(is_int(i) for i in keep)
             if not ints or list(keep) != sorted(set(keep)) or any(not 0 <= i < f_c for i in keep):
                 raise ValueError(
                     f"Request.keep_frames={self.keep_frames!r}: give distinct ascending ints in "
@@ -83,10 +78,6 @@ class Request:
         lat = torch.randn((self.frames, *frame_shape), generator=gen)
         act = torch.randn((self.actions, action_dim), generator=gen)
         return lat, act
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool | np.bool_)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from packing._validate import check_int, check_real
+
 __all__ = ["FlowScheduler", "reference_sample"]
 
 Solver = Literal["euler", "multistep2"]
@@ -49,10 +51,7 @@ class FlowScheduler:
                 f"FlowScheduler.solver={self.solver!r}; use 'euler' or 'multistep2' (2nd-order "
                 "Adams-Bashforth)"
             )
-        if isinstance(self.shift, bool) or not isinstance(self.shift, int | float):
-            raise TypeError(f"FlowScheduler.shift={self.shift!r} must be a number > 0")
-        if not self.shift > 0:
-            raise ValueError(f"FlowScheduler.shift={self.shift} must be > 0 (1.0: no shift)")
+        check_real("FlowScheduler.shift", self.shift, above=0, hint="1.0: no shift")
 
     def sigmas(self, steps: int) -> list[float]:
         """The N + 1 times, from 1 (noise) down to 0 (data), in float64 on the host."""
@@ -103,5 +102,4 @@ def reference_sample(
 
 
 def _check_steps(steps: int) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r}; use an int >= 1 (denoising steps of a request)")
+    check_int("steps", steps, min=1, hint="denoising steps of a request")

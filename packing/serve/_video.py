@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from packing._validate import check_int
 from packing.serve._batching import ContinuousBatcher
-from packing.serve._request import Result, _is_int
+from packing.serve._request import Result
 from packing.serve._schedulers import FlowScheduler
 from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
 from packing.train._conditioning import broadcast_to_tokens
@@ -108,9 +109,7 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
         shapes = tuple(shapes)
         if not shapes or not all(isinstance(s, VideoShape) for s in shapes):
             raise ValueError(f"shapes={shapes!r}; give one or more VideoShape")
-        if not _is_int(max_steps) or max_steps < 1:
-            raise ValueError(f"max_steps={max_steps!r}; use an int >= 1")
-        self.model, self.max_steps = model, int(max_steps)
+        self.model, self.max_steps = model, check_int("max_steps", max_steps, min=1)
         self.scheduler = scheduler if scheduler is not None else FlowScheduler()
         self.shapes = sorted(shapes, key=lambda s: (s.frames, s.text, s.requests))
         self._buffers: dict[VideoShape, _Buffers] = {}

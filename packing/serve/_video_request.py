@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from packing.serve._request import _is_int
+from packing._validate import check_int
 
 __all__ = ["VideoModel", "VideoPack", "VideoRequest", "VideoShape"]
 
@@ -63,9 +63,9 @@ class VideoShape:
 
     def __post_init__(self) -> None:
         for name in ("frames", "text", "requests"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"VideoShape.{name}={v!r}; use an int >= 1")
+            object.__setattr__(
+                self, name, check_int(f"VideoShape.{name}", getattr(self, name), min=1)
+            )
 
     def fits(self, requests: Sequence[VideoRequest]) -> bool:
         frames = sum(r.context.shape[0] + r.frames for r in requests)
@@ -96,14 +96,9 @@ class VideoRequest:
                 raise TypeError(f"VideoRequest.{name} must be floating point, got {v.dtype}")
         if self.text.shape[0] < 1:
             raise ValueError("VideoRequest.text has no rows; give the text encoder's output")
-        for name in ("frames", "steps"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"VideoRequest.{name}={v!r}; use an int >= 1")
-            object.__setattr__(self, name, int(v))
-        if not _is_int(self.seed):
-            raise TypeError(f"VideoRequest.seed={self.seed!r} must be an int")
-        object.__setattr__(self, "seed", int(self.seed))
+        for name, low in (("frames", 1), ("steps", 1), ("seed", None)):
+            v = check_int(f"VideoRequest.{name}", getattr(self, name), min=low)
+            object.__setattr__(self, name, v)
 
     def noise(self) -> Tensor:
         """The initial noise ``(frames, C, H, W)``, fp32 CPU."""
