@@ -24,25 +24,14 @@
 set -uo pipefail
 [ $# -ge 1 ] || { sed -n 2,15p "$0"; exit 2; }
 OUT=${OUT:-.bench_out}
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT" /tmp/whl
+mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_all.log") 2>&1
-
-for d in .whl/p1 .whl/p2; do [ -d "$d" ] && cp -n "$d"/* /tmp/whl/ 2>/dev/null; done
-if [ ! -d /tmp/site/flash_attn ] && [ -f /tmp/whl/cu13.part.aa ] && [ -f /tmp/whl/cu13.part.ab ]; then
-  cat /tmp/whl/cu13.part.aa /tmp/whl/cu13.part.ab \
-    > /tmp/whl/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/whl/*.whl \
-    && echo "FA4 installed to /tmp/site" || echo "FA4 install FAILED"
-fi
-export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
-python3 -c "import torch, packing.attention._packed as a; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0), 'fa4', a.fa4_available())"
+source benchmarks/gpu_env.sh  # FA4 (and diffusers) from the carried wheels; t LIMIT CMD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,memory.used --format=csv
 if [ "${REQUIRE_FA4:-0}" = 1 ] && ! python3 -c "import packing.attention._packed as a, sys; sys.exit(not a.fa4_available())"; then
   echo "REQUIRE_FA4=1 but flash-attn-4 is not importable (machine not warm?): stopping"; exit 3
 fi
 
-t() { local lim=$1; shift; echo "=== $* (limit ${lim}s) $(date +%T)"; timeout "$lim" "$@"; echo "=== rc=$? $(date +%T)"; }
 M=benchmarks.verify_models:head_dim_128
 
 for STAGE in "$@"; do

@@ -7,30 +7,16 @@
 #   bash benchmarks/gpu_fsdp.sh sweep     # micro-step sweep for the §6 fit           ~4.5 min
 #
 # NPROC (default 2) ranks; NVLink multicast stays off. Results: $OUT/<stage>/ (OUT defaults
-# to .bench_out/). FA4 is used when /tmp/site has it (installed below from .whl/p1 + p2 as
-# gpu_all.sh does, or already there on a warm machine); else Flex, and the table says so.
+# to .bench_out/). FA4 is used when /tmp/site has it (benchmarks/gpu_env.sh installs it from
+# .whl/p1 + p2, or a warm machine already has it); else Flex, and the table says so.
 set -uo pipefail
 [ $# -ge 1 ] || { sed -n 2,11p "$0"; exit 2; }
 OUT=${OUT:-.bench_out}
 NPROC=${NPROC:-2}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
-export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
-# FA4 wheels carried in .whl/p1 + .whl/p2 (gpu_all.sh's scheme): install once per machine.
-mkdir -p /tmp/whl
-for d in .whl/p1 .whl/p2; do [ -d "$d" ] && cp -n "$d"/* /tmp/whl/ 2>/dev/null; done
-if [ ! -d /tmp/site/flash_attn ] && [ -f /tmp/whl/cu13.part.aa ] && [ -f /tmp/whl/cu13.part.ab ]; then
-  cat /tmp/whl/cu13.part.aa /tmp/whl/cu13.part.ab \
-    > /tmp/whl/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/whl/*.whl \
-    && echo "FA4 installed to /tmp/site" || echo "FA4 install FAILED"
-fi
-python3 -c "import torch, packing.attention._packed as a; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'fa4', a.fa4_available())"
+export OMP_NUM_THREADS=8
+source benchmarks/gpu_env.sh  # FA4 from .whl/p1 + p2 (once per warm machine); t LIMIT CMD
 TR="torchrun --nproc-per-node $NPROC"
-t() {
-  local lim=$1 rc; shift; echo "=== $* (limit ${lim}s) $(date +%T)"
-  timeout "$lim" "$@"; rc=$?; echo "=== rc=$rc $(date +%T)"; return $rc
-}
 quiet() { grep -v '^\[rank[1-9]'; }
 
 for STAGE in "$@"; do
