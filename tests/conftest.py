@@ -34,3 +34,13 @@ def user_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from user_dataset import write_user_dataset
 
     return write_user_dataset(tmp_path_factory.mktemp("user") / "my_robot")
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (restored after): tiny models on 2 busy cores only get
+    slower with more. Use as ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -21,13 +21,7 @@ from packing.serve import (
 )
 from packing.serve._pack import build_pack
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads on 2 busy cores are only slower
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, 2 busy cores
 
 
 # -- schedulers ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from packing.serve import Request
@@ -15,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import policy_server
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_three_environments_against_one_engine():
-    torch.set_num_threads(1)
     demo = policy_server.run_demo(clients=3, rounds=2)
     assert demo["answered"] == 6
     seen = sorted((c, r) for c, r, *_ in demo["exchanges"])

@@ -20,12 +20,7 @@ HW = (4, 6)  # a (2, 3) token grid: 6 tokens a frame
 C, D_TXT = 48, 24  # tiny Wan 2.2: 48 latent channels, text width 24
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads on 2 busy cores are only slower
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, 2 busy cores
 
 
 def _models(document_mask: bool = True):
