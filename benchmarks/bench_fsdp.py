@@ -513,26 +513,15 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     pm.packed_attention = _LIB_ATTENTION
-    step_s = max(r["step_ms"] for r in ranks) / 1e3
-    tokens = sum(r["tokens"] for r in ranks) / max(args.steps, 1)
-    flops = sum(r["flops"] for r in ranks) / max(args.steps, 1)
+    shared = shared_fields(ranks, args.steps, first_s, build_s)
     rflops = sum(r["recompute_flops"] for r in ranks) / max(args.steps, 1)
-    peak_tf = common.H200_BF16_PEAK_TFLOPS * 1e12 * world
     row = {
         "variant": kind if sweep_m is None else f"packed M={sweep_m}",
         "attention": "sdpa flash (per episode)" if unpacked else attention_name(mcfg, dev),
         "budget": budget,
-        "micro-steps": ranks[0]["micro_steps"],
-        "s/step": step_s,
-        "tokens/s": tokens / step_s,
-        "MFU": flops / step_s / peak_tf,
-        "MFU incl. recompute": (flops + rflops) / step_s / peak_tf,
-        "first step s": first_s,
-        "compile s (est.)": first_s - step_s,
-        "build+shard s": build_s,
-        "peak GB": max(r["peak_gb"] for r in ranks),
-        "wait ms (per rank)": [round(r["wait_ms"], 1) for r in ranks],
-        "wait % of step": 100 * max(r["wait_ms"] for r in ranks) / 1e3 / step_s,
+        **shared,
+        "MFU": mfu(ranks, args.steps, shared["s/step"], world),
+        "MFU incl. recompute": mfu(ranks, args.steps, shared["s/step"], world, extra=rflops),
         "exposed comm ms (per rank)": [
             round(r.get("exposed_comm_ms", float("nan")), 1) for r in ranks
         ],
@@ -540,10 +529,35 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         "recompiles after warm-up": recompiles,
         "host syncs per micro-step": ranks[0].get("host_syncs"),
         "losses": loss_vals,
-        "steps timed": args.steps,
-        "ranks": ranks,
     }
     return row
+
+
+def shared_fields(ranks: list[dict[str, float]], steps: int, first_s: float,
+                  build_s: float) -> dict[str, Any]:  # fmt: skip
+    """The row fields of every variant, from the ranks' gathered figures: a step takes as long
+    as its slowest rank, tokens are summed over the ranks."""
+    step_s = max(r["step_ms"] for r in ranks) / 1e3
+    return {
+        "micro-steps": ranks[0]["micro_steps"],
+        "s/step": step_s,
+        "tokens/s": sum(r["tokens"] for r in ranks) / max(steps, 1) / step_s,
+        "first step s": first_s,
+        "compile s (est.)": first_s - step_s,
+        "build+shard s": build_s,
+        "peak GB": max(r["peak_gb"] for r in ranks),
+        "wait ms (per rank)": [round(r["wait_ms"], 1) for r in ranks],
+        "wait % of step": 100 * max(r["wait_ms"] for r in ranks) / 1e3 / step_s,
+        "steps timed": steps,
+        "ranks": ranks,
+    }
+
+
+def mfu(ranks: list[dict[str, float]], steps: int, step_s: float, world: int,
+        extra: float = 0.0, scale: float = 1.0) -> float:  # fmt: skip
+    """Model FLOPs per step (the ranks' sum, ``scale``d, plus ``extra``) over the GPUs' peak."""
+    flops = sum(r["flops"] for r in ranks) / max(steps, 1) * scale + extra
+    return flops / step_s / (common.H200_BF16_PEAK_TFLOPS * 1e12 * world)
 
 
 def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev: torch.device,
@@ -653,31 +667,21 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
     bl.block_fn = bl.block_forward
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    step_s = max(r["step_ms"] for r in ranks) / 1e3
-    tokens = sum(r["tokens"] for r in ranks) / max(args.steps, 1)
-    flops = sum(r["flops"] for r in ranks) / max(args.steps, 1)
-    peak_tf = common.H200_BF16_PEAK_TFLOPS * 1e12 * world
+    shared = shared_fields(ranks, args.steps, first_s, build_s)
+    # crop trains on fewer tokens than the episodes hold: scale the FLOPs to the kept
+    kept = (
+        1.0
+        if kind != "bucket_crop"
+        else sum(r["real"] for r in ranks) / max(sum(r["real"] + r["cropped"] for r in ranks), 1)
+    )
     row: dict[str, Any] = {
         "variant": kind,
         "attention": bl.ATTENTION_NAMES[kind],
         "budget": args.pack_budget if kind != "lean" else None,
-        "micro-steps": ranks[0]["micro_steps"],
-        "s/step": step_s,
-        "tokens/s": tokens / step_s,
-        # crop trains on fewer tokens than the episodes hold: scale the FLOPs to the kept
-        "MFU": flops / step_s / peak_tf
-        * (1.0 if kind != "bucket_crop" else
-           sum(r["real"] for r in ranks) / max(sum(r["real"] + r["cropped"] for r in ranks), 1)),
-        "first step s": first_s,
-        "compile s (est.)": first_s - step_s,
-        "build+shard s": build_s,
-        "peak GB": max(r["peak_gb"] for r in ranks),
-        "wait ms (per rank)": [round(r["wait_ms"], 1) for r in ranks],
-        "wait % of step": 100 * max(r["wait_ms"] for r in ranks) / 1e3 / step_s,
+        **shared,
+        "MFU": mfu(ranks, args.steps, shared["s/step"], world, scale=kept),
         "recompiles after warm-up": recompiles,
         "losses": [float(x) for x in step_losses.tolist()],
-        "steps timed": args.steps,
-        "ranks": ranks,
     }  # fmt: skip
     if kind != "lean":
         slots = sum(r["slots"] for r in ranks)

@@ -231,7 +231,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
     # collate ahead (collate speed is bench_collate's subject) and pin
     plans = [micro_batches(eps) for eps in steps_eps]
     g0 = None
-    times: list[float] = []
+    times: list[Any] = []
     step_losses: list[torch.Tensor] = []  # on the device: read once, after the timed loop
     peak = 0
     if dev.type == "cuda":
@@ -248,13 +248,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
             g0 = common.dynamo_counters()["unique_graphs"]
         denom = {"latents": float(sum(e["latents"].shape[0] * tpf for e in eps)),
                  "action": float(sum(e["action"].shape[0] for e in eps))}  # fmt: skip
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-        else:
-            import time
-
-            t0 = time.perf_counter()
+        started = _timer(dev)
         step_loss = torch.zeros((), device=dev)
         for mb in mbs:
             if kind == "cudagraphs":
@@ -267,17 +261,9 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
             loss.backward()
             step_loss += loss.detach().float()
         step_losses.append(step_loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if dev.type == "cuda":
-            b.record()
-            if s >= args.warmup:
-                times.append((a, b))  # type: ignore[arg-type]
-        elif s >= args.warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
+        finish_step(opt, dev, started, s >= args.warmup, times)
+    times = _elapsed(dev, times)
     if dev.type == "cuda":
-        torch.cuda.synchronize()
-        times = [a.elapsed_time(b) for a, b in times]  # type: ignore[misc]
         peak = torch.cuda.max_memory_allocated()
     profile = None
     if args.profile and kind in ("packed", "unpacked", "per_token"):
@@ -415,16 +401,12 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
             n_a = sum(b.args[2].shape[0] for b in plans[s])
         dv = torch.tensor(float(n_v), device=dev)
         da = torch.tensor(float(n_a), device=dev)
-        a, b = _timer(dev)
+        started = _timer(dev)
         step_loss = torch.zeros((), device=dev)
         for item in inputs if kind == "lean" else plans[s]:
             step_loss += micro_step(item, dv, da)
         step_losses.append(step_loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t = _timer_stop(dev, a, b)
-        if s >= args.warmup:
-            times.append(t)
+        finish_step(opt, dev, started, s >= args.warmup, times)
     times = _elapsed(dev, times)
     if len(times) < 2:
         raise RuntimeError(f"{cut or 'no timed steps'}: {len(times)} timed, too few to report")
@@ -492,22 +474,28 @@ def _key_padding(mb: Any, dev: torch.device) -> torch.Tensor:
 
 
 def _timer(dev: torch.device) -> tuple[Any, Any]:
+    """A step's start: a recorded CUDA event and its unrecorded end, or the host clock."""
     if dev.type == "cuda":
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         return a, b
-    import time
-
     return time.perf_counter(), None
 
 
-def _timer_stop(dev: torch.device, a: Any, b: Any) -> Any:
+def finish_step(opt: Any, dev: torch.device, started: tuple[Any, Any], timed: bool,
+                times: list[Any]) -> None:  # fmt: skip
+    """The optimizer step, then the step's clock stopped and kept if the step is ``timed``
+    (``_elapsed`` reads the kept CUDA events after one synchronize, past the loop)."""
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    a, b = started
     if dev.type == "cuda":
         b.record()
-        return (a, b)
-    import time
-
-    return (time.perf_counter() - a) * 1e3
+        stop: Any = (a, b)
+    else:
+        stop = (time.perf_counter() - a) * 1e3
+    if timed:
+        times.append(stop)
 
 
 def _elapsed(dev: torch.device, times: list[Any]) -> list[float]:
@@ -551,17 +539,13 @@ def run_fill_axis(args: Any, cfg: DiTConfig, regime: tuple[int, int, int, int], 
         for s, (eps, mb) in enumerate(zip(eps_list, mbs, strict=True)):
             denom = {"latents": float(sum(e["latents"].shape[0] * tpf for e in eps)),
                      "action": float(sum(e["action"].shape[0] for e in eps))}  # fmt: skip
-            a, b = _timer(dev)
+            started = _timer(dev)
             batch = to_device(mb, dev)
             batch.extras["seed"], batch.extras["step"] = 0, s
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 out = model(batch)
             loss_of(out, denom).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            t = _timer_stop(dev, a, b)
-            if s >= args.warmup:
-                times.append(t)
+            finish_step(opt, dev, started, s >= args.warmup, times)
         times = _elapsed(dev, times)
         real = [sum(e["latents"].shape[0] * tpf for e in eps) for eps in eps_list[args.warmup :]]
         rows.append({"fill target": f, "fill": sum(real) / (len(real) * budget),
