@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from packing._validate import check_int
 from packing.serve._request import Result
 from packing.serve._schedulers import FlowScheduler
 
@@ -88,6 +89,26 @@ class ContinuousBatcher(Generic[R, S]):
             self._members = [m for m in self._members if m.rid not in finished]
             self._left = True
         return done
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request, waiting or in the pack (its client left, or its deadline passed);
+        True if it was still there. A member's rows leave at the next recomposition."""
+        rid = check_int("request_id", request_id, min=0)
+        for i, (wid, _) in enumerate(self._waiting):
+            if wid == rid:
+                del self._waiting[i]
+                return True
+        kept = [m for m in self._members if m.rid != rid]
+        if len(kept) == len(self._members):
+            return False
+        self._members, self._left = kept, True
+        return True
+
+    def end_session(self, session: str) -> None:
+        """The robot episode ``session`` ended: free what the engine keeps for it. An engine
+        without a context cache keeps nothing between requests, so there is nothing to free."""
+        if not isinstance(session, str):
+            raise TypeError(f"session must be a str, got {type(session).__name__}")
 
     def run(self) -> list[Result]:
         """Step until nothing waits or runs; the results in the order they finished."""

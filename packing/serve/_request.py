@@ -31,7 +31,10 @@ class Request:
     may be 0), ``frames``/``actions`` the latent frames and action steps to generate,
     ``steps`` the denoising steps, ``seed`` keys the initial noise (a CPU generator, so the
     same request gives the same noise on any device and in any pack). ``keep_frames``: the
-    context frames to attend to, ascending (``None``: all)."""
+    context frames to attend to, ascending (``None``: all). ``session`` names the robot episode
+    this chunk belongs to (a policy server sets it per connection and episode): an engine that
+    caches context keeps a session's cached frames for its next chunk until
+    ``engine.end_session(session)``; ``None``: a request of its own."""
 
     context: Tensor
     frames: int
@@ -40,6 +43,7 @@ class Request:
     seed: int = 0
     steps: int = 10
     keep_frames: tuple[int, ...] | None = None
+    session: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.context, Tensor) or self.context.dim() != 4:
@@ -55,6 +59,10 @@ class Request:
             object.__setattr__(self, name, v)  # numpy ints welcome, stored as int
         if not isinstance(self.task, str):
             raise TypeError(f"Request.task must be a str, got {type(self.task).__name__}")
+        if self.session is not None and not isinstance(self.session, str):
+            raise TypeError(
+                f"Request.session must be a str or None, got {type(self.session).__name__}"
+            )
         if self.keep_frames is not None:
             keep = tuple(self.keep_frames)
             f_c = self.context.shape[0]
