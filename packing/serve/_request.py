@@ -91,10 +91,13 @@ class Request:
 @dataclass(frozen=True)
 class Result:
     """A finished request: ``latents`` ``(frames, C, H, W)`` and ``action`` ``(actions, A)``
-    in fp32 on the engine's device; ``admitted``/``finished`` are engine step numbers."""
+    in fp32 on the engine's device; ``admitted``/``finished`` are engine step numbers.
+    ``error``: ``None`` for a good result; otherwise why this request failed (its latents and
+    action are then empty and must not be used), while the other requests go on."""
 
     request_id: int
     latents: Tensor
     action: Tensor
     admitted: int
     finished: int
+    error: str | None = None
