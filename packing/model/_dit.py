@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -51,6 +52,7 @@ __all__ = [
     "BOS",
     "DiT",
     "DiTConfig",
+    "KVCache",
     "PackInputs",
     "pack_text",
     "param_count",
@@ -230,6 +232,30 @@ def _one_document(lay: StreamLayout) -> StreamLayout:
 
 
 # -- blocks --------------------------------------------------------------------------------------
+class KVCache(NamedTuple):
+    """One layer's view of a key/value pool (`packing.serve`'s context cache): this pass's
+    keys and values go to rows ``rows`` of ``k``/``v`` ``(N, H, D)``, then the queries attend
+    over ``k[:keys]``, ``v[:keys]`` (the pool's cached tokens, these tokens' rows among them)::
+
+        k      [ cached context pages ............ | this pass's rows | ... ]
+        keys   |<-------------------- keys -------------------------->|
+    """
+
+    k: Tensor
+    v: Tensor
+    rows: Tensor
+    keys: int
+
+
+# Outside torch.compile: an in-place write into a graph input is what a pool is, and a compiled
+# graph would functionalise it (copy the whole pool back). The attention after it is compiled.
+@torch.compiler.disable
+def _store(cache: KVCache, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    cache.k.index_copy_(0, cache.rows, k.to(cache.k.dtype))
+    cache.v.index_copy_(0, cache.rows, v.to(cache.v.dtype))
+    return cache.k[: cache.keys], cache.v[: cache.keys]
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
@@ -239,11 +265,15 @@ class SelfAttention(nn.Module):
         self.norm_k = nn.RMSNorm(cfg.dim, eps=cfg.eps)
         self.out = nn.Linear(cfg.dim, cfg.dim)
 
-    def forward(self, x: Tensor, angles: Tensor, mask: AttentionMask) -> Tensor:
+    def forward(
+        self, x: Tensor, angles: Tensor, mask: AttentionMask, cache: KVCache | None = None
+    ) -> Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         q = apply_rope(self.norm_q(q).unflatten(-1, (self.heads, -1)), angles)
         k = apply_rope(self.norm_k(k).unflatten(-1, (self.heads, -1)), angles)
         v = v.unflatten(-1, (self.heads, -1))
+        if cache is not None:  # keys and values: the pool's, these tokens' written in first
+            k, v = _store(cache, k, v)
         return self.out(packed_attention(q.to(v.dtype), k.to(v.dtype), v, mask).flatten(1))
 
 
@@ -290,9 +320,11 @@ class Block(nn.Module):
         angles: Tensor,
         self_mask: AttentionMask,
         cross_mask: AttentionMask,
+        cache: KVCache | None = None,
     ) -> Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation + e0_J6D).unbind(1)
-        x = x + gate1 * self.self_attn(self.norm1(x) * (1 + scale1) + shift1, angles, self_mask)
+        h = self.norm1(x) * (1 + scale1) + shift1
+        x = x + gate1 * self.self_attn(h, angles, self_mask, cache)
         x = x + self.cross_attn(self.norm3(x), ctx, cross_mask)
         return x + gate2 * self.ffn(self.norm2(x) * (1 + scale2) + shift2)
 
@@ -489,7 +521,12 @@ class DiT(nn.Module):
         return pred, target
 
     def velocity(
-        self, tokens: dict[str, Tensor], t_R: Tensor, row_J: Tensor, pack: PackInputs
+        self,
+        tokens: dict[str, Tensor],
+        t_R: Tensor,
+        row_J: Tensor,
+        pack: PackInputs,
+        cache: Sequence[KVCache] | None = None,
     ) -> dict[str, Tensor]:
         """The velocity of noisy tokens at per-token times: the inference entry point.
 
@@ -508,16 +545,28 @@ class DiT(nn.Module):
         prediction. Pure tensor work with shapes fixed by the pack's budget (no host-device
         sync): `packing.serve` captures it in a CUDA graph. Returns ``{"latents": (T_v,
         C*ph*pw), "action": (T_a, A)}`` in the model's dtype.
+
+        ``cache`` (one `KVCache` per block): each block writes these tokens' keys and values
+        into its pool and attends over the pool (``pack.self_mask`` is then a mask over the
+        pool's keys): how `packing.serve`'s context cache prefills a context once and runs
+        only the generated tokens at every step. ``None``: the keys are the pack's own.
         """
         cfg = self.config
         dtype = _attention_dtype(next(self.parameters()))
         e = self.time_mlp(timestep_embedding(t_R, cfg.freq_dim).to(dtype))
         e0 = self.time_proj(e).unflatten(1, (6, cfg.dim))
         e_J, e0_J = broadcast_to_tokens(e, row_J), broadcast_to_tokens(e0, row_J)
-        return self._denoise(tokens, e_J, e0_J, pack)
+        if cache is not None and len(cache) != cfg.depth:
+            raise ValueError(f"cache has {len(cache)} layers, the model {cfg.depth} blocks")
+        return self._denoise(tokens, e_J, e0_J, pack, cache)
 
     def _denoise(
-        self, tokens: dict[str, Tensor], e_J: Tensor, e0_J: Tensor, pack: PackInputs
+        self,
+        tokens: dict[str, Tensor],
+        e_J: Tensor,
+        e0_J: Tensor,
+        pack: PackInputs,
+        cache: Sequence[KVCache] | None = None,
     ) -> dict[str, Tensor]:
         """The transformer on token-level inputs: joint sequence, blocks, the two heads."""
         cfg = self.config
@@ -527,8 +576,9 @@ class DiT(nn.Module):
         x = torch.cat([x_v, x_a], dim=0).index_select(0, pack.src_index_J)
         angles = rope_angles(pack.thw_J3, cfg.head_dim, cfg.rope_theta)
         ctx = self.text_mlp(self.text_embed(pack.text_X))
-        for block in self.blocks:
-            x = block(x, e0_J, ctx, angles, pack.self_mask, pack.cross_mask)
+        for i, block in enumerate(self.blocks):
+            layer = None if cache is None else cache[i]
+            x = block(x, e0_J, ctx, angles, pack.self_mask, pack.cross_mask, layer)
         shift, scale = (self.head_modulation + e_J[:, None]).unbind(1)
         x = self.head_norm(x) * (1 + scale) + shift
         return {

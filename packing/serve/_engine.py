@@ -27,7 +27,8 @@ from packing.attention._masks import frame_causal
 from packing.attention._packed import Backend, _resolve
 from packing.model._dit import DiT
 from packing.serve._batching import ContinuousBatcher
-from packing.serve._pack import HostPack, PackShape, build_pack
+from packing.serve._cache import ContextCache
+from packing.serve._pack import HostPack, PackShape, build_pack, initial_tokens
 from packing.serve._request import Request, Result
 from packing.serve._schedulers import FlowScheduler
 from packing.serve._step import Buffers, GraphedStep, run_step
@@ -40,13 +41,16 @@ class EngineConfig:
     """``shapes``: the static packs (a few token budgets); ``max_steps``: the most denoising
     steps a request may ask for (the width of the schedule tables); ``cuda_graphs``: capture
     each shape's step in a CUDA graph (CUDA only); ``attention``: the backend (``auto``: sdpa
-    on CPU, FlexAttention on CUDA)."""
+    on CPU, FlexAttention on CUDA); ``context_cache``: compute each request's clean context
+    once into a paged K/V pool and run only the generated tokens at every step (frame-causal
+    models only; `ContextCache`; ``None``: every step runs the whole pack)."""
 
     shapes: tuple[PackShape, ...]
     scheduler: FlowScheduler = field(default_factory=FlowScheduler)
     max_steps: int = 50
     cuda_graphs: bool = False
     attention: Backend = "auto"
+    context_cache: ContextCache | None = None
 
     def __post_init__(self) -> None:
         shapes = tuple(self.shapes)
@@ -56,6 +60,11 @@ class EngineConfig:
         object.__setattr__(
             self, "max_steps", check_int("EngineConfig.max_steps", self.max_steps, min=1)
         )
+        if self.context_cache is not None and not isinstance(self.context_cache, ContextCache):
+            raise TypeError(
+                f"EngineConfig.context_cache must be a ContextCache or None, got "
+                f"{type(self.context_cache).__name__}"
+            )
 
 
 @dataclass
@@ -75,7 +84,17 @@ class Engine(ContinuousBatcher[Request, PackShape]):
     ``engine.run()`` steps until every submitted request is done. ``model`` is the reference
     `packing.model.DiT` (or anything with its ``config``, ``patchify``/``unpatchify`` and
     ``velocity``); compile its blocks first (``block.compile()``) for compiled kernels.
+    With ``config.context_cache`` it is the cached engine (`packing.serve._cached_engine`).
     """
+
+    _packs_context = True  # the cached engine lays out the generated tokens only
+
+    def __new__(cls, model: DiT, config: EngineConfig, **kwargs: object) -> Engine:
+        if cls is Engine and getattr(config, "context_cache", None) is not None:
+            from packing.serve._cached_engine import CachedEngine
+
+            return super().__new__(CachedEngine)
+        return super().__new__(cls)
 
     def __init__(
         self, model: DiT, config: EngineConfig, *, device: torch.device | str | None = None
@@ -112,11 +131,19 @@ class Engine(ContinuousBatcher[Request, PackShape]):
                 f"Request.context frames are {tuple(r.context.shape[1:])}, the model takes "
                 f"(C, H, W) = {frame}; encode the frames at the model's latent size"
             )
+        if r.committed_actions is not None and r.committed_actions.shape[1] != cfg.action_dim:
+            raise ValueError(
+                f"Request.committed_actions has {r.committed_actions.shape[1]} action dims, the "
+                f"model takes action_dim={cfg.action_dim}"
+            )
         if r.steps > self.config.max_steps:
             raise ValueError(
                 f"Request.steps={r.steps} > EngineConfig.max_steps={self.config.max_steps}; "
                 "raise max_steps or ask for fewer steps"
             )
+        self._check_fits(r)
+
+    def _check_fits(self, r: Request) -> None:
         if not self.shapes[-1].fits([r]):
             s = self.shapes[-1]
             raise ValueError(
@@ -124,6 +151,10 @@ class Engine(ContinuousBatcher[Request, PackShape]):
                 f"more than the largest PackShape (frames={s.frames}, actions={s.actions}); "
                 "add a larger shape or drop context frames (keep_frames=)"
             )
+
+    def _context_frames(self, r: Request) -> int:
+        """Context frames of ``r`` laid out in the pack (all kept ones; none when cached)."""
+        return len(r.kept) if self._packs_context else 0
 
     def _member(self, rid: int, request: Request) -> _Member:
         return _Member(rid, request, admitted=self.clock)
@@ -133,7 +164,7 @@ class Engine(ContinuousBatcher[Request, PackShape]):
         members, kept = staying + joining, len(staying)
         cfg = self.model.config
         host = build_pack([m.request for m in members], shape, grid=cfg.grid,
-                          text_len=cfg.text_len)  # fmt: skip
+                          text_len=cfg.text_len, context=self._packs_context)  # fmt: skip
         old = self._buffers.get(self._shape) if self._shape is not None else None
         new = self._buffers.get(shape)
         if new is None:
@@ -164,7 +195,7 @@ class Engine(ContinuousBatcher[Request, PackShape]):
         take_v = torch.full((new.x_v.shape[0],), -1, dtype=torch.int64)
         take_a = torch.full((new.x_a.shape[0],), -1, dtype=torch.int64)
         for k, m in enumerate(staying):
-            nv, v0 = (len(m.request.kept) + m.request.frames) * tpf, host.video_start[k]
+            nv, v0 = (self._context_frames(m.request) + m.request.frames) * tpf, host.video_start[k]
             take_v[v0 : v0 + nv] = torch.arange(nv) + m.video_start
             na, a0 = m.request.actions, host.action_start[k]
             take_a[a0 : a0 + na] = torch.arange(na) + m.action_start
@@ -184,12 +215,13 @@ class Engine(ContinuousBatcher[Request, PackShape]):
         )
         for k, m in enumerate(joining, start=first):
             r = m.request
-            lat, act = r.noise(frame, cfg.action_dim)
-            ctx = r.context[list(r.kept)].float().cpu()
+            lat, act = initial_tokens(r, frame, cfg.action_dim)
+            n_ctx = self._context_frames(r)
+            ctx = r.context[list(r.kept[:n_ctx])].float().cpu()
             vs.append(self.model.patchify(torch.cat([ctx, lat])))
             as_.append(act)
             v0, a0 = host.video_start[k], host.action_start[k]
-            rv.append(torch.arange(v0, v0 + (len(r.kept) + r.frames) * tpf))
+            rv.append(torch.arange(v0, v0 + (n_ctx + r.frames) * tpf))
             ra.append(torch.arange(a0, a0 + r.actions))
         rows_v = torch.cat(rv) if rv else torch.zeros(0, dtype=torch.int64)
         rows_a = torch.cat(ra) if ra else torch.zeros(0, dtype=torch.int64)
@@ -215,7 +247,7 @@ class Engine(ContinuousBatcher[Request, PackShape]):
     def _result(self, m: _Member) -> Result:
         b = self._buffers[self._shape]  # type: ignore[index]
         r, tpf = m.request, self.model.config.tokens_per_frame
-        v0 = m.video_start + len(r.kept) * tpf
+        v0 = m.video_start + self._context_frames(r) * tpf
         lat = self.model.unpatchify(b.x_v[v0 : v0 + r.frames * tpf].clone())
         act = b.x_a[m.action_start : m.action_start + r.actions].clone()
         return Result(m.rid, lat, act, admitted=m.admitted, finished=self.clock)

@@ -9,6 +9,12 @@ and 1 action (``.`` is padding)::
     doc_J           0  0  0  0  0  0 |  1  1  1 | -1 -1 -1
     row_J           R  R  0  0  0  0 |  1  1  1 | -1 -1 -1     t_R[R] = 0: clean context
     slot (video)   -1 -1  0  0  1  1 -1 -1        the scheduler updates slot >= 0 rows
+    pos_J           0  1  2  3  4  5 |  0  1  2 | 0  0  0     place in the whole document
+
+A committed action (real-time chunking, ``Request.committed_actions``) is a context token of
+the action stream: row R (t = 0), slot -1. With ``context=False`` (the context cache: the
+context lives in the pool) only the generated tokens are laid out, and ``pos_J`` still counts
+the context in front (request 0 above: ``g0 g0 a0 a0`` at 2 3 4 5).
 
 Every tensor has a shape fixed by the `PackShape` alone, so a captured step replays over any
 composition: admission copies these into the step's static buffers.
@@ -26,6 +32,7 @@ from torch import Tensor
 from packing._validate import check_int
 from packing.data._joint import joint_layout
 from packing.data._layout import PackedBatch, layout_from_lengths
+from packing.data._layout_math import local_positions
 from packing.model._dit import text_tokens
 from packing.serve._request import Request
 
@@ -65,7 +72,8 @@ class HostPack(NamedTuple):
     text_X: Tensor
     text_doc_X: Tensor
     slot_v: Tensor  # (T_v,) request of each generated video token, -1 elsewhere
-    slot_a: Tensor  # (T_a,) request of each action token, -1 on padding
+    slot_a: Tensor  # (T_a,) request of each generated action token, -1 elsewhere
+    pos_J: Tensor  # (J,) place of each joint token in its whole document (context included)
     video_start: tuple[int, ...]  # first video token of each request
     action_start: tuple[int, ...]
 
@@ -76,12 +84,15 @@ def build_pack(
     *,
     grid: tuple[int, int],
     text_len: int,
+    context: bool = True,
 ) -> HostPack:
-    """Lay ``requests`` out in ``shape`` (host work only: a few numpy/torch CPU calls)."""
+    """Lay ``requests`` out in ``shape`` (host work only: a few numpy/torch CPU calls);
+    ``context=False``: their generated tokens only (the context is cached elsewhere)."""
     gh, gw = grid
     tpf = gh * gw
     R = shape.requests
-    frames = [len(r.kept) + r.frames for r in requests]
+    n_ctx = [len(r.kept) if context else 0 for r in requests]
+    frames = [c + r.frames for c, r in zip(n_ctx, requests, strict=True)]
     lay_v = layout_from_lengths(
         [f * tpf for f in frames], frames, shape.frames * tpf, tpf, grid, max_docs=R
     )
@@ -92,9 +103,18 @@ def build_pack(
     )
     joint = joint_layout(batch, ("latents", "action"))
     doc_v, doc_a = lay_v.doc_ids_T.long(), lay_a.doc_ids_T.long()
-    thw_v, ctx_v = _video_positions(requests, lay_v.thw_T3, doc_v, tpf)
-    thw_a = _action_positions(requests, lay_a.position_ids_T.long(), doc_a, grid)
+    thw_v, ctx_v = _video_positions(requests, lay_v.thw_T3, doc_v, tpf, context)
+    pos_a = lay_a.position_ids_T.long()
+    thw_a = _action_positions(requests, pos_a, doc_a, grid)
     row_v = torch.where(doc_v >= 0, torch.where(ctx_v, R, doc_v), -1)
+    k_K = torch.tensor([r.committed for r in requests] + [0], dtype=torch.int64)
+    ctx_a = (doc_a >= 0) & (pos_a < k_K[doc_a])  # committed actions: clean, t = 0
+    row_a = torch.where(ctx_a, R, doc_a)
+    # Each document's tokens before the laid-out ones (the cached context), for pos_J.
+    skip_K = torch.tensor(
+        [(len(r.kept) - c) * tpf for c, r in zip(n_ctx, requests, strict=True)] + [0]
+    )
+    doc_J = joint.layout.doc_ids_T.long()
     text = [text_tokens(r.task, text_len) for r in requests]
     lens = [t.shape[0] for t in text]
     lay_t = layout_from_lengths(lens, lens, R * text_len, max_docs=R)
@@ -102,8 +122,8 @@ def build_pack(
     if text:
         text_X[: sum(lens)] = torch.cat(text)
     return HostPack(
-        doc_J=joint.layout.doc_ids_T.long(),
-        row_J=joint.join({"latents": row_v, "action": doc_a}),
+        doc_J=doc_J,
+        row_J=joint.join({"latents": row_v, "action": row_a}),
         src_index_J=joint.src_index_J,
         latents_dest_T=joint.dest_index["latents"],
         action_dest_T=joint.dest_index["action"],
@@ -111,14 +131,15 @@ def build_pack(
         text_X=text_X,
         text_doc_X=lay_t.doc_ids_T.long(),
         slot_v=torch.where(ctx_v, -1, doc_v),
-        slot_a=doc_a,
+        slot_a=torch.where(ctx_a, -1, doc_a),
+        pos_J=torch.where(doc_J >= 0, local_positions(doc_J).long() + skip_K[doc_J], 0),
         video_start=tuple(int(x) for x in lay_v.cu_seqlens_K1[: len(requests)]),
         action_start=tuple(int(x) for x in lay_a.cu_seqlens_K1[: len(requests)]),
     )
 
 
 def _video_positions(
-    requests: Sequence[Request], thw_T3: Tensor | None, doc_T: Tensor, tpf: int
+    requests: Sequence[Request], thw_T3: Tensor | None, doc_T: Tensor, tpf: int, context: bool
 ) -> tuple[Tensor, Tensor]:
     """(t, h, w) of the video tokens with t the frame's place in the whole episode (a kept
     context frame keeps its index, generated frames follow the full context), and a bool
@@ -126,9 +147,9 @@ def _video_positions(
     assert thw_T3 is not None
     pos, is_ctx = [], []
     for r in requests:
-        n_ctx = r.context.shape[0]
-        pos += [*r.kept, *range(n_ctx, n_ctx + r.frames)]
-        is_ctx += [True] * len(r.kept) + [False] * r.frames
+        n_ctx, kept = r.context.shape[0], r.kept if context else ()
+        pos += [*kept, *range(n_ctx, n_ctx + r.frames)]
+        is_ctx += [True] * len(kept) + [False] * r.frames
     real = len(pos) * tpf
     thw = thw_T3.long().clone()
     frame_of_token = torch.arange(real) // tpf
@@ -150,3 +171,14 @@ def _action_positions(
     t = pos_T * f[k] // a[k]
     hw = torch.tensor(grid, dtype=torch.int64).expand(t.shape[0], 2)
     return torch.cat([t[:, None], hw], dim=1)
+
+
+def initial_tokens(
+    r: Request, frame: tuple[int, int, int], action_dim: int
+) -> tuple[Tensor, Tensor]:
+    """A request's starting latents ``(frames, C, H, W)`` and actions ``(actions, A)``, fp32
+    CPU: its seeded noise, with the committed actions (if any) in the first rows."""
+    lat, act = r.noise(frame, action_dim)
+    if r.committed_actions is not None:
+        act[: r.committed] = r.committed_actions.detach().cpu()
+    return lat, act

@@ -34,7 +34,10 @@ class Request:
     context frames to attend to, ascending (``None``: all). ``session`` names the robot episode
     this chunk belongs to (a policy server sets it per connection and episode): an engine that
     caches context keeps a session's cached frames for its next chunk until
-    ``engine.end_session(session)``; ``None``: a request of its own."""
+    ``engine.end_session(session)``; ``None``: a request of its own. ``committed_actions``
+    ``(k, action_dim)`` float32: the chunk's first k actions, already committed (real-time
+    chunking): they sit in the pack clean (t = 0), are never updated, and come back
+    bit-identical in the `Result`; the engine generates the other ``actions - k``."""
 
     context: Tensor
     frames: int
@@ -44,6 +47,7 @@ class Request:
     steps: int = 10
     keep_frames: tuple[int, ...] | None = None
     session: str | None = None
+    committed_actions: Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.context, Tensor) or self.context.dim() != 4:
@@ -73,6 +77,12 @@ class Request:
                     f"[0, {f_c}) (the context has {f_c} frames)"
                 )
             object.__setattr__(self, "keep_frames", tuple(int(i) for i in keep))
+        _check_committed(self.committed_actions, self.actions)
+
+    @property
+    def committed(self) -> int:
+        """How many of the chunk's actions are committed (0 without ``committed_actions``)."""
+        return 0 if self.committed_actions is None else self.committed_actions.shape[0]
 
     @property
     def kept(self) -> tuple[int, ...]:
@@ -86,6 +96,22 @@ class Request:
         lat = torch.randn((self.frames, *frame_shape), generator=gen)
         act = torch.randn((self.actions, action_dim), generator=gen)
         return lat, act
+
+
+def _check_committed(c: Tensor | None, actions: int) -> None:
+    if c is None:
+        return
+    if not isinstance(c, Tensor) or c.dim() != 2 or not 1 <= c.shape[0] <= actions:
+        got = tuple(c.shape) if isinstance(c, Tensor) else type(c).__name__
+        raise ValueError(
+            f"Request.committed_actions must be a (k, action_dim) tensor with 1 <= k <= "
+            f"actions={actions}, got {got}; pass None when nothing is committed"
+        )
+    if c.dtype != torch.float32:
+        raise TypeError(
+            f"Request.committed_actions must be float32 (the engine's state, so they come back "
+            f"bit-identical), got {c.dtype}; pass committed_actions.float()"
+        )
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ classification is pure tensor work), so a captured graph stays right for any com
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,15 +24,18 @@ from torch import Tensor
 
 from packing.attention._masks import InnerMask, dense_mask, make_block_mask
 from packing.attention._packed import AttentionMask
-from packing.model._dit import DiT, PackInputs
+from packing.model._dit import DiT, KVCache, PackInputs
 from packing.serve._pack import HostPack, PackShape
 from packing.train._conditioning import broadcast_to_tokens
 
-__all__ = ["Buffers", "GraphedStep", "run_step", "step_masks"]
+__all__ = [
+    "Buffers", "GraphedStep", "cross_mask", "run_step", "schedule", "step_masks",
+    "velocity_update",
+]  # fmt: skip
 
 _INDEX_FIELDS = (
     "doc_J", "row_J", "src_index_J", "latents_dest_T", "action_dest_T", "thw_J3", "text_X",
-    "text_doc_X", "slot_v", "slot_a",
+    "text_doc_X", "slot_v", "slot_a", "pos_J",
 )  # fmt: skip
 
 
@@ -67,6 +70,7 @@ class Buffers:
         )
         self.text_X, self.text_doc_X = torch.full((X,), -1, **i64), torch.full((X,), -1, **i64)
         self.thw_J3 = torch.zeros(J, 3, **i64)
+        self.pos_J = torch.zeros(J, **i64)
 
     def state(self) -> tuple[Tensor, ...]:
         """What a step changes (saved around a graph's warm-up runs)."""
@@ -96,57 +100,82 @@ def step_masks(
     document, the deliberately broken model the proof must catch."""
     if not document_mask:
         doc_J = torch.where(doc_J >= 0, 0, -1)
+    J = doc_J.shape[0]
+    if backend == "sdpa":
+        dense = dense_mask(doc_J, None, inner)
+        has_key = dense.any(dim=1)
+        dense = dense | ~has_key[:, None]  # a row with no key would give NaN, then 0
+        self_mask = AttentionMask(
+            backend=backend, kernel=backend, reason="packing.serve step", q_len=J, kv_len=J,
+            inner=inner, cross=False, dense_TT=dense, keep_T=has_key,
+        )  # fmt: skip
+    else:
+        options = {"BACKEND": "FLASH"} if backend == "flex_flash" else None
+        self_mask = AttentionMask(
+            backend=backend, kernel=backend, reason="packing.serve step", q_len=J, kv_len=J,
+            inner=inner, cross=False, block_mask=make_block_mask(doc_J, None, inner),
+            kernel_options=options,
+        )  # fmt: skip
+    return self_mask, cross_mask(doc_J, text_doc_X, backend=backend, document_mask=document_mask)
+
+
+def cross_mask(
+    doc_J: Tensor, text_doc_X: Tensor, *, backend: str, document_mask: bool
+) -> AttentionMask:
+    """The cross-attention mask of queries ``doc_J`` to the packed text ``text_doc_X``."""
+    if not document_mask:
+        doc_J = torch.where(doc_J >= 0, 0, -1)
         text_doc_X = torch.where(text_doc_X >= 0, 0, -1)
     J, X = doc_J.shape[0], text_doc_X.shape[0]
     common: dict[str, Any] = dict(
-        backend=backend, kernel=backend, reason="packing.serve step", q_len=J
-    )
+        backend=backend, kernel=backend, reason="packing.serve step", q_len=J, kv_len=X,
+        inner=None, cross=True,
+    )  # fmt: skip
     if backend == "sdpa":
-        out = []
-        for kv, rule in ((None, inner), (text_doc_X, None)):
-            dense = dense_mask(doc_J, kv, rule)
-            has_key = dense.any(dim=1)
-            dense = dense | ~has_key[:, None]  # a row with no key would give NaN, then 0
-            out.append(
-                AttentionMask(
-                    **common,
-                    kv_len=J if kv is None else X,
-                    inner=rule,
-                    cross=kv is not None,
-                    dense_TT=dense,
-                    keep_T=has_key,
-                )
-            )
-        return out[0], out[1]
+        dense = dense_mask(doc_J, text_doc_X, None)
+        has_key = dense.any(dim=1)
+        return AttentionMask(**common, dense_TT=dense | ~has_key[:, None], keep_T=has_key)
     options = {"BACKEND": "FLASH"} if backend == "flex_flash" else None
-    self_mask = AttentionMask(
-        **common, kv_len=J, inner=inner, cross=False,
-        block_mask=make_block_mask(doc_J, None, inner), kernel_options=options,
-    )  # fmt: skip
-    cross_mask = AttentionMask(
-        **common, kv_len=X, inner=None, cross=True,
-        block_mask=make_block_mask(doc_J, text_doc_X, None), kernel_options=options,
-    )  # fmt: skip
-    return self_mask, cross_mask
+    return AttentionMask(
+        **common, block_mask=make_block_mask(doc_J, text_doc_X, None), kernel_options=options
+    )
 
 
 def run_step(
     model: DiT, b: Buffers, *, backend: str, inner: InnerMask | None, document_mask: bool
 ) -> None:
     """One denoising step of every request in the pack, in place on ``b``."""
-    R, N = b.t_table.shape
-    n_K = b.step_K.clamp(max=N - 1)  # a finished request is removed on the host first
-    t_K = b.t_table.gather(1, n_K[:, None])[:, 0]
-    ab_K2 = b.coef.gather(1, n_K[:, None, None].expand(R, 1, 2))[:, 0]
-    t_R = torch.cat([t_K, t_K.new_zeros(1)])  # row R: the clean context, t = 0
+    t_R, ab_K2 = schedule(b)
     self_mask, cross_mask = step_masks(
         b.doc_J, b.text_doc_X, backend=backend, inner=inner, document_mask=document_mask
     )
     pack = PackInputs(b.src_index_J, b.latents_dest_T, b.action_dest_T, b.thw_J3, b.text_X,
                       self_mask, cross_mask)  # fmt: skip
+    velocity_update(model, b, t_R, ab_K2, pack)
+
+
+def schedule(b: Buffers) -> tuple[Tensor, Tensor]:
+    """Each request's time at its own step, ``t_R`` (R + 1 rows: row R is the clean context,
+    t = 0), and its solver coefficients ``(R, 2)``."""
+    R, N = b.t_table.shape
+    n_K = b.step_K.clamp(max=N - 1)  # a finished request is removed on the host first
+    t_K = b.t_table.gather(1, n_K[:, None])[:, 0]
+    ab_K2 = b.coef.gather(1, n_K[:, None, None].expand(R, 1, 2))[:, 0]
+    return torch.cat([t_K, t_K.new_zeros(1)]), ab_K2
+
+
+def velocity_update(
+    model: DiT,
+    b: Buffers,
+    t_R: Tensor,
+    ab_K2: Tensor,
+    pack: PackInputs,
+    cache: Sequence[KVCache] | None = None,
+) -> None:
+    """The model call over the pack's tokens, then every request's solver update."""
     dtype = next(model.parameters()).dtype
     tokens = {"latents": b.x_v.to(dtype), "action": b.x_a.to(dtype)}
-    v = model.velocity(tokens, t_R, b.row_J, pack)
+    v = model.velocity(tokens, t_R, b.row_J, pack, cache)
     _update(b.x_v, b.vp_v, v["latents"].float(), ab_K2, b.slot_v)
     _update(b.x_a, b.vp_a, v["action"].float(), ab_K2, b.slot_a)
     b.step_K.add_(1)
@@ -166,7 +195,7 @@ class GraphedStep:
     side stream, capture, replay). The warm-up runs really step the state, so it is saved
     before and restored after; capturing itself runs nothing."""
 
-    def __init__(self, fn: Callable[[], None], b: Buffers) -> None:
+    def __init__(self, fn: Callable[[], None], b: Any) -> None:  # b.state(): what fn changes
         saved = [t.clone() for t in b.state()]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

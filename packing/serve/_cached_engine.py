@@ -1,0 +1,208 @@
+"""The engine with a context cache: each request's context computed once, at admission.
+
+``Engine(model, EngineConfig(..., context_cache=ContextCache(pages=...)))`` builds this
+engine. Admission claims the joining requests' pages (reusing a session's cached frames whose
+hashes match, `packing.serve._cache`), prefills the frames not cached yet, in passes of
+``prefill_frames`` frames, and lays out the pack's generated tokens only; every step then
+runs those over the pool (`packing.serve._cached_step`)::
+
+    admission   request 9 (session "arm-2", 20 frames, 18 cached)  -> prefill frames 18, 19
+    step        q: generated frames + actions of requests 4, 6, 9  -> k/v: their pages ++ q
+    finished    request 4 (no session): its pages are free again
+
+Exact, not approximate, because a frame-causal model's context never attends to generated
+tokens: its keys and values are the same at every step. A model that is not frame-causal is
+refused (its context attends to the generated tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from packing.model._dit import DiT
+from packing.serve._cache import CachedShape, Key, PagePool, frame_hashes, pages_for
+from packing.serve._cached_step import DevicePool, cached_step, prefill_step
+from packing.serve._engine import Engine, EngineConfig, _Member
+from packing.serve._pack import PackShape
+from packing.serve._request import Request, Result
+from packing.serve._step import Buffers, GraphedStep
+
+__all__ = ["CachedEngine"]
+
+
+@dataclass
+class _CachedMember(_Member):
+    key: Key = 0  # its session, or its own id
+    hashes: list[bytes] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+
+
+class CachedEngine(Engine):
+    """`Engine` with ``config.context_cache``; ``cache_stats`` counts the context frames
+    prefilled and reused, hash mismatches (a session's frame changed) and evictions."""
+
+    _packs_context = False
+
+    def __init__(
+        self, model: DiT, config: EngineConfig, *, device: torch.device | str | None = None
+    ) -> None:
+        cc = config.context_cache
+        assert cc is not None
+        if not model.config.frame_causal:
+            raise ValueError(
+                "EngineConfig.context_cache needs a frame-causal model: with "
+                "DiTConfig.frame_causal=False every context token attends to the generated "
+                "frames and actions, so its keys and values change at every step and cannot be "
+                "cached; build the model with frame_causal=True or pass context_cache=None"
+            )
+        super().__init__(model, config, device=device)
+        self.shapes = [
+            CachedShape(frames=s.frames, actions=s.actions, requests=s.requests,
+                        pool_pages=cc.pages, page_frames=cc.page_frames)
+            for s in self.shapes
+        ]  # fmt: skip
+        tpf = model.config.tokens_per_frame
+        tail = max([s.frames * tpf + s.actions for s in self.shapes] + [cc.prefill_frames * tpf])
+        self.cache = cc
+        self.pages = PagePool(cc.pages, cc.page_frames)
+        self.pool = DevicePool(model, cc, tail, self.device)
+        self._prefill_graphs: dict[PackShape, GraphedStep] = {}
+        self.cache_stats = {"prefilled_frames": 0, "reused_frames": 0, "prefill_passes": 0}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """``cache_stats`` with the pool's mismatches and evictions."""
+        return {**self.cache_stats, "mismatches": self.pages.mismatches,
+                "evictions": self.pages.evicted}  # fmt: skip
+
+    # -- the public calls it changes --------------------------------------------------------
+    def cancel(self, request_id: int) -> bool:
+        """`Engine.cancel`; a cancelled member's pages (its session's) are freed too."""
+        member = next((m for m in self._members if m.rid == request_id), None)
+        dropped = super().cancel(request_id)
+        if dropped and member is not None:
+            self.pages.release(member.key, keep=False)
+        return dropped
+
+    def end_session(self, session: str) -> None:
+        """Free ``session``'s pages (when its request in the pack, if any, leaves)."""
+        super().end_session(session)
+        self.pages.end(session)
+
+    # -- internals --------------------------------------------------------------------------
+    def _check_fits(self, r: Request) -> None:
+        s, cc = self.shapes[-1], self.cache
+        if pages_for(r, cc.page_frames) > cc.pages:
+            raise ValueError(
+                f"the request keeps {len(r.kept)} context frames, {pages_for(r, cc.page_frames)} "
+                f"pages of {cc.page_frames} frames, more than the pool's {cc.pages}; raise "
+                "ContextCache.pages or drop context frames (keep_frames=)"
+            )
+        if r.frames > s.frames or r.actions > s.actions:
+            raise ValueError(
+                f"the request generates {r.frames} frames and {r.actions} actions, more than "
+                f"the largest PackShape (frames={s.frames}, actions={s.actions}; with a context "
+                "cache a shape's frames are the generated ones); add a larger shape"
+            )
+
+    def _member(self, rid: int, request: Request) -> _CachedMember:
+        key: Key = request.session if request.session is not None else rid
+        return _CachedMember(rid, request, admitted=self.clock, key=key,
+                             hashes=frame_hashes(request))  # fmt: skip
+
+    def _recompose(self, shape: PackShape, staying: list, joining: list) -> None:
+        """`Engine._recompose` (the generated tokens), then the pages: the joining requests
+        claim theirs, the page tables are loaded, the frames not cached are prefilled."""
+        super()._recompose(shape, staying, joining)
+        prefill: list[tuple[int, _CachedMember, int]] = []
+        for k, m in enumerate(self._members):
+            if k >= len(staying):
+                m.pages, reuse = self.pages.claim(m.key, m.hashes)
+                prefill.append((k, m, reuse))
+                self.cache_stats["reused_frames"] += reuse
+                self.cache_stats["prefilled_frames"] += len(m.hashes) - reuse
+        P, pf = self.cache.pages, self.cache.page_frames
+        page_doc = torch.full((P,), -1, dtype=torch.int64)
+        page_frame, page_fill = torch.zeros(P, dtype=torch.int64), torch.zeros(P, dtype=torch.int64)
+        for k, m in enumerate(self._members):
+            n = len(m.hashes)
+            for j, p in enumerate(m.pages):
+                page_doc[p], page_frame[p], page_fill[p] = k, j * pf, min(pf, n - j * pf)
+        self.pool.load_pages(page_doc, page_frame, page_fill)
+        self._prefill(shape, prefill)
+
+    def _prefill(self, shape: PackShape, todo: list[tuple[int, _CachedMember, int]]) -> None:
+        """The frames ``reuse..`` of each joining request, in passes of ``prefill_frames``."""
+        cfg, tpf = self.model.config, self.model.config.tokens_per_frame
+        pool, pt = self.pool, self.pool.page_tokens
+        frames = [(k, m, j) for k, m, reuse in todo for j in range(reuse, len(m.hashes))]
+        gh, gw = cfg.grid
+        hw = torch.stack(torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij"), -1)
+        hw = hw.reshape(tpf, 2)
+        Q = pool.pre_doc.shape[0]
+        for lo in range(0, len(frames), self.cache.prefill_frames):
+            part = frames[lo : lo + self.cache.prefill_frames]
+            n = len(part) * tpf
+            x = torch.zeros(Q, cfg.patch_features)
+            doc, pos = torch.full((Q,), -1, dtype=torch.int64), torch.zeros(Q, dtype=torch.int64)
+            thw, rows = torch.zeros(Q, 3, dtype=torch.int64), pool.N + torch.arange(Q)
+            ctx = torch.stack([m.request.context[m.request.kept[j]] for _, m, j in part])
+            x[:n] = self.model.patchify(ctx.float().cpu())
+            s = torch.arange(tpf)
+            for i, (k, m, j) in enumerate(part):
+                t = slice(i * tpf, (i + 1) * tpf)
+                doc[t], pos[t] = k, j * tpf + s
+                thw[t, 0], thw[t, 1:] = m.request.kept[j], hw
+                rows[t] = (
+                    m.pages[j // self.cache.page_frames] * pt
+                    + (j % self.cache.page_frames) * tpf
+                    + s
+                )
+            dev = self.device
+            for dst, src in ((pool.pre_x, x), (pool.pre_doc, doc), (pool.pre_pos, pos),
+                             (pool.pre_thw, thw), (pool.pre_rows, rows),
+                             (pool.pre_row, torch.where(doc >= 0, 0, -1))):  # fmt: skip
+                dst.copy_(src.to(dev, non_blocking=True) if dev.type != "cpu" else src)
+            self._run_prefill(shape)
+            self.cache_stats["prefill_passes"] += 1
+
+    def _run_prefill(self, shape: PackShape) -> None:
+        b = self._buffers[shape]
+
+        def fn() -> None:
+            prefill_step(self.model, self.pool, b, backend=self.backend, inner=self._inner,
+                         document_mask=self.model.config.document_mask)  # fmt: skip
+
+        self._graphed(self._prefill_graphs, shape, fn, self.pool)
+
+    def _run(self, shape: PackShape) -> None:
+        b = self._buffers[shape]
+
+        def fn() -> None:
+            cached_step(self.model, b, self.pool, backend=self.backend, inner=self._inner,
+                        document_mask=self.model.config.document_mask)  # fmt: skip
+
+        self._graphed(self._graphs, shape, fn, b)
+
+    def _graphed(self, graphs: dict, shape: PackShape, fn, holder: Buffers | DevicePool) -> None:
+        if not self.config.cuda_graphs:
+            with torch.no_grad():
+                fn()
+            return
+        g = graphs.get(shape)
+        if g is None:
+            with torch.no_grad():
+                g = graphs[shape] = GraphedStep(fn, holder)
+        g()
+
+    @property
+    def _inner(self):  # the frame-causal rule (the constructor refused a model without one)
+        assert self.inner is not None
+        return self.inner
+
+    def _result(self, m: _CachedMember) -> Result:
+        out = super()._result(m)
+        self.pages.release(m.key, keep=m.request.session is not None)
+        return out

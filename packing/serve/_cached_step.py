@@ -1,0 +1,176 @@
+"""The context cache's device side: the K/V pool, its masks, the prefill and the cached step.
+
+The pool holds, for every block, the keys and values of ``N = pages * page_frames *
+tokens_per_frame`` context tokens, then a tail of scratch rows where a pass writes its own
+tokens' keys and values. A step's queries are the pack's generated tokens only; its keys are
+the pool ++ those tokens, and the mask is the document + frame-causal rule in each request's
+own positions (``pos``: the token's place in its whole document, context first)::
+
+    keys   page 0   page 1   page 2   page 3 | tail: the step's generated tokens
+    doc     a a a    b b b    a a .    - - -  | a a a a   b b b
+    q a     # # #    . . .    # # .    . . .  | frame-causal over a's own tokens
+    q b     . . .    # # #    . . .    . . .  | . . . .   frame-causal
+
+Every context frame comes before a request's generated frames and actions, so a generated
+token sees all of its request's cached frames; a context token (prefill) sees its request's
+frames up to its own, written into the pool at every layer just before that layer's
+attention. The page tables (which request and which of its frames a page holds) are small
+tensors copied in at admission; each pool key's document and position are computed from them
+on the device inside the step, so a captured graph replays for any composition, with no host
+sync. On CPU the mask is dense for SDPA; on CUDA the same rule is a FlexAttention block mask
+whose tiles are classified from the dense mask (``Jq x (N + Jq)`` booleans, static shapes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from packing.attention._block_tables import tables_from_flags
+from packing.attention._masks import InnerMask
+from packing.attention._packed import AttentionMask
+from packing.model._dit import DiT, KVCache, PackInputs
+from packing.serve._cache import ContextCache
+from packing.serve._step import Buffers, cross_mask, schedule, velocity_update
+
+__all__ = ["DevicePool", "cached_step", "pool_mask", "prefill_step"]
+
+_TILE = 128  # FlexAttention's block
+
+
+class DevicePool:
+    """The static device tensors of the cache: the pool ``(depth, N + tail, H, D)`` of keys
+    and of values (zeros, so a masked key never holds a NaN), the page tables and the prefill
+    block (``prefill_frames`` frames of context tokens: their patches, request, position,
+    RoPE (t, h, w) and pool row)."""
+
+    def __init__(self, model: DiT, cache: ContextCache, tail: int, device: torch.device) -> None:
+        cfg = model.config
+        tpf, P = cfg.tokens_per_frame, cache.pages
+        self.tpf, self.page_tokens = tpf, cache.page_frames * tpf
+        self.N = P * self.page_tokens
+        dtype = next(model.parameters()).dtype
+        size = (cfg.depth, self.N + tail, cfg.heads, cfg.head_dim)
+        self.k = torch.zeros(size, dtype=dtype, device=device)
+        self.v = torch.zeros(size, dtype=dtype, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
+        self.page_doc = torch.full((P,), -1, **i64)  # the request (pack doc) holding the page
+        self.page_frame = torch.zeros(P, **i64)  # its first frame's index in that context
+        self.page_fill = torch.zeros(P, **i64)  # frames of the page in use
+        slot = torch.arange(self.page_tokens, **i64)
+        self.slot_frame, self.slot_token = slot // tpf, slot % tpf
+        self.tail_rows = self.N + torch.arange(tail, **i64)
+        Q = cache.prefill_frames * tpf
+        self.pre_x = torch.zeros(Q, cfg.patch_features, dtype=torch.float32, device=device)
+        self.pre_doc, self.pre_row = torch.full((Q,), -1, **i64), torch.full((Q,), -1, **i64)
+        self.pre_pos, self.pre_rows = torch.zeros(Q, **i64), self.N + torch.arange(Q, **i64)
+        self.pre_thw = torch.zeros(Q, 3, **i64)
+        self.pre_index = torch.arange(Q, **i64)
+        self.no_actions = (torch.zeros(0, cfg.action_dim, dtype=dtype, device=device),
+                           torch.zeros(0, **i64))  # fmt: skip
+
+    def state(self) -> tuple[Tensor, ...]:
+        return ()  # a prefill only writes pool rows, the same values on every replay
+
+    def load_pages(self, page_doc: Tensor, page_frame: Tensor, page_fill: Tensor) -> None:
+        for dst, src in ((self.page_doc, page_doc), (self.page_frame, page_frame),
+                         (self.page_fill, page_fill)):  # fmt: skip
+            dst.copy_(src, non_blocking=True)
+
+    def keys(self) -> tuple[Tensor, Tensor]:
+        """Document and position of every pool key ``(N,)``, from the page tables (device
+        work, no sync): page p's slot s is frame ``page_frame[p] + s // tpf`` of request
+        ``page_doc[p]``, in use while that frame is below ``page_fill[p]``; -1 elsewhere."""
+        used = self.slot_frame[None, :] < self.page_fill[:, None]
+        doc = torch.where(used, self.page_doc[:, None], -1).flatten()
+        frame = self.page_frame[:, None] + self.slot_frame[None, :]
+        return doc, (frame * self.tpf + self.slot_token[None, :]).flatten()
+
+    def layers(self, rows: Tensor, keys: int) -> list[KVCache]:
+        return [KVCache(self.k[i], self.v[i], rows, keys) for i in range(self.k.shape[0])]
+
+
+def pool_mask(
+    q_doc: Tensor,
+    q_pos: Tensor,
+    kv_doc: Tensor,
+    kv_pos: Tensor,
+    *,
+    backend: str,
+    inner: InnerMask,
+    document_mask: bool,
+) -> AttentionMask:
+    """Self-attention of queries ``(q_doc, q_pos)`` over keys ``(kv_doc, kv_pos)``: same
+    document (>= 0) and ``inner`` on the positions, the uncached rule written for keys that
+    are not one contiguous run per document. ``document_mask=False``: the broken control."""
+    if not document_mask:
+        q_doc, kv_doc = torch.where(q_doc >= 0, 0, -1), torch.where(kv_doc >= 0, 0, -1)
+
+    def pool_document(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        same = (q_doc[q] == kv_doc[kv]) & (q_doc[q] >= 0)
+        return same & inner(b, h, q_pos[q], kv_pos[kv])
+
+    pool_document.__name__ = f"pool_document_{getattr(inner, '__name__', 'inner')}"
+    Tq, Tk = q_doc.shape[0], kv_doc.shape[0]
+    dev = q_doc.device
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    q_i, kv_i = torch.arange(Tq, device=dev)[:, None], torch.arange(Tk, device=dev)[None, :]
+    dense = pool_document(zero, zero, q_i, kv_i)
+    common: dict[str, Any] = dict(
+        backend=backend, kernel=backend, reason="packing.serve cached step", q_len=Tq,
+        kv_len=Tk, inner=inner, cross=False,
+    )  # fmt: skip
+    if backend == "sdpa":
+        has_key = dense.any(dim=1)  # a pad query: no key (NaN in SDPA), opened, then read 0
+        return AttentionMask(**common, dense_TT=dense | ~has_key[:, None], keep_T=has_key)
+    R, C = -(-Tq // _TILE), -(-Tk // _TILE)
+    tiles = F.pad(dense, (0, C * _TILE - Tk, 0, R * _TILE - Tq)).view(R, _TILE, C, _TILE)
+    tables = tables_from_flags(tiles.any(3).any(1), tiles.all(3).all(1))
+    block_mask = BlockMask(
+        seq_lengths=(Tq, Tk), **tables._asdict(), BLOCK_SIZE=(_TILE, _TILE),
+        mask_mod=pool_document,
+    )  # fmt: skip
+    options = {"BACKEND": "FLASH"} if backend == "flex_flash" else None
+    return AttentionMask(**common, block_mask=block_mask, kernel_options=options)
+
+
+def cached_step(
+    model: DiT, b: Buffers, pool: DevicePool, *, backend: str, inner: InnerMask,
+    document_mask: bool,
+) -> None:  # fmt: skip
+    """One denoising step of the pack's generated tokens over the pool, in place on ``b``:
+    each block writes their keys and values to the pool's tail and attends over
+    ``pool ++ tail``."""
+    t_R, ab_K2 = schedule(b)
+    J = b.doc_J.shape[0]
+    doc_N, pos_N = pool.keys()
+    kv_doc, kv_pos = torch.cat([doc_N, b.doc_J]), torch.cat([pos_N, b.pos_J])
+    self_mask = pool_mask(b.doc_J, b.pos_J, kv_doc, kv_pos, backend=backend, inner=inner,
+                          document_mask=document_mask)  # fmt: skip
+    cross = cross_mask(b.doc_J, b.text_doc_X, backend=backend, document_mask=document_mask)
+    pack = PackInputs(b.src_index_J, b.latents_dest_T, b.action_dest_T, b.thw_J3, b.text_X,
+                      self_mask, cross)  # fmt: skip
+    velocity_update(model, b, t_R, ab_K2, pack, pool.layers(pool.tail_rows[:J], pool.N + J))
+
+
+def prefill_step(
+    model: DiT, pool: DevicePool, b: Buffers, *, backend: str, inner: InnerMask,
+    document_mask: bool,
+) -> None:  # fmt: skip
+    """One prefill pass: the prefill block's context tokens (clean, t = 0) through every
+    block, their keys and values written to their pool rows (``pre_rows``; padding writes the
+    tail) and attended over the pool. ``b`` holds the pack's text (the requests' tasks)."""
+    doc_N, pos_N = pool.keys()
+    self_mask = pool_mask(pool.pre_doc, pool.pre_pos, doc_N, pos_N, backend=backend,
+                          inner=inner, document_mask=document_mask)  # fmt: skip
+    cross = cross_mask(pool.pre_doc, b.text_doc_X, backend=backend, document_mask=document_mask)
+    no_act, no_rows = pool.no_actions
+    pack = PackInputs(pool.pre_index, pool.pre_index, no_rows, pool.pre_thw, b.text_X,
+                      self_mask, cross)  # fmt: skip
+    tokens = {"latents": pool.pre_x.to(no_act.dtype), "action": no_act}
+    t_R = pool.pre_x.new_zeros(1)  # every context token at t = 0
+    model.velocity(tokens, t_R, pool.pre_row, pack, pool.layers(pool.pre_rows, pool.N))
