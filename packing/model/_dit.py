@@ -24,8 +24,8 @@ on padding, unreduced; ``predict(batch)`` returns the per-token velocity predict
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import torch

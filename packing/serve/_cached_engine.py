@@ -17,10 +17,12 @@ refused (its context attends to the generated tokens).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from packing.attention._masks import InnerMask
 from packing.model._dit import DiT
 from packing.serve._cache import CachedShape, Key, PagePool, frame_hashes, pages_for
 from packing.serve._cached_step import DevicePool, cached_step, prefill_step
@@ -186,7 +188,13 @@ class CachedEngine(Engine):
 
         self._graphed(self._graphs, shape, fn, b)
 
-    def _graphed(self, graphs: dict, shape: PackShape, fn, holder: Buffers | DevicePool) -> None:
+    def _graphed(
+        self,
+        graphs: dict[PackShape, GraphedStep],
+        shape: PackShape,
+        fn: Callable[[], None],
+        holder: Buffers | DevicePool,
+    ) -> None:
         if not self.config.cuda_graphs:
             with torch.no_grad():
                 fn()
@@ -198,11 +206,12 @@ class CachedEngine(Engine):
         g()
 
     @property
-    def _inner(self):  # the frame-causal rule (the constructor refused a model without one)
+    def _inner(self) -> InnerMask:  # frame-causal (the constructor refused other models)
         assert self.inner is not None
         return self.inner
 
-    def _result(self, m: _CachedMember) -> Result:
+    def _result(self, m: _Member) -> Result:
+        assert isinstance(m, _CachedMember)
         out = super()._result(m)
         self.pages.release(m.key, keep=m.request.session is not None)
         return out
