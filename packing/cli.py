@@ -107,8 +107,13 @@ def _add_run_options(v: argparse.ArgumentParser) -> None:
         help=(
             "verify packed inference instead (packing.serve): requests of mixed lengths at "
             "mixed denoising steps in one pack == each request alone, fp32 CPU, rel 1e-5; "
-            "takes --mask, --no-document-mask, --seed, --json"
+            "takes --mask, --no-document-mask, --seed, --json, --context-cache"
         ),
+    )
+    v.add_argument(
+        "--context-cache",
+        action="store_true",
+        help="with --inference: the packed run through the engine's frame-causal context cache",
     )
     v.add_argument("--steps", type=int, default=3, help="AdamW steps (default 3)")
     v.add_argument("--episodes", type=int, default=None, help="first N episodes (default all)")
@@ -332,7 +337,10 @@ def _run_inference(args: argparse.Namespace) -> int:
         )
     from packing.serve._proof import verify_inference
 
-    report = verify_inference(mask=args.mask, document_mask=args.document_mask, seed=args.seed)
+    report = verify_inference(
+        mask=args.mask, document_mask=args.document_mask, seed=args.seed,
+        context_cache=args.context_cache,
+    )  # fmt: skip
     if args.json:
         report.to_json(args.json)
     print(report.format(), flush=True)

@@ -4,6 +4,8 @@
   generate, seed, steps, optional kept context frames) and what comes back.
 - `Engine`, `EngineConfig`, `PackShape`: continuous batching into a few static pack shapes,
   one model call per step, optionally captured in CUDA graphs (docs/inference.md).
+- `ContextCache`: a frame-causal model's clean context computed once per request (and reused
+  across a session's chunks) into a paged K/V pool; each step runs the generated tokens only.
 - `FlowScheduler`, `reference_sample`: flow-matching Euler and a 2nd-order multistep solver
   as per-step coefficients, and the scalar loop they are tested against.
 - `VideoEngine`, `VideoRequest`, `VideoShape`, `VideoModel`, `VideoPack`: the same batching
@@ -15,6 +17,7 @@
   engine (examples/policy_server.py).
 """
 
+from packing.serve._cache import ContextCache
 from packing.serve._engine import Engine, EngineConfig
 from packing.serve._pack import PackShape
 from packing.serve._proof import InferenceReport, verify_inference
@@ -25,6 +28,7 @@ from packing.serve._video import VideoEngine
 from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
 
 __all__ = [
+    "ContextCache",
     "Engine",
     "EngineConfig",
     "FlowScheduler",

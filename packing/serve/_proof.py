@@ -107,7 +107,10 @@ def verify_inference(
     if mask not in ("document", "frame-causal"):
         raise ValueError(f"mask={mask!r}; choose 'document' or 'frame-causal'")
     if context_cache and mask != "frame-causal":
-        raise ValueError("context_cache=True needs mask='frame-causal' (a cacheable context)")
+        raise ValueError(
+            "context_cache=True needs mask='frame-causal' (--mask frame-causal): only a "
+            "frame-causal context is independent of the generated tokens, so cacheable"
+        )
     if stale_cache and not context_cache:
         raise ValueError("stale_cache=True is a control of the context cache; set context_cache")
     torch.manual_seed(seed)

@@ -175,7 +175,11 @@ def velocity_update(
     """The model call over the pack's tokens, then every request's solver update."""
     dtype = next(model.parameters()).dtype
     tokens = {"latents": b.x_v.to(dtype), "action": b.x_a.to(dtype)}
-    v = model.velocity(tokens, t_R, b.row_J, pack, cache)
+    # Without a cache, the plain 4-argument call: the engine's model protocol.
+    if cache is None:
+        v = model.velocity(tokens, t_R, b.row_J, pack)
+    else:
+        v = model.velocity(tokens, t_R, b.row_J, pack, cache)
     _update(b.x_v, b.vp_v, v["latents"].float(), ab_K2, b.slot_v)
     _update(b.x_a, b.vp_a, v["action"].float(), ab_K2, b.slot_a)
     b.step_K.add_(1)

@@ -97,7 +97,15 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
         *,
         scheduler: FlowScheduler | None = None,
         max_steps: int = 50,
+        context_cache: object = None,
     ) -> None:
+        if context_cache is not None:  # the context cache's refusal (issue 34)
+            raise ValueError(
+                "VideoEngine cannot cache context: its models (a diffusers Wan) attend "
+                "bidirectionally, so every context token attends to the generated frames and "
+                "its keys and values change at every step; pass context_cache=None (the context "
+                "is recomputed each step), or serve a frame-causal DiT with Engine"
+            )
         missing = [a for a in ("frame_shape", "grid", "text_dim", "device", "velocity")
                    if not hasattr(model, a)]  # fmt: skip
         if missing:
