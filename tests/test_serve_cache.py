@@ -102,7 +102,10 @@ def test_random_arrivals_cached_equal_uncached(seed):
     random steps, small pool: every result equals the request alone without the cache."""
     rng = random.Random(seed)
     model = _model()
-    engine = Engine(model, _cached(pages=7, page_frames=2, prefill_frames=rng.randint(1, 4)))
+    engine = Engine(
+        model,
+        _cached(pages=7, page_frames=2, prefill_frames=(rng.randint(1, 2), rng.randint(3, 5))),
+    )
     reqs, when, sessions = [], [], {}
     for i in range(9):
         s = f"robot {rng.randint(0, 2)}"
@@ -235,9 +238,22 @@ def test_a_model_whose_context_sees_generated_tokens_is_refused():
 
 
 def test_cache_config_and_requests_are_checked():
-    for bad in (dict(pages=0), dict(pages=4, page_frames=0), dict(pages=2.0)):
+    for bad in (
+        dict(pages=0),
+        dict(pages=4, page_frames=0),
+        dict(pages=2.0),
+        dict(pages=4, prefill_frames=()),
+        dict(pages=4, prefill_frames=(4, 0)),
+    ):
         with pytest.raises((ValueError, TypeError), match="ContextCache"):
             ContextCache(**bad)  # type: ignore[arg-type]
+    sizes = ContextCache(pages=1, prefill_frames=[32, 4, 4])
+    assert sizes.pass_sizes == (4, 32) and [sizes.pass_size(n) for n in (1, 4, 5, 80)] == [
+        4,
+        4,
+        32,
+        32,
+    ]
     with pytest.raises(TypeError, match="context_cache"):
         EngineConfig(shapes=(PackShape(frames=1, actions=1, requests=1),), context_cache=4)
     engine = Engine(_model(), _cached(pages=2, page_frames=2))

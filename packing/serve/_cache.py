@@ -43,8 +43,10 @@ Key = str | int  # a session's name, or the id of a request without a session
 class ContextCache:
     """``EngineConfig(context_cache=ContextCache(pages=..., page_frames=...))``: a pool of
     ``pages`` pages of ``page_frames`` latent frames each (per layer, keys and values), fixed at
-    construction; ``prefill_frames``: the context frames one prefill pass takes (one static
-    shape, so it compiles and captures once; a longer prefill takes several passes).
+    construction; ``prefill_frames``: the sizes, in context frames, of a prefill pass (each
+    one static shape, compiled and captured once; a pass takes the smallest size that holds
+    the frames left to prefill, else the largest, so a session's two new frames do not pay for
+    a 32-frame pass and a fresh 80-frame context takes three).
 
     With a cache, a `PackShape`'s ``frames`` count the pack's **generated** frames only (its
     context is in the pool), and the pool must hold the largest shape's requests: the engine
@@ -53,12 +55,29 @@ class ContextCache:
 
     pages: int
     page_frames: int = 4
-    prefill_frames: int = 32
+    prefill_frames: int | tuple[int, ...] = (4, 32)
 
     def __post_init__(self) -> None:
-        for name in ("pages", "page_frames", "prefill_frames"):
+        for name in ("pages", "page_frames"):
             v = check_int(f"ContextCache.{name}", getattr(self, name), min=1)
             object.__setattr__(self, name, v)
+        sizes = self.prefill_frames
+        sizes = (sizes,) if not isinstance(sizes, tuple | list) else tuple(sizes)
+        if not sizes:
+            raise ValueError("ContextCache.prefill_frames=(); give one or more pass sizes")
+        sizes = tuple(sorted({check_int("ContextCache.prefill_frames", n, min=1) for n in sizes}))
+        object.__setattr__(self, "prefill_frames", sizes)
+
+    @property
+    def pass_sizes(self) -> tuple[int, ...]:
+        """``prefill_frames`` as an ascending tuple."""
+        assert isinstance(self.prefill_frames, tuple)
+        return self.prefill_frames
+
+    def pass_size(self, frames: int) -> int:
+        """The prefill pass for ``frames`` frames still to prefill: the smallest that holds
+        them, else the largest (``(4, 32)``: 2 -> 4, 20 -> 32, 80 -> 32)."""
+        return next((n for n in self.pass_sizes if n >= frames), self.pass_sizes[-1])
 
 
 def pages_for(r: Request, page_frames: int) -> int:

@@ -3,7 +3,7 @@
 ``Engine(model, EngineConfig(..., context_cache=ContextCache(pages=...)))`` builds this
 engine. Admission claims the joining requests' pages (reusing a session's cached frames whose
 hashes match, `packing.serve._cache`), prefills the frames not cached yet, in passes of
-``prefill_frames`` frames, and lays out the pack's generated tokens only; every step then
+``prefill_frames`` sizes, and lays out the pack's generated tokens only; every step then
 runs those over the pool (`packing.serve._cached_step`)::
 
     admission   request 9 (session "arm-2", 20 frames, 18 cached)  -> prefill frames 18, 19
@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from packing.attention._masks import InnerMask
 from packing.model._dit import DiT
 from packing.serve._cache import CachedShape, Key, PagePool, frame_hashes, pages_for
-from packing.serve._cached_step import DevicePool, cached_step, prefill_step
+from packing.serve._cached_step import DevicePool, PrefillBlock, cached_step, prefill_step
 from packing.serve._engine import Engine, EngineConfig, _Member
 from packing.serve._pack import PackShape
 from packing.serve._request import Request, Result
@@ -66,11 +67,11 @@ class CachedEngine(Engine):
             for s in self.shapes
         ]  # fmt: skip
         tpf = model.config.tokens_per_frame
-        tail = max([s.frames * tpf + s.actions for s in self.shapes] + [cc.prefill_frames * tpf])
+        tail = max([s.frames * tpf + s.actions for s in self.shapes] + [cc.pass_sizes[-1] * tpf])
         self.cache = cc
         self.pages = PagePool(cc.pages, cc.page_frames)
         self.pool = DevicePool(model, cc, tail, self.device)
-        self._prefill_graphs: dict[PackShape, GraphedStep] = {}
+        self._prefill_graphs: dict[object, GraphedStep] = {}  # (shape, pass tokens)
         self.cache_stats = {"prefilled_frames": 0, "reused_frames": 0, "prefill_passes": 0}
 
     @property
@@ -136,48 +137,40 @@ class CachedEngine(Engine):
         self._prefill(shape, prefill)
 
     def _prefill(self, shape: PackShape, todo: list[tuple[int, _CachedMember, int]]) -> None:
-        """The frames ``reuse..`` of each joining request, in passes of ``prefill_frames``."""
-        cfg, tpf = self.model.config, self.model.config.tokens_per_frame
-        pool, pt = self.pool, self.pool.page_tokens
+        """The frames ``reuse..`` of each joining request, in passes of the cache's sizes."""
+        cfg, tpf, pf = self.model.config, self.model.config.tokens_per_frame, self.cache.page_frames
         frames = [(k, m, j) for k, m, reuse in todo for j in range(reuse, len(m.hashes))]
         gh, gw = cfg.grid
         hw = torch.stack(torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij"), -1)
-        hw = hw.reshape(tpf, 2)
-        Q = pool.pre_doc.shape[0]
-        for lo in range(0, len(frames), self.cache.prefill_frames):
-            part = frames[lo : lo + self.cache.prefill_frames]
-            n = len(part) * tpf
+        hw, s = hw.reshape(tpf, 2), torch.arange(tpf)
+        while frames:
+            size = self.cache.pass_size(len(frames))
+            part, frames = frames[:size], frames[size:]
+            Q, n = size * tpf, len(part) * tpf
             x = torch.zeros(Q, cfg.patch_features)
             doc, pos = torch.full((Q,), -1, dtype=torch.int64), torch.zeros(Q, dtype=torch.int64)
-            thw, rows = torch.zeros(Q, 3, dtype=torch.int64), pool.N + torch.arange(Q)
+            thw, rows = torch.zeros(Q, 3, dtype=torch.int64), self.pool.N + torch.arange(Q)
             ctx = torch.stack([m.request.context[m.request.kept[j]] for _, m, j in part])
             x[:n] = self.model.patchify(ctx.float().cpu())
-            s = torch.arange(tpf)
             for i, (k, m, j) in enumerate(part):
                 t = slice(i * tpf, (i + 1) * tpf)
                 doc[t], pos[t] = k, j * tpf + s
                 thw[t, 0], thw[t, 1:] = m.request.kept[j], hw
-                rows[t] = (
-                    m.pages[j // self.cache.page_frames] * pt
-                    + (j % self.cache.page_frames) * tpf
-                    + s
-                )
-            dev = self.device
-            for dst, src in ((pool.pre_x, x), (pool.pre_doc, doc), (pool.pre_pos, pos),
-                             (pool.pre_thw, thw), (pool.pre_rows, rows),
-                             (pool.pre_row, torch.where(doc >= 0, 0, -1))):  # fmt: skip
-                dst.copy_(src.to(dev, non_blocking=True) if dev.type != "cpu" else src)
-            self._run_prefill(shape)
+                rows[t] = m.pages[j // pf] * self.pool.page_tokens + (j % pf) * tpf + s
+            block = self.pool.prefill[size]
+            block.load(*(t.to(self.device, non_blocking=True) for t in (x, doc, pos, thw, rows)))
+            self._run_prefill(shape, block)
             self.cache_stats["prefill_passes"] += 1
 
-    def _run_prefill(self, shape: PackShape) -> None:
+    def _run_prefill(self, shape: PackShape, block: PrefillBlock) -> None:
         b = self._buffers[shape]
 
         def fn() -> None:
-            prefill_step(self.model, self.pool, b, backend=self.backend, inner=self._inner,
-                         document_mask=self.model.config.document_mask)  # fmt: skip
+            prefill_step(self.model, self.pool, block, b, backend=self.backend,
+                         inner=self._inner, document_mask=self.model.config.document_mask)  # fmt: skip
 
-        self._graphed(self._prefill_graphs, shape, fn, self.pool)
+        key = (shape, block.x.shape[0])
+        self._graphed(self._prefill_graphs, key, fn, block)
 
     def _run(self, shape: PackShape) -> None:
         b = self._buffers[shape]
@@ -190,10 +183,10 @@ class CachedEngine(Engine):
 
     def _graphed(
         self,
-        graphs: dict[PackShape, GraphedStep],
-        shape: PackShape,
+        graphs: dict[Any, GraphedStep],
+        shape: object,
         fn: Callable[[], None],
-        holder: Buffers | DevicePool,
+        holder: Buffers | PrefillBlock,
     ) -> None:
         if not self.config.cuda_graphs:
             with torch.no_grad():

@@ -37,16 +37,38 @@ from packing.model._dit import DiT, KVCache, PackInputs
 from packing.serve._cache import ContextCache
 from packing.serve._step import Buffers, cross_mask, schedule, velocity_update
 
-__all__ = ["DevicePool", "cached_step", "pool_mask", "prefill_step"]
+__all__ = ["DevicePool", "PrefillBlock", "cached_step", "pool_mask", "prefill_step"]
 
 _TILE = 128  # FlexAttention's block
 
 
+class PrefillBlock:
+    """The static buffers of one prefill pass of ``Q`` context tokens: their patches, request
+    (pack document; -1 padding), position in it, RoPE (t, h, w), pool row (padding: a tail
+    row, never read) and conditioning row (0: the t = 0 row; -1 padding)."""
+
+    def __init__(self, Q: int, features: int, first_tail_row: int, device: torch.device) -> None:
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
+        self.x = torch.zeros(Q, features, dtype=torch.float32, device=device)
+        self.doc, self.row = torch.full((Q,), -1, **i64), torch.full((Q,), -1, **i64)
+        self.pos, self.thw = torch.zeros(Q, **i64), torch.zeros(Q, 3, **i64)
+        self.rows = first_tail_row + torch.arange(Q, **i64)
+        self.index = torch.arange(Q, **i64)
+
+    def state(self) -> tuple[Tensor, ...]:
+        return ()  # a prefill only writes pool rows, the same values on every replay
+
+    def load(self, x: Tensor, doc: Tensor, pos: Tensor, thw: Tensor, rows: Tensor) -> None:
+        row = torch.where(doc >= 0, 0, -1)
+        for dst, src in ((self.x, x), (self.doc, doc), (self.pos, pos), (self.thw, thw),
+                         (self.rows, rows), (self.row, row)):  # fmt: skip
+            dst.copy_(src, non_blocking=True)
+
+
 class DevicePool:
     """The static device tensors of the cache: the pool ``(depth, N + tail, H, D)`` of keys
-    and of values (zeros, so a masked key never holds a NaN), the page tables and the prefill
-    block (``prefill_frames`` frames of context tokens: their patches, request, position,
-    RoPE (t, h, w) and pool row)."""
+    and of values (zeros, so a masked key never holds a NaN), the page tables and one
+    `PrefillBlock` per prefill size."""
 
     def __init__(self, model: DiT, cache: ContextCache, tail: int, device: torch.device) -> None:
         cfg = model.config
@@ -64,17 +86,11 @@ class DevicePool:
         slot = torch.arange(self.page_tokens, **i64)
         self.slot_frame, self.slot_token = slot // tpf, slot % tpf
         self.tail_rows = self.N + torch.arange(tail, **i64)
-        Q = cache.prefill_frames * tpf
-        self.pre_x = torch.zeros(Q, cfg.patch_features, dtype=torch.float32, device=device)
-        self.pre_doc, self.pre_row = torch.full((Q,), -1, **i64), torch.full((Q,), -1, **i64)
-        self.pre_pos, self.pre_rows = torch.zeros(Q, **i64), self.N + torch.arange(Q, **i64)
-        self.pre_thw = torch.zeros(Q, 3, **i64)
-        self.pre_index = torch.arange(Q, **i64)
+        self.prefill = {
+            n: PrefillBlock(n * tpf, cfg.patch_features, self.N, device) for n in cache.pass_sizes
+        }
         self.no_actions = (torch.zeros(0, cfg.action_dim, dtype=dtype, device=device),
                            torch.zeros(0, **i64))  # fmt: skip
-
-    def state(self) -> tuple[Tensor, ...]:
-        return ()  # a prefill only writes pool rows, the same values on every replay
 
     def load_pages(self, page_doc: Tensor, page_frame: Tensor, page_fill: Tensor) -> None:
         for dst, src in ((self.page_doc, page_doc), (self.page_frame, page_frame),
@@ -158,19 +174,18 @@ def cached_step(
 
 
 def prefill_step(
-    model: DiT, pool: DevicePool, b: Buffers, *, backend: str, inner: InnerMask,
-    document_mask: bool,
+    model: DiT, pool: DevicePool, p: PrefillBlock, b: Buffers, *, backend: str,
+    inner: InnerMask, document_mask: bool,
 ) -> None:  # fmt: skip
-    """One prefill pass: the prefill block's context tokens (clean, t = 0) through every
-    block, their keys and values written to their pool rows (``pre_rows``; padding writes the
-    tail) and attended over the pool. ``b`` holds the pack's text (the requests' tasks)."""
+    """One prefill pass: block ``p``'s context tokens (clean, t = 0) through every block,
+    their keys and values written to their pool rows (padding writes the tail) and attended
+    over the pool. ``b`` holds the pack's text (the requests' tasks)."""
     doc_N, pos_N = pool.keys()
-    self_mask = pool_mask(pool.pre_doc, pool.pre_pos, doc_N, pos_N, backend=backend,
-                          inner=inner, document_mask=document_mask)  # fmt: skip
-    cross = cross_mask(pool.pre_doc, b.text_doc_X, backend=backend, document_mask=document_mask)
+    self_mask = pool_mask(p.doc, p.pos, doc_N, pos_N, backend=backend, inner=inner,
+                          document_mask=document_mask)  # fmt: skip
+    cross = cross_mask(p.doc, b.text_doc_X, backend=backend, document_mask=document_mask)
     no_act, no_rows = pool.no_actions
-    pack = PackInputs(pool.pre_index, pool.pre_index, no_rows, pool.pre_thw, b.text_X,
-                      self_mask, cross)  # fmt: skip
-    tokens = {"latents": pool.pre_x.to(no_act.dtype), "action": no_act}
-    t_R = pool.pre_x.new_zeros(1)  # every context token at t = 0
-    model.velocity(tokens, t_R, pool.pre_row, pack, pool.layers(pool.pre_rows, pool.N))
+    pack = PackInputs(p.index, p.index, no_rows, p.thw, b.text_X, self_mask, cross)
+    tokens = {"latents": p.x.to(no_act.dtype), "action": no_act}
+    t_R = p.x.new_zeros(1)  # every context token at t = 0
+    model.velocity(tokens, t_R, p.row, pack, pool.layers(p.rows, pool.N))

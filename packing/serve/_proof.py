@@ -127,7 +127,7 @@ def verify_inference(
     cached = EngineConfig(  # generated frames only in a shape; the contexts are in the pool
         shapes=(PackShape(frames=4, actions=10, requests=3), PackShape(frames=6, actions=16, requests=4)),
         scheduler=sched, max_steps=8,
-        context_cache=ContextCache(pages=10, page_frames=2, prefill_frames=3),
+        context_cache=ContextCache(pages=10, page_frames=2, prefill_frames=(1, 3)),
     )  # fmt: skip
     requests = [_request(i, seed, *plan[:5], plan[6]) for i, plan in enumerate(_PLAN)]
     requests += _session(seed)
