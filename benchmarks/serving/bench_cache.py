@@ -31,11 +31,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import base_parser, markdown_table, write_json  # noqa: E402
+from common import base_parser, markdown_table, write_json
 
-from packing.model import DiT, DiTConfig  # noqa: E402
-from packing.model._dit import text_tokens  # noqa: E402
-from packing.serve import (  # noqa: E402
+from packing.model import DiT, DiTConfig
+from packing.model._dit import text_tokens
+from packing.serve import (
     ContextCache,
     Engine,
     EngineConfig,
