@@ -207,7 +207,7 @@ class Clock:
 
 
 def closed_loop(engine: Engine, robots: list[list[Request]], dev: torch.device) -> dict[str, Any]:
-    clock, queue = Clock(dev), [list(rs) for rs in robots]
+    clock, queue, first_step = Clock(dev), [list(rs) for rs in robots], engine.clock
     arrive, finish, owner = {}, {}, {}
     outputs: dict[tuple[int, int], Any] = {}
 
@@ -239,7 +239,7 @@ def closed_loop(engine: Engine, robots: list[list[Request]], dev: torch.device) 
     lat = sorted(t[finish[r]] - t[arrive[r]] for r in finish)
     p99 = lat[min(n - 1, math.ceil(0.99 * n) - 1)]
     return {"req_per_s": rate, "p50_ms": 1e3 * lat[n // 2], "p99_ms": 1e3 * p99, "requests": n,
-            "engine_steps": engine.clock, "outputs": outputs}  # fmt: skip
+            "engine_steps": engine.clock - first_step, "outputs": outputs}  # fmt: skip
 
 
 def make_engine(model: DiT, cfg: DiTConfig, robots: list[list[Request]], C: int, cached: bool,
@@ -273,10 +273,10 @@ def warm(engine: Engine, cfg: DiTConfig, mix: tuple[int, int], C: int, steps: in
         engine.run()
     warm_robots = robot_chunks(C, 2 if engine.device.type == "cuda" else 1, mix, cfg, steps,
                                seed=999, name="warm-up robot")  # fmt: skip
-    for rs in warm_robots:
-        for r in rs:
-            engine.submit(r)
-    engine.run()
+    for i in range(len(warm_robots[0])):  # round by round: a robot's chunks in order
+        for rs in warm_robots:
+            engine.submit(rs[i])
+        engine.run()
     for r in {r.session for rs in warm_robots for r in rs}:
         engine.end_session(r)  # type: ignore[arg-type]
     if engine.device.type == "cuda":
