@@ -319,3 +319,37 @@ def test_cuda_graph_cached_engine_equals_uncached_and_makes_no_sync():
         alone.submit(r)
         (want,) = alone.run()
         torch.testing.assert_close(got.latents, want.latents, rtol=1e-4, atol=1e-4)
+
+
+def test_a_request_removed_by_any_path_frees_its_pages_and_new_pages_start_at_zero():
+    model = _model()
+    engine = Engine(model, _cached(pages=4, page_frames=2))
+    engine.submit(Request(context=_frames(3), frames=1, actions=2, session="arm", steps=3))
+    engine.step()
+    engine._members, engine._left = [], True  # removed without cancel (e.g. a failed request)
+    engine.pool.k.fill_(float("nan"))  # every slot stale: a fresh page must not leak it
+    engine.pool.v.fill_(float("nan"))
+    r = Request(context=_frames(3, 1), frames=1, actions=2, steps=3)  # 1.5 pages: a free slot
+    engine.submit(r)
+    (got,) = engine.run()
+    assert "arm" not in engine.pages.entries and len(engine.pages.free) == 4
+    assert _rel(got, _alone(model, r)) <= 1e-5
+
+
+def test_the_benchmark_flop_count_matches_flop_counter_mode():
+    """benchmarks/serving/bench_cache.py's analytic FLOPs, pass by pass, equal torch's
+    FlopCounterMode on a small config (cached and uncached engines)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving" / "bench_cache.py"
+    spec = importlib.util.spec_from_file_location("bench_cache", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.flop_counter_check(0)
+    assert [r["engine"] for r in rows] == ["uncached", "cached"]
+    assert all(r["counted"] == pytest.approx(r["analytic"], rel=1e-9) for r in rows), rows
+    table = bench.flops_rows({"5B": bench.model_config("5b", 30)}, 10)
+    short = {r["case"]: r["ratio"] for r in table if r["mix"] == "short"}
+    assert 4 < short["first chunk"] < short["next chunk"]  # ~5x and ~8x (issue 34)

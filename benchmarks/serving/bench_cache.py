@@ -237,9 +237,17 @@ def closed_loop(engine: Engine, robots: list[list[Request]], dev: torch.device) 
     count = sum(1 for x in ends if ends[lo] < x <= ends[hi])
     rate = count / (ends[hi] - ends[lo]) if ends[hi] > ends[lo] else n / ends[-1]
     lat = sorted(t[finish[r]] - t[arrive[r]] for r in finish)
-    p99 = lat[min(n - 1, math.ceil(0.99 * n) - 1)]
-    return {"req_per_s": rate, "p50_ms": 1e3 * lat[n // 2], "p99_ms": 1e3 * p99, "requests": n,
+    # After the first round: the loop starts with every robot's first chunk at once (all C
+    # contexts prefilled in one admission), which later rounds, their episodes out of step,
+    # do not see again; both are reported.
+    later = sorted(t[finish[r]] - t[arrive[r]] for r in finish if owner[r][1] > 0)
+    return {"req_per_s": rate, "p50_ms": 1e3 * lat[n // 2], "p99_ms": 1e3 * _p99(lat),
+            "p99_after_first_round_ms": 1e3 * _p99(later) if later else None, "requests": n,
             "engine_steps": engine.clock - first_step, "outputs": outputs}  # fmt: skip
+
+
+def _p99(xs: list[float]) -> float:
+    return xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
 
 
 def make_engine(model: DiT, cfg: DiTConfig, robots: list[list[Request]], C: int, cached: bool,
@@ -356,7 +364,8 @@ def main() -> None:
             errs = [_rel(outs[True][k], outs[False][k]) for k in outs[False]]
             payload.setdefault("cached_vs_uncached_max_rel", {})[C] = max(errs)
     print(markdown_table([r for r in payload["rows"] if "error" not in r],
-                         ["arm", "C", "requests", "req_per_s", "p50_ms", "p99_ms", "warmup_s"]))  # fmt: skip
+                         ["arm", "C", "requests", "req_per_s", "p50_ms", "p99_ms",
+                          "p99_after_first_round_ms", "warmup_s"]))  # fmt: skip
     save(partial=False)
 
 

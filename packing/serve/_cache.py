@@ -158,7 +158,9 @@ class PagePool:
         self.evicted = 0  # sessions evicted to make room
         self.mismatches = 0  # claims whose cached frames differed from the request's
 
-    def claim(self, key: Key, hashes: list[bytes]) -> tuple[list[int], int]:
+    def claim(self, key: Key, hashes: list[bytes]) -> tuple[list[int], int, list[int]]:
+        """(the pages of ``key``'s frames, how many frames are reused, the pages newly
+        handed out: the caller zeroes those, so no stale value survives in a free slot)."""
         e = self.entries.setdefault(key, _Entry())
         self.entries.move_to_end(key)
         reuse = 0
@@ -170,11 +172,19 @@ class PagePool:
         need = -(-len(hashes) // self.page_frames)
         while len(e.pages) > need:
             self.free.append(e.pages.pop())
+        fresh: list[int] = []
         if len(e.pages) < need:
             self._make_room(need - len(e.pages), keep=key)
-            e.pages += [self.free.pop() for _ in range(need - len(e.pages))]
+            fresh = [self.free.pop() for _ in range(need - len(e.pages))]
+            e.pages += fresh
         e.hashes, e.running, e.ended = list(hashes), True, False
-        return list(e.pages), reuse
+        return list(e.pages), reuse, fresh
+
+    def sweep(self, live: set[Key]) -> None:
+        """Drop every running entry whose request is no longer in the pack (``live``): a
+        request removed by any path (cancelled, failed) leaves no pages held."""
+        for key in [k for k, e in self.entries.items() if e.running and k not in live]:
+            self._drop(key)
 
     def release(self, key: Key, keep: bool) -> None:
         """The request of ``key`` left the pack; ``keep``: its session may send more."""

@@ -119,10 +119,12 @@ class CachedEngine(Engine):
         """`Engine._recompose` (the generated tokens), then the pages: the joining requests
         claim theirs, the page tables are loaded, the frames not cached are prefilled."""
         super()._recompose(shape, staying, joining)
+        self.pages.sweep({m.key for m in self._members[: len(staying)]})
         prefill: list[tuple[int, _CachedMember, int]] = []
         for k, m in enumerate(self._members):
             if k >= len(staying):
-                m.pages, reuse = self.pages.claim(m.key, m.hashes)
+                m.pages, reuse, fresh = self.pages.claim(m.key, m.hashes)
+                self.pool.clear(fresh)
                 prefill.append((k, m, reuse))
                 self.cache_stats["reused_frames"] += reuse
                 self.cache_stats["prefilled_frames"] += len(m.hashes) - reuse

@@ -97,6 +97,18 @@ class DevicePool:
                          (self.page_fill, page_fill)):  # fmt: skip
             dst.copy_(src, non_blocking=True)
 
+    def clear(self, pages: list[int]) -> None:
+        """Zero ``pages`` in every layer (pages newly handed out: a slot a request does not
+        fill is masked, and a masked key must hold no NaN, which 0 * NaN would spread)."""
+        if not pages:
+            return
+        rows = torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_tokens
+        rows = (
+            (rows + torch.arange(self.page_tokens)).flatten().to(self.k.device, non_blocking=True)
+        )
+        self.k.index_fill_(1, rows, 0)
+        self.v.index_fill_(1, rows, 0)
+
     def keys(self) -> tuple[Tensor, Tensor]:
         """Document and position of every pool key ``(N,)``, from the page tables (device
         work, no sync): page p's slot s is frame ``page_frame[p] + s // tpf`` of request
