@@ -157,10 +157,10 @@ class PagePool:
         self.check_hashes = True
         self.evicted = 0  # sessions evicted to make room
         self.mismatches = 0  # claims whose cached frames differed from the request's
+        self.released: list[int] = []  # freed since take_released()
 
-    def claim(self, key: Key, hashes: list[bytes]) -> tuple[list[int], int, list[int]]:
-        """(the pages of ``key``'s frames, how many frames are reused, the pages newly
-        handed out: the caller zeroes those, so no stale value survives in a free slot)."""
+    def claim(self, key: Key, hashes: list[bytes]) -> tuple[list[int], int]:
+        """(the pages of ``key``'s frames, how many frames are reused)."""
         e = self.entries.setdefault(key, _Entry())
         self.entries.move_to_end(key)
         reuse = 0
@@ -171,14 +171,12 @@ class PagePool:
             reuse += 1
         need = -(-len(hashes) // self.page_frames)
         while len(e.pages) > need:
-            self.free.append(e.pages.pop())
-        fresh: list[int] = []
+            self._free([e.pages.pop()])
         if len(e.pages) < need:
             self._make_room(need - len(e.pages), keep=key)
-            fresh = [self.free.pop() for _ in range(need - len(e.pages))]
-            e.pages += fresh
+            e.pages += [self.free.pop() for _ in range(need - len(e.pages))]
         e.hashes, e.running, e.ended = list(hashes), True, False
-        return list(e.pages), reuse, fresh
+        return list(e.pages), reuse
 
     def sweep(self, live: set[Key]) -> None:
         """Drop every running entry whose request is no longer in the pack (``live``): a
@@ -205,8 +203,19 @@ class PagePool:
         else:
             self._drop(key)
 
+    def take_released(self) -> list[int]:
+        """The pages freed since the last call: the engine zeroes them on the device, since
+        every pool key, free or not, is in each step's keys (masked), and a masked key must
+        hold no NaN (a failed request's), which SDPA's ``0 * NaN`` would spread."""
+        out, self.released = self.released, []
+        return out
+
+    def _free(self, pages: list[int]) -> None:
+        self.free += pages
+        self.released += pages
+
     def _drop(self, key: Key) -> None:
-        self.free += self.entries.pop(key).pages
+        self._free(self.entries.pop(key).pages)
 
     def _make_room(self, n: int, keep: Key) -> None:
         for key in [k for k, e in self.entries.items() if not e.running and k != keep]:

@@ -123,8 +123,7 @@ class CachedEngine(Engine):
         prefill: list[tuple[int, _CachedMember, int]] = []
         for k, m in enumerate(self._members):
             if k >= len(staying):
-                m.pages, reuse, fresh = self.pages.claim(m.key, m.hashes)
-                self.pool.clear(fresh)
+                m.pages, reuse = self.pages.claim(m.key, m.hashes)
                 prefill.append((k, m, reuse))
                 self.cache_stats["reused_frames"] += reuse
                 self.cache_stats["prefilled_frames"] += len(m.hashes) - reuse
@@ -135,6 +134,7 @@ class CachedEngine(Engine):
             n = len(m.hashes)
             for j, p in enumerate(m.pages):
                 page_doc[p], page_frame[p], page_fill[p] = k, j * pf, min(pf, n - j * pf)
+        self.pool.clear(self.pages.take_released())  # before any prefill writes them again
         self.pool.load_pages(page_doc, page_frame, page_fill)
         self._prefill(shape, prefill)
 

@@ -98,8 +98,7 @@ class DevicePool:
             dst.copy_(src, non_blocking=True)
 
     def clear(self, pages: list[int]) -> None:
-        """Zero ``pages`` in every layer (pages newly handed out: a slot a request does not
-        fill is masked, and a masked key must hold no NaN, which 0 * NaN would spread)."""
+        """Zero ``pages`` in every layer (freed pages: see `PagePool.take_released`)."""
         if not pages:
             return
         rows = torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_tokens

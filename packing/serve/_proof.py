@@ -25,6 +25,7 @@ stale cache the proof must catch, as ``document_mask=False`` is.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -229,5 +230,6 @@ def _rel_error(a: Result, b: Result) -> float:
     err = 0.0
     for x, y in ((a.latents, b.latents), (a.action, b.action)):
         scale = float(y.abs().max().clamp_min(1e-12))
-        err = max(err, float((x - y).abs().max()) / scale)
+        d = float((x - y).abs().max())
+        err = max(err, d / scale if d == d else math.inf)  # NaN: not a match (max() drops it)
     return err
