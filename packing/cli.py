@@ -297,6 +297,8 @@ def _verify(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.inference:
         return _run_inference(args)
+    if args.context_cache:
+        raise ValueError("--context-cache is a flag of --inference; add --inference")
     import dataclasses
 
     from packing.verify._command import VerifyConfig, run_verify

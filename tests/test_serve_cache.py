@@ -95,6 +95,8 @@ def test_cli_verify_inference_with_the_context_cache(capsys):
     assert main([*flags, "--no-document-mask"]) == 1
     assert main(["verify", "--inference", "--context-cache"]) == 2  # a document-mask model
     assert "--mask frame-causal" in capsys.readouterr().err
+    assert main(["verify", "--context-cache"]) == 2  # a flag of --inference only
+    assert "add --inference" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
