@@ -372,7 +372,8 @@ def main() -> None:
 def _rel(a: Any, b: Any) -> float:
     err = 0.0
     for x, y in ((a.latents, b.latents), (a.action, b.action)):
-        err = max(err, float((x.float() - y.float()).abs().max() / y.float().abs().max()))
+        d = float((x.float() - y.float()).abs().max() / y.float().abs().max())
+        err = max(err, d if d == d else math.inf)  # NaN is no match (max() would drop it)
     return err
 
 
