@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
         num_workers=args.num_workers,
         seed=args.seed,
     )
-    report = encode_dataset(config, progress=lambda line: print(f"  .. {line}", file=sys.stderr, flush=True))
+    report = encode_dataset(
+        config, progress=lambda line: print(f"  .. {line}", file=sys.stderr, flush=True)
+    )
     print(report.format(), flush=True)
     return 0
 

@@ -74,8 +74,7 @@ def _check_root(root: Path) -> None:
             "meta/info.json, meta/episodes/ and data/. LeRobotEpisodes reads local latent "
             "datasets only. A LeRobot dataset whose cameras are videos (as hub datasets are) "
             "is encoded to one first: packing encode <video root> <latent root> --vae <path>, "
-            "then pass <latent root>"
-            + _unfinished_encode(root)
+            "then pass <latent root>" + _unfinished_encode(root)
         )
 
 

@@ -75,7 +75,9 @@ def encode_dataset(
             episodes = [src.episode(j) for j in batch]
             out: list[dict[str, np.ndarray]] = [{} for _ in batch]
             for cam in src.cameras:
-                lat = _encode_camera(encoder, episodes, cam, sizes[cam], config, pool, device, dtype)
+                lat = _encode_camera(
+                    encoder, episodes, cam, sizes[cam], config, pool, device, dtype
+                )
                 for i, j in enumerate(batch):
                     out[i][f"{cam}.latent"] = lat[i][: latent_lengths[j]]
             for i, j in enumerate(batch):
@@ -165,7 +167,7 @@ def _pixels(frames: torch.Tensor, size: tuple[int, int], device: torch.device,
             dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """uint8 ``(B, T, 3, H0, W0)`` -> ``(B, 3, T, H, W)`` in [-1, 1]: scaled to cover
     ``size`` (bilinear, antialiased), centre-cropped; unchanged pixels when sizes match."""
-    b, t, c, h0, w0 = frames.shape
+    b, t, _c, h0, w0 = frames.shape
     x = frames.to(device, non_blocking=True).flatten(0, 1).float()
     h, w = size
     if (h0, w0) != (h, w):

@@ -77,7 +77,12 @@ def latent_features(src: Any, sizes: dict[str, tuple[int, int]], vae: Any,
                     "pixels": "uint8 / 127.5 - 1",
                     "value": "posterior mean, (mean - latents_mean) / latents_std per channel",
                     "covers": f"latent 0: video frame 0; latent j >= 1: frames {tc}j-{tc - 1} .. "
-                    f"{tc}j" + (" (the last: up to F-1, then copies of frame F-1)" if config.pad_frames else ""),
+                    f"{tc}j"
+                    + (
+                        " (the last: up to F-1, then copies of frame F-1)"
+                        if config.pad_frames
+                        else ""
+                    ),
                     "rows": f"latent j is stored on row min({tc}j, F-1) of its episode; the other "
                     "rows hold zeros (packing's LeRobotEpisodes serves the L latent frames)",
                 },
@@ -114,7 +119,10 @@ def finish_metadata(writer: Any, src: Any, features: dict[str, Any]) -> None:
     per_episode: list[dict[str, Any]] = []
     for side in sides:
         per_episode.append(
-            {k: {s: np.array(v) for s, v in side["latents"][k]["stats"].items()} for k in latent_keys}
+            {
+                k: {s: np.array(v) for s, v in side["latents"][k]["stats"].items()}
+                for k in latent_keys
+            }
         )
     for k in latent_keys:
         table = table.append_column(

@@ -87,7 +87,10 @@ class Source:
         return int(shape[names.index("height")]), int(shape[names.index("width")])
 
     def _video_path(self, cam: str, j: int) -> Path:
-        template = self.info.get("video_path") or "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+        template = (
+            self.info.get("video_path")
+            or "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+        )
         chunk = self.table.column(f"videos/{cam}/chunk_index")[j].as_py()
         file = self.table.column(f"videos/{cam}/file_index")[j].as_py()
         return self.root / template.format(video_key=cam, chunk_index=chunk, file_index=file)

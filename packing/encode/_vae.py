@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from packing._lazy import require
+from packing._validate import check_int
 
-__all__ = ["CausalEncoder", "WAN22_VAE_CONFIG", "load_vae", "tiny_vae", "vae_name"]
+__all__ = ["WAN22_VAE_CONFIG", "CausalEncoder", "load_vae", "tiny_vae", "vae_name"]
 
 # Wan 2.2's VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers, vae/config.json): 48 latent channels, 16x
 # space (8x convs on 2x2-patchified pixels), 4x time. Random-init at this size for benchmarks.
@@ -52,6 +53,7 @@ def tiny_vae(seed: int = 0) -> Any:
     """A random-init ``AutoencoderKLWan`` of Wan 2.2's design (residual, 2x2 patches, 16x
     space, 4x time) with 8 latent channels and ~0.3 M parameters: fast on a CPU, for tests
     and examples. ``tiny_vae()`` encodes ``(1, 3, 9, 32, 48)`` pixels to ``(1, 8, 3, 2, 3)``."""
+    check_int("seed", seed)
     diffusers = require("diffusers", extra="encode")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -135,9 +137,9 @@ class CausalEncoder:
             )
         x = frames
         if vae.config.patch_size is not None:
-            x = require("diffusers.models.autoencoders.autoencoder_kl_wan", extra="encode").patchify(
-                x, patch_size=vae.config.patch_size
-            )
+            x = require(
+                "diffusers.models.autoencoders.autoencoder_kl_wan", extra="encode"
+            ).patchify(x, patch_size=vae.config.patch_size)
         # The groups diffusers' AutoencoderKLWan._encode makes: frame 0 alone, then tc each.
         bounds = ([(0, 1)] if first else []) + [(s, s + tc) for s in range(first, n, tc)]
         outs = []

@@ -60,6 +60,8 @@ class LatentWriter:
                 "dataset: pass a new DST (or an unfinished packing encode's, to resume it)"
             )
         self.staging.mkdir(parents=True, exist_ok=True)
+        for tmp in (dst / "data").glob("*/.*.tmp"):  # a killed run's half-written episode
+            tmp.unlink()
         _atomic_write(manifest, json.dumps(job, indent=2).encode())
         self.hf = require("lerobot.datasets.feature_utils", extra="encode")
         # lerobot's own reader makes shapes tuples before this call ((1,) is a scalar column).
@@ -95,7 +97,9 @@ class LatentWriter:
                 columns[name] = rows.column(name).cast(self.schema.field(name).type)
         table = pa.table(columns, schema=self.schema)
         side = {"index": index, "length": n}
-        side["latents"] = {k: {"length": len(v), "stats": latent_stats(v)} for k, v in latents.items()}
+        side["latents"] = {
+            k: {"length": len(v), "stats": latent_stats(v)} for k, v in latents.items()
+        }
         _atomic_write(self._sidecar(index), json.dumps(side).encode())
         path = self.data_path(pos)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +135,7 @@ def latent_stats(latents: np.ndarray) -> dict[str, Any]:
         "max": x.max(axis=axes)[:, None, None].tolist(),
         "mean": x.mean(axis=axes)[:, None, None].tolist(),
         "std": x.std(axis=axes)[:, None, None].tolist(),
-        "count": [int(len(x))],
+        "count": [len(x)],
     }
 
 
