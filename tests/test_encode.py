@@ -216,7 +216,7 @@ def test_packing_verify_passes_on_the_latent_dataset(latent_root, capsys):
 @needs_lerobot
 def test_resume_after_a_crash_mid_episode_gives_the_same_dataset(video_root, latent_root,
                                                                  monkeypatch, tmp_path):  # fmt: skip
-    from packing.encode import _write, encode_dataset
+    from packing.encode import EncodeError, _write, encode_dataset
 
     dst = tmp_path / "resumed"
     real = os.replace
@@ -236,6 +236,10 @@ def test_resume_after_a_crash_mid_episode_gives_the_same_dataset(video_root, lat
     assert len(list(dst.glob("data/*/.*.tmp"))) == 1  # the half episode, not a .parquet
     with pytest.raises(FileNotFoundError, match="unfinished packing encode"):
         LeRobotEpisodes(dst, keys=[KEY])  # a partial dataset never looks complete
+    with pytest.raises(
+        EncodeError, match=r"unfinished packing encode of another job .*store_dtype"
+    ):
+        encode_dataset(_config(video_root, dst, store_dtype="float16"))
     report = encode_dataset(_config(video_root, dst))
     assert (report.resumed, report.episodes) == (2, len(LENGTHS) - 2)
     assert not (dst / ".packing-encode").exists() and not list(dst.glob("data/*/.*.tmp"))
@@ -266,6 +270,10 @@ def test_bad_inputs_are_named_before_anything_is_written(video_root, latent_root
         with pytest.raises(EncodeError if "vae" not in kw else FileNotFoundError, match=match):
             encode_dataset(_config(video_root, dst, **kw))
         assert not dst.exists(), kw
+    if not torch.cuda.is_available():
+        with pytest.raises(EncodeError, match="no CUDA GPU is visible"):
+            encode_dataset(_config(video_root, dst, device="cuda"))
+        assert not dst.exists()
     with pytest.raises(EncodeError, match="already holds a dataset"):
         encode_dataset(_config(video_root, latent_root))
     (tmp_path / "full").mkdir()
@@ -332,3 +340,27 @@ def test_the_command_line(video_root, tmp_path, capsys):
 def test_errors_of_a_video_dataset_point_to_packing_encode(tmp_path):
     with pytest.raises(FileNotFoundError, match="packing encode"):
         LeRobotEpisodes(tmp_path / "nowhere", keys=["latents"])
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        (dict(cameras="front"), TypeError, "cameras='front' is a string"),
+        (dict(cameras=()), ValueError, "each camera once, at least one"),
+        (dict(size=(64,)), ValueError, "size"),
+        (dict(size=(64.0, 96)), TypeError, "must be an int"),
+        (dict(chunk_latents=0), ValueError, "chunk_latents"),
+        (dict(batch_size=1.5), TypeError, "batch_size=1.5 must be an int"),
+        (dict(num_workers=-1), ValueError, "num_workers"),
+        (dict(pad_frames="yes"), TypeError, "pad_frames='yes' must be True or False"),
+        (dict(device="tpu"), ValueError, "device='tpu'"),
+        (dict(dtype="float16"), ValueError, "dtype"),
+        (dict(store_dtype="int8"), ValueError, "store_dtype"),
+        (dict(vae=""), TypeError, "vae=''"),
+    ],
+)
+def test_config_refuses_bad_values_naming_them(kw, error, match):
+    from packing.encode import EncodeConfig
+
+    with pytest.raises(error, match=match):
+        EncodeConfig("src", "dst", **kw)

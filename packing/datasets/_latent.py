@@ -25,9 +25,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LATENT_KEY", "latent_count", "latent_rows", "latent_spans", "latent_spec"]
+__all__ = [
+    "ENCODE_STAGING",
+    "LATENT_KEY",
+    "latent_count",
+    "latent_rows",
+    "latent_spans",
+    "latent_spec",
+]
 
 LATENT_KEY = "latent"  # the key of a feature's info.json entry that makes it a latent feature
+ENCODE_STAGING = ".packing-encode"  # an unfinished packing encode's folder in its destination
 
 
 def latent_count(frames: int, tc: int, *, pad: bool) -> int:

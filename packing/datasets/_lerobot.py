@@ -48,7 +48,7 @@ from torch.utils.data import Dataset
 from packing._lazy import require
 from packing._validate import check_bool, check_finite, check_sequence, is_int
 from packing.datasets._arrow import plan_columns, table_to_episode
-from packing.datasets._latent import latent_count, latent_rows, latent_spec
+from packing.datasets._latent import ENCODE_STAGING, latent_count, latent_rows, latent_spec
 from packing.datasets._parquet_pages import ColumnChunks, Unsupported, fixed_shape
 
 __all__ = ["LeRobotEpisodes", "episode_lengths"]
@@ -67,25 +67,22 @@ _EPISODE_COLUMNS = [
 def _check_root(root: Path) -> None:
     """Fail before anything (lerobot included) can create directories or reach the network."""
     info = root / "meta" / "info.json"
+    if not info.is_file() and (root / ENCODE_STAGING / "manifest.json").is_file():
+        raise FileNotFoundError(
+            f"{root} is an unfinished packing encode (no meta/info.json yet; "
+            f"{root / ENCODE_STAGING} holds its manifest): run the same packing encode "
+            "command again to finish it"
+        )
     if not info.is_file():
         what = "does not exist" if not root.exists() else f"has no {info.relative_to(root)}"
         raise FileNotFoundError(
             f"{root} {what}: expected a local LeRobot v3 dataset root containing "
-            "meta/info.json, meta/episodes/ and data/. LeRobotEpisodes reads local latent "
-            "datasets only. A LeRobot dataset whose cameras are videos (as hub datasets are) "
-            "is encoded to one first: packing encode <video root> <latent root> --vae <path>, "
-            "then pass <latent root>" + _unfinished_encode(root)
+            "meta/info.json, meta/episodes/ and data/ (LeRobotEpisodes reads local files or a "
+            "LeRobotDataset instance, and never downloads). A hub dataset is downloaded first "
+            "(huggingface-cli download --repo-type dataset <repo_id> --local-dir <root>); its "
+            "camera videos are then encoded to latents with packing encode <root> "
+            "<latent root> --vae <path> (docs/encode.md): pass <latent root>"
         )
-
-
-def _unfinished_encode(root: Path) -> str:
-    """The hint for a root that ``packing encode`` has not finished (its manifest is there)."""
-    if (root / ".packing-encode" / "manifest.json").is_file():
-        return (
-            f" ({root} is an unfinished packing encode: run the same packing encode command "
-            "again to finish it)"
-        )
-    return ""
 
 
 def _load_info(root: Path) -> dict[str, Any]:

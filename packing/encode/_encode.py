@@ -53,10 +53,10 @@ def encode_dataset(
     sizes = {cam: check_size(cam, config.size or src.frame_hw(cam), vae) for cam in src.cameras}
     latent_lengths = _check_lengths(src, tc, config.pad_frames)
     features, dropped = latent_features(src, sizes, vae, config)
-    writer = LatentWriter(config.dst_path, _job(config, src, vae), features)
     device, dtype = torch.device(config.device), getattr(torch, config.compute_dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EncodeError(f"device={config.device!r} but no CUDA GPU is visible; use 'cpu'")
+    writer = LatentWriter(config.dst_path, _job(config, src, vae), features)
     vae.to(device=device)
     if dtype != torch.float32:  # (diffusers warns on any dtype cast; its Wan VAE keeps none fp32)
         vae.to(dtype=dtype)
@@ -191,7 +191,8 @@ def _progress_line(done: int, total: int, frames: int, start: float) -> str:
 
 def _job(config: EncodeConfig, src: Source, vae: Any) -> dict[str, Any]:
     """What makes two runs the same job (a resume must not mix two): what changes the
-    latents; not batch_size, chunk_latents or num_workers, which do not."""
+    latents. Not batch_size, chunk_latents or num_workers, which change them by fp32
+    rounding at most (tested <= 1e-5; the same config resumes bit for bit)."""
     info = (src.root / "meta" / "info.json").read_bytes()
     vae_cfg = json.dumps(dict(vae.config), sort_keys=True, default=str).encode()
     return {

@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 
 from packing._lazy import require
-from packing.datasets._latent import latent_rows
+from packing.datasets._latent import ENCODE_STAGING, latent_rows
 from packing.encode._errors import EncodeError
 
 __all__ = ["LatentWriter", "latent_stats"]
 
-STAGING = ".packing-encode"
+STAGING = ENCODE_STAGING
 
 
 class LatentWriter:
