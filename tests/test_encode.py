@@ -206,14 +206,6 @@ def test_the_latent_dataset_reads_with_lerobot_and_packing(video_root, latent_ro
 
 
 @needs_lerobot
-def test_packing_verify_passes_on_the_latent_dataset(latent_root, capsys):
-    from packing.cli import main
-
-    assert main(["verify", "--dataset", str(latent_root), "--steps", "2"]) == 0
-    assert "PASS" in capsys.readouterr().out
-
-
-@needs_lerobot
 def test_resume_after_a_crash_mid_episode_gives_the_same_dataset(video_root, latent_root,
                                                                  monkeypatch, tmp_path):  # fmt: skip
     from packing.encode import EncodeError, _write, encode_dataset
@@ -319,7 +311,7 @@ def test_broken_videos_are_named_by_episode_and_file(video_root, tmp_path):
 
 
 @needs_lerobot
-def test_the_command_line(video_root, tmp_path, capsys):
+def test_the_readmes_two_commands_and_their_errors(video_root, tmp_path, capsys):
     from packing.cli import main
 
     dst = tmp_path / "cli"
@@ -335,6 +327,9 @@ def test_the_command_line(video_root, tmp_path, capsys):
     assert "5 episodes encoded" in capsys.readouterr().out
     eps = LeRobotEpisodes(dst, keys=[KEY])
     assert eps[0][KEY].shape == (3, 8, 4, 6) and eps[0][KEY].dtype == torch.float16
+    # The README's second command: packing verify reads the latent dataset as it is.
+    assert main(["verify", "--dataset", str(dst)]) == 0
+    assert "PASS" in capsys.readouterr().out
 
 
 def test_errors_of_a_video_dataset_point_to_packing_encode(tmp_path):
