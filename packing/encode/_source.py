@@ -72,12 +72,17 @@ class Source:
                     f"--cameras {cam}: feature {cam!r} is {self.features[cam].get('dtype')}, not "
                     f"a video; pass video features only: {self.videos}"
                 )
+            if (self.features[cam].get("info") or {}).get("is_depth_map"):
+                raise EncodeError(
+                    f"--cameras {cam}: {cam!r} is a depth map; the VAE encodes RGB video: "
+                    "leave it out of --cameras"
+                )
         self.cameras = cameras
         self.fps = float(self.info["fps"])
         self.table = _episodes_table_with_videos(root, cameras)
         self.ids = self.table.column("episode_index").to_numpy().astype(np.int64)
         self.lengths = self.table.column("length").to_numpy().astype(np.int64)
-        self._data: tuple[Path, Any] | None = None  # the last data file read (one open)
+        self._files: dict[Path, tuple[Any, np.ndarray, np.ndarray]] = {}  # see _rows
         self._check_videos()
 
     def frame_hw(self, cam: str) -> tuple[int, int]:
@@ -124,26 +129,46 @@ class Source:
             chunk_index=self.table.column("data/chunk_index")[j].as_py(),
             file_index=self.table.column("data/file_index")[j].as_py(),
         )
-        if self._data is None or self._data[0] != path:
-            pq = require("pyarrow.parquet", extra=None)
-            if not path.is_file():
-                raise EncodeError(f"episode {ep}: its data file {path} is missing")
-            self._data = (path, _read_parquet(path, pq.read_table))
-        table = self._data[1]
-        ids = table.column("episode_index").to_numpy()
-        mine = np.flatnonzero(ids == ep)
-        if len(mine) != self.lengths[j] or (len(mine) and np.any(np.diff(mine) != 1)):
-            raise EncodeError(
-                f"episode {ep}: {path} holds {len(mine)} rows of it, meta/episodes says "
-                f"{self.lengths[j]} (contiguous): the data and the metadata disagree"
-            )
-        rows = table.slice(int(mine[0]) if len(mine) else 0, len(mine))
+        rows = self._rows(ep, path, int(self.lengths[j]))
         ts = rows.column("timestamp").to_numpy().astype(np.float64)
         videos = {}
         for cam in self.cameras:
             start = self.table.column(f"videos/{cam}/from_timestamp")[j].as_py()
             videos[cam] = (self._video_path(cam, j), start + ts)
         return Episode(ep, rows, videos)
+
+    def _rows(self, ep: int, path: Path, length: int) -> Any:
+        """Episode ``ep``'s rows of data file ``path``: only the row groups holding them are
+        read (lerobot writes one per episode); each file's episode_index column is read once."""
+        if path not in self._files:
+            if not path.is_file():
+                raise EncodeError(f"episode {ep}: its data file {path} is missing")
+            pq = require("pyarrow.parquet", extra=None)
+            pf = _read_parquet(path, lambda p: pq.ParquetFile(p, memory_map=True))
+            ids = _read_parquet(path, lambda p: pf.read(columns=["episode_index"]))
+            sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            self._files[path] = (pf, ids.column(0).to_numpy(), offsets)
+        pf, ids, offsets = self._files[path]
+        mine = np.flatnonzero(ids == ep)
+        if len(mine) != length or not length or np.any(np.diff(mine) != 1):
+            raise EncodeError(
+                f"episode {ep}: {path} holds {len(mine)} rows of it, meta/episodes says "
+                f"{length} (contiguous): the data and the metadata disagree; re-create the "
+                "episode's data"
+            )
+        lo, hi = int(mine[0]), int(mine[-1]) + 1
+        first = int(np.searchsorted(offsets, lo, side="right")) - 1
+        last = int(np.searchsorted(offsets, hi, side="left"))
+        rows = pf.read_row_groups(list(range(first, last))).slice(lo - int(offsets[first]), hi - lo)
+        if "frame_index" in rows.column_names:  # latents are stored by row: rows in time order
+            order = rows.column("frame_index").to_numpy()
+            if np.any(np.diff(order) <= 0):
+                raise EncodeError(
+                    f"episode {ep}: its rows in {path} are not in frame_index order; packing "
+                    "encode keeps rows as stored: rewrite the episode in time order"
+                )
+        return rows
 
 
 def decode(episode: Episode, cam: str, lo: int, hi: int) -> torch.Tensor:
