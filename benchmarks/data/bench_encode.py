@@ -8,7 +8,8 @@ checks before it or the final metadata (milliseconds); the naive loop is timed a
 loop too, its VAE built before. Both read the same video dataset, written here by lerobot's own writer (SVT-AV1) with
 seeded frames, or reused with ``--root``. One warm-up of each, then ``--passes`` passes each,
 interleaved; the table gives the median and the spread (min-max) of episodes/s and video
-frames/s, and on a GPU the peak memory of each.
+frames/s, and on a GPU the peak memory of each (both include the naive loop's fp32 VAE,
+which stays resident; packing's own VAE is built per pass, outside its timed loop).
 
     HF_HUB_OFFLINE=1 python benchmarks/data/bench_encode.py                # CPU, tiny VAE
     HF_HUB_OFFLINE=1 python benchmarks/data/bench_encode.py --device cuda --vae-config wan2.2 \\
