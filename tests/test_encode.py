@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from packing.datasets import LeRobotEpisodes
 from packing.datasets._latent import latent_count, latent_rows, latent_spans
@@ -48,6 +50,22 @@ def test_latent_alignment_rule():
     assert latent_count(1, 4, pad=False) == 1
     with pytest.raises(ValueError, match=r"10 frames is not 1 \+ 4k .* 9 or 13 would be"):
         latent_count(10, 4, pad=False)
+
+
+@given(frames=st.integers(1, 400), tc=st.integers(1, 8))
+def test_latent_spans_partition_the_frames(frames, tc):
+    """Padded, every frame is covered once, in order: frame 0 alone, then <= tc frames a latent,
+    each stored on its last frame; unpadded, only F = 1 + tc*k is accepted."""
+    spans = latent_spans(frames, tc, pad=True)
+    assert spans[0].tolist() == [0, 0] and spans[-1, 1] == frames - 1
+    assert (spans[1:, 0] == spans[:-1, 1] + 1).all()
+    assert ((spans[:, 1] - spans[:, 0]) < tc).all()
+    assert (latent_rows(frames, tc, pad=True) == spans[:, 1]).all()
+    if (frames - 1) % tc:
+        with pytest.raises(ValueError, match="would be dropped"):
+            latent_count(frames, tc, pad=False)
+    else:
+        assert latent_count(frames, tc, pad=False) == len(spans) == 1 + (frames - 1) // tc
 
 
 def _write_video_dataset(root: Path) -> Path:
