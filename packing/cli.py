@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     from packing import _budget_command
 
     _budget_command.add_parser(sub)
+    from packing import _encode_command
+
+    _encode_command.add_parser(sub)
     return parser
 
 
@@ -271,6 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from packing import _budget_command
 
             return _budget_command.run(args)
+        if args.command == "encode":
+            from packing import _encode_command
+
+            return _encode_command.run(args)
         return _verify(args)
     except Exception as e:  # the contract: 2 bad input or environment, 3 a crash
         tb = getattr(args, "traceback", False)
