@@ -316,18 +316,20 @@ def test_engine_steps_and_admissions_never_wait_for_the_device(graphs: bool) -> 
 
     shape = PackShape(frames=12, actions=16, requests=4)
     config = EngineConfig(shapes=(shape,), cuda_graphs=graphs, max_steps=4, attention="sdpa")
-    engine, out = Engine(_serve_model(), config), []
-    engine.submit(_serve_request(0))
-    out += engine.step()  # the first step of the shape captures its graph (graphs=True)
-    for i in range(1, 7):  # a request joins at every checked step: admission copies each time
-        engine.submit(_serve_request(i, steps=2 + i % 3))
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            assert _host_never_waited(lambda: out.extend(engine.step())), f"step {i} waited"
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    out += engine.run()
-    assert sorted(r.request_id for r in out) == list(range(7))
+    engine, out = Engine(_serve_model(), config), list[Any]()
+    for checked in (False, True):  # the same arrivals twice: the first captures the graph and
+        for i in range(6):  # fills the pinned-memory cache, the second is checked
+            engine.submit(_serve_request(i, steps=2 + i % 3))  # admission at every step
+            if not checked:
+                out.extend(engine.step())
+                continue
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                assert _host_never_waited(lambda: out.extend(engine.step())), f"step {i} waited"
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        out.extend(engine.run())
+    assert sorted(r.request_id for r in out) == list(range(12))
     assert all(r.error is None for r in out)
 
 

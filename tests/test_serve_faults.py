@@ -63,7 +63,9 @@ def _assert_equal_alone(got: Result, r: Request) -> None:
 # -- 1. everything a step needs is checked at submit or construction ------------------------
 def test_a_seed_the_generator_cannot_take_is_refused_at_construction():
     z = torch.zeros(0, *FRAME)
-    with pytest.raises(ValueError, match=r"Request\.seed=1180591620717411303424 must be <= 18446744073709551615"):
+    with pytest.raises(
+        ValueError, match=r"Request\.seed=1180591620717411303424 must be <= 18446744073709551615"
+    ):
         Request(context=z, frames=1, actions=1, seed=2**70)
     with pytest.raises(ValueError, match=r"Request\.seed=-1 must be >= 0"):  # -1 == 2**64 - 1
         Request(context=z, frames=1, actions=1, seed=-1)
@@ -221,15 +223,15 @@ def lagging(monkeypatch):
     far behind the host: a failed request then stays in the pack for its remaining steps."""
     read = ContinuousBatcher._read_flags
     monkeypatch.setattr(
-        ContinuousBatcher, "_read_flags", lambda self, *, wait: read(self, wait=True) if wait else None
+        ContinuousBatcher,
+        "_read_flags",
+        lambda self, *, wait: read(self, wait=True) if wait else None,
     )
 
 
 @pytest.mark.parametrize("slot", [0, 1])
 @pytest.mark.parametrize("lag", [False, True])
-def test_a_request_whose_state_turns_nan_fails_and_its_pack_mate_equals_alone(
-    slot, lag, request
-):
+def test_a_request_whose_state_turns_nan_fails_and_its_pack_mate_equals_alone(slot, lag, request):
     if lag:
         request.getfixturevalue("lagging")
     model = _model(_NaNModel)

@@ -286,6 +286,7 @@ class ContinuousBatcher(Generic[R, S]):
         while groups:
             g = groups.popleft()
             self._place(g)
+            assert self._shape is not None
             try:
                 self._run(self._shape)
             except Exception as e:
