@@ -20,7 +20,8 @@ from packing.serve import (
     VideoRequest,
     VideoShape,
 )
-from packing.serve._batching import ContinuousBatcher, quarantine
+from packing.serve._batching import ContinuousBatcher
+from packing.serve._device import quarantine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, 2 busy cores
 

@@ -26,7 +26,8 @@ from packing._validate import check_bool, check_choice, check_int
 from packing.attention._masks import frame_causal
 from packing.attention._packed import _BACKENDS, Backend, _resolve
 from packing.model._dit import DiT
-from packing.serve._batching import ContinuousBatcher, allocate, pinned
+from packing.serve._batching import ContinuousBatcher
+from packing.serve._device import allocate, pinned
 from packing.serve._pack import HostPack, PackShape, build_pack
 from packing.serve._request import Request, Result, host_copy
 from packing.serve._schedulers import FlowScheduler, check_scheduler

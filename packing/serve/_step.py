@@ -25,7 +25,7 @@ from torch import Tensor
 from packing.attention._masks import InnerMask, dense_mask, make_block_mask
 from packing.attention._packed import AttentionMask
 from packing.model._dit import DiT, PackInputs
-from packing.serve._batching import pinned, quarantine
+from packing.serve._device import pinned, quarantine
 from packing.serve._pack import HostPack, PackShape
 from packing.train._conditioning import broadcast_to_tokens
 

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from packing._validate import check_int
-from packing.serve._batching import ContinuousBatcher, allocate, pinned, quarantine
+from packing.serve._batching import ContinuousBatcher
+from packing.serve._device import allocate, pinned, quarantine
 from packing.serve._request import Result, host_copy
 from packing.serve._schedulers import FlowScheduler, check_scheduler
 from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
