@@ -374,3 +374,28 @@ def test_video_engine_isolates_a_crash_and_keeps_the_queue(wan):
         assert out[ids[i]].error is None
         torch.testing.assert_close(out[ids[i]].latents, want.latents, rtol=1e-5, atol=1e-6)
     assert not any(r.latents.requires_grad for r in out.values())
+
+
+def test_isolating_one_culprit_among_four_costs_four_extra_model_calls():
+    class Counting(_CrashingModel):
+        calls = 0
+
+        def velocity(self, tokens, t_R, row_J, pack):  # type: ignore[override]
+            self.calls += 1
+            return super().velocity(tokens, t_R, row_J, pack)
+
+    model = _model(Counting)
+    engine = _engine(model, requests=4)
+    for i in range(4):
+        engine.submit(_req(i, mark=i == 3, steps=2))
+    first = engine.step()
+    # the pack of 4 raises; halves {0, 1} run and {2, 3} raises; {2} runs and {3} raises
+    assert model.calls == 1 + 2 + 2
+    assert [r.request_id for r in first] == [3] and engine.last_pack == (
+        (0, 0),
+        (1, 0),
+        (2, 0),
+        (3, 0),
+    )
+    assert engine.active == 3 and [m.step for m in engine._members] == [1, 1, 1]
+    assert sorted(r.request_id for r in engine.run()) == [0, 1, 2]

@@ -182,33 +182,29 @@ class ContinuousBatcher(Generic[R, S]):
         request: with one culprit among N members that is about 2 log2(N) extra model calls
         (and a graph capture for each shape not captured yet). Every other member steps once,
         as in a step that did not fail, then all rejoin one pack."""
-        failed: set[int] = set()
         for m in members:
             self._save(m)
-        groups = deque([members[: len(members) // 2], members[len(members) // 2 :]])
-        if len(members) == 1:
-            groups.clear()
-            failed.add(members[0].rid)
-            self._out.append(self._failed(members[0].rid, members[0].admitted, _raised(
-                members[0], err, self.clock)))  # fmt: skip
-        while groups:
-            g = groups.popleft()
-            self._place(g)
-            assert self._shape is not None
-            try:
-                self._run(self._shape)
-            except Exception as e:
-                if len(g) > 1:
-                    groups.extendleft([g[len(g) // 2 :], g[: len(g) // 2]])
-                else:
-                    failed.add(g[0].rid)
-                    self._out.append(self._failed(g[0].rid, g[0].admitted, _raised(
-                        g[0], e, self.clock)))  # fmt: skip
+        failed: set[int] = set()
+        raised = deque([(members, err)])  # groups whose model call raised, and the error
+        while raised:
+            group, why = raised.popleft()
+            if len(group) == 1:
+                failed.add(group[0].rid)
+                self._out.append(self._failed(group[0].rid, group[0].admitted,
+                                              _raised(group[0], why, self.clock)))  # fmt: skip
                 continue
-            self._ran(g)
-            for m in g:
-                if m.step < m.request.steps:
-                    self._save(m)  # the next group's pack may overwrite these rows
+            for half in (group[: len(group) // 2], group[len(group) // 2 :]):
+                self._place(half)
+                assert self._shape is not None
+                try:
+                    self._run(self._shape)
+                except Exception as e:
+                    raised.append((half, e))
+                    continue
+                self._ran(half)
+                for m in half:
+                    if m.step < m.request.steps:
+                        self._save(m)  # the next half's pack may overwrite these rows
         self._place([m for m in members if m.rid not in failed and m.step < m.request.steps])
         for m in members:
             m.saved = None

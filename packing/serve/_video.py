@@ -179,7 +179,7 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
         """Lay the members out in ``shape``: host index tensors, then in-place device copies
         (the staying requests' frames gathered from the old buffers, the joining ones' clean
         context and noise written in)."""
-        dev, (gh, gw) = self.model.device, self.model.grid
+        dev, (gh, gw) = self.device, self.model.grid
         members = staying + joining
         b = self._buffers[shape]
         old = self._buffers[self._shape] if self._shape is not None else None
