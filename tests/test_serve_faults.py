@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import packing.serve._step as step_module
 from packing.model import DiT, DiTConfig
@@ -73,6 +75,45 @@ def test_a_seed_the_generator_cannot_take_is_refused_at_construction():
     engine = _engine()
     engine.submit(Request(context=z, frames=1, actions=1, seed=2**64 - 1, steps=1))
     assert [r.error for r in engine.run()] == [None]
+
+
+@settings(max_examples=40)
+@given(
+    seed=st.one_of(
+        st.integers(max_value=-1),
+        st.integers(min_value=2**64),
+        st.floats(),
+        st.booleans(),
+        st.text(max_size=3),
+    )
+)
+def test_every_seed_outside_the_generators_range_is_refused(seed):
+    with pytest.raises((TypeError, ValueError), match=r"Request\.seed="):
+        Request(context=torch.zeros(0, *FRAME), frames=1, actions=1, seed=seed)
+
+
+@settings(max_examples=40)
+@given(seed=st.integers(min_value=0, max_value=2**64 - 1))
+def test_every_seed_accepted_is_one_the_generator_takes(seed):
+    r = Request(context=torch.zeros(0, *FRAME), frames=1, actions=1, seed=seed)
+    lat, act = r.noise(FRAME, 6)  # torch.Generator.manual_seed(seed) inside
+    assert torch.isfinite(lat).all() and act.shape == (1, 6)
+
+
+@settings(max_examples=30)
+@given(
+    shape=st.tuples(*[st.integers(1, 3)] * 4),
+    data=st.data(),
+    value=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+)
+def test_a_non_finite_value_anywhere_is_refused_with_its_index(shape, data, value):
+    index = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+    ctx = torch.zeros(shape)
+    ctx[index] = value
+    with pytest.raises(
+        ValueError, match=rf"'context' holds {value} at index \({', '.join(map(str, index))},?\)"
+    ):
+        Request(context=ctx, frames=1, actions=1)
 
 
 def test_engine_config_refuses_what_a_step_would_fail_on():
