@@ -1,7 +1,8 @@
 """Packed inference: many requests in one model call, each at its own denoising step.
 
 - `Request`, `Result`: one episode's next chunk (clean context frames, frames and actions to
-  generate, seed, steps, optional kept context frames) and what comes back.
+  generate, seed, steps, optional kept context frames) and what comes back; a request that
+  fails comes back alone with ``Result.error`` set, the others go on (docs/inference.md).
 - `Engine`, `EngineConfig`, `PackShape`: continuous batching into a few static pack shapes,
   one model call per step, optionally captured in CUDA graphs (docs/inference.md).
 - `FlowScheduler`, `reference_sample`: flow-matching Euler and a 2nd-order multistep solver
