@@ -214,6 +214,7 @@ def test_disconnect_mid_frame_slow_clients_and_raw_garbage():
         huge = _raw_ws(address)
         huge.sendall(b"\x82\xff" + (2**62).to_bytes(8, "big") + b"\0\0\0\0")
         assert _closed_by_server(huge)  # 1009 before reading a payload byte
+        huge.close()
         cut = _raw_ws(address)
         cut.sendall(b"\x82\xfe\x10\x00\0\0\0\0" + b"x" * 100)  # 4,096 announced, 100 sent
         cut.close()

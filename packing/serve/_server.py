@@ -172,6 +172,7 @@ class PolicyServer:
                 self._handle, cfg.host, cfg.port, process_request=self._process_request,
                 max_size=cfg.max_message_bytes, max_queue=4, compression=None,
                 open_timeout=cfg.handshake_timeout_s, ping_interval=20, ping_timeout=20,
+                close_timeout=2,
             )  # fmt: skip
             self.address = server.sockets[0].getsockname()[:2]
             if signals:
