@@ -109,3 +109,8 @@ def wait_until(predicate: Any, timeout_s: float = 10.0) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"not true within {timeout_s} s: {predicate}")
         time.sleep(0.01)
+
+
+def cli_engine(device: str) -> tuple[Engine, DiTAdapter]:
+    """``packing serve --model serve_robots:cli_engine``: the tiny engine for the CLI test."""
+    return engine(requests=2, device=device), ADAPTER

@@ -27,7 +27,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def openpi_python() -> str:
-    path = os.environ.get("PACKING_OPENPI_PYTHON", str(ROOT / ".venv-openpi" / "bin" / "python"))
+    given = os.environ.get("PACKING_OPENPI_PYTHON")
+    path = given or str(ROOT / ".venv-openpi" / "bin" / "python")
+    if given and not Path(path).is_file():
+        pytest.fail(f"PACKING_OPENPI_PYTHON={given} does not exist")
     if not Path(path).is_file():
         why = (f"no openpi-client venv at {path} (scripts/dev.sh makes it; or set "
                "PACKING_OPENPI_PYTHON)")  # fmt: skip

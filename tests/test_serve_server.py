@@ -7,9 +7,16 @@ from __future__ import annotations
 
 import http.client
 import logging
+import os
+import queue
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -311,3 +318,42 @@ def test_stop_drains_in_flight_requests_then_refuses_connections():
     assert_alone(observation(1, steps=30), out[0])  # answered although stop came first
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(address, timeout=T)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_packing_serve_runs_until_a_signal_drains_and_closes_the_port(sig):
+    cmd = [sys.executable, "-m", "packing", "serve", "--port", "0", "--model",
+           "serve_robots:cli_engine", "--summary-every-s", "0.2"]  # fmt: skip
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
+    try:
+        port = int(_line(lines, r"serving on ws://127\.0\.0\.1:(\d+)").group(1))
+        with PolicyClient("127.0.0.1", port, timeout_s=T) as c:
+            assert c.metadata["model"] == "serve_robots:cli_engine"
+            obs = observation(1, steps=20)
+            assert_alone(obs, c.infer(obs))
+            _line(lines, r"summary: .*'answered': 1")  # the periodic summary
+            c._ws.send(encode(obs))  # in flight when the signal comes
+            time.sleep(0.05)
+            proc.send_signal(sig)
+            assert_alone(obs, c._recv())  # drained: answered after the signal
+        assert proc.wait(timeout=T) == 0
+    finally:
+        proc.kill()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=T)
+
+
+def _line(lines: queue.Queue, pattern: str):
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            m = re.search(pattern, lines.get(timeout=1))
+        except queue.Empty:
+            continue
+        if m:
+            return m
+    raise AssertionError(f"no log line matching {pattern!r}")
