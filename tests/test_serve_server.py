@@ -357,3 +357,17 @@ def _line(lines: queue.Queue, pattern: str):
         if m:
             return m
     raise AssertionError(f"no log line matching {pattern!r}")
+
+
+def test_the_example_robots_get_what_each_request_gives_alone(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import policy_server
+
+    demo = policy_server.run_demo(clients=3, rounds=2)
+    assert sorted((c, r) for c, r, *_ in demo["exchanges"]) == [(c, r) for c in range(3)
+                                                                for r in range(2)]  # fmt: skip
+    for _, _, obs, latents, actions in demo["exchanges"]:
+        assert_alone(obs, {"latents": latents, "actions": actions})
+    assert demo["summary"]["answered"] == 6
+    assert policy_server.main(["--clients", "0"]) == 2
+    assert "give 1 or more robots" in capsys.readouterr().err
