@@ -89,7 +89,7 @@ def _build(args: argparse.Namespace, device: str) -> tuple[Any, Any]:
     import torch
 
     from packing.model import DiT, DiTConfig
-    from packing.serve import DiTAdapter, Engine, EngineConfig, PackShape
+    from packing.serve import DiTAdapter, Engine, EngineConfig
 
     adapter = DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps)
     if args.model not in PRESETS:

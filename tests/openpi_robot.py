@@ -32,6 +32,12 @@ saved = {}
 for k in range(2):
     context = rng.standard_normal((2, 8, 4, 8)).astype(np.float32)
     reply = policy.infer({"context": context, "seed": 10 * seed + k, "prompt": f"robot {seed}"})
-    saved.update({f"context{k}": context, f"actions{k}": reply["actions"],
-                  f"latents{k}": reply["latents"], f"infer_ms{k}": reply["server_timing"]["infer_ms"]})
+    saved.update(
+        {
+            f"context{k}": context,
+            f"actions{k}": reply["actions"],
+            f"latents{k}": reply["latents"],
+            f"infer_ms{k}": reply["server_timing"]["infer_ms"],
+        }
+    )
 np.savez(folder / f"robot{seed}.npz", **saved)

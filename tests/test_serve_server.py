@@ -129,7 +129,7 @@ def test_bad_messages_get_one_line_and_the_connection_goes_on():
     want = ["not msgpack", "text frame", "one msgpack map", "NaN or inf", "unknown observation",
             "episode", "the model takes", "header says", "give at most", "not accepted",
             "max_array_bytes"]  # fmt: skip
-    with server().running() as address, connect("ws://%s:%d" % address, open_timeout=T) as ws:
+    with server().running() as address, connect(_uri(address), open_timeout=T) as ws:
         ws.recv(timeout=T)  # metadata
         for data, words in zip(bad, want, strict=True):
             ws.send(data)
@@ -203,7 +203,7 @@ def test_clients_that_vanish_after_sending_lose_nobody_else_anything():
         )
         steady.start()
         for k in range(8):  # send, then vanish before the reply
-            with connect("ws://%s:%d" % address, open_timeout=T) as ws:
+            with connect(_uri(address), open_timeout=T) as ws:
                 ws.recv(timeout=T)
                 ws.send(encode(observation(100 + k, steps=20)))
         steady.join(3 * T)
@@ -371,3 +371,19 @@ def test_the_example_robots_get_what_each_request_gives_alone(capsys):
     assert demo["summary"]["answered"] == 6
     assert policy_server.main(["--clients", "0"]) == 2
     assert "give 1 or more robots" in capsys.readouterr().err
+
+
+def _uri(address) -> str:
+    return f"ws://{address[0]}:{address[1]}"
+
+
+def test_packing_serve_imports_without_the_serve_extra():
+    """websockets and msgpack are optional: the engine works without them, and the server
+    says which extra to install."""
+    code = (
+        "import sys; sys.modules['msgpack'] = None; sys.modules['websockets'] = None\n"
+        "import packing.serve as s\n"
+        "try:\n    s._wire.encode({})\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install 'packing[serve]'" in out.stdout, out.stderr

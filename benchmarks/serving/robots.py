@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import base_parser, markdown_table, summarize, write_json  # noqa: E402
+from common import base_parser, markdown_table, summarize, write_json
 
-from packing.model import DiT, DiTConfig  # noqa: E402
-from packing.serve import (  # noqa: E402
+from packing.model import DiT, DiTConfig
+from packing.serve import (
     DiTAdapter,
     Engine,
     EngineConfig,

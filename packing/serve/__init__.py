@@ -19,21 +19,21 @@
 - `PolicyClient`, `ServerError`: a robot's side in Python (openpi-client works too).
 """
 
+from packing.serve._adapter import DiTAdapter, WanAdapter
+from packing.serve._client import PolicyClient, ServerError
+from packing.serve._config import ServerConfig
 from packing.serve._engine import Engine, EngineConfig
 from packing.serve._pack import PackShape
 from packing.serve._proof import InferenceReport, verify_inference
 from packing.serve._request import Request, Result
 from packing.serve._schedulers import FlowScheduler, reference_sample
-from packing.serve._adapter import DiTAdapter, WanAdapter
-from packing.serve._client import PolicyClient, ServerError
-from packing.serve._config import ServerConfig
 from packing.serve._server import PolicyServer
 from packing.serve._video import VideoEngine
 from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
 
 __all__ = [
-    "Engine",
     "DiTAdapter",
+    "Engine",
     "EngineConfig",
     "FlowScheduler",
     "InferenceReport",

@@ -55,7 +55,9 @@ class ServerConfig:
         check_real("ServerConfig.drain_s", self.drain_s, min=0.0)
         for name in ("deadline_s", "send_timeout_s", "handshake_timeout_s", "summary_every_s"):
             check_real(f"ServerConfig.{name}", getattr(self, name), above=0.0)
-        if not isinstance(self.metadata, dict) or not all(isinstance(k, str) for k in self.metadata):
+        if not isinstance(self.metadata, dict) or not all(
+            isinstance(k, str) for k in self.metadata
+        ):
             raise TypeError("ServerConfig.metadata must be a dict with str keys")
 
 

@@ -26,6 +26,7 @@ requests in flight finish and answers them, then closes the connections.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import http
 import itertools
@@ -151,10 +152,8 @@ class PolicyServer:
     def stop(self) -> None:
         """Drain and stop (thread-safe; what SIGINT/SIGTERM do)."""
         if self._aloop is not None and self._stopping is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # already stopped
                 self._aloop.call_soon_threadsafe(self._stopping.set)
-            except RuntimeError:  # already stopped
-                pass
 
     def summary(self) -> dict[str, Any]:
         """Requests answered and failed, requests/s, latency p50/p99, requests per model call
@@ -220,8 +219,13 @@ class PolicyServer:
                 return connection.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong API "
                                           "key: send 'Authorization: Api-Key <key>'\n")  # fmt: skip
         if self._open >= self.config.max_connections or self._draining:
-            why = "shutting down" if self._draining else (
-                f"{self._open} connections open (max_connections={self.config.max_connections})")
+            why = (
+                "shutting down"
+                if self._draining
+                else (
+                    f"{self._open} connections open (max_connections={self.config.max_connections})"
+                )
+            )
             return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, f"busy: {why}\n")
         return None
 

@@ -18,16 +18,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import msgpack
 import numpy as np
 
 __all__ = ["DTYPES", "WireError", "decode", "encode"]
 
 # Little-endian (or byte-sized) dtypes a robot sends: images, latents, states, ids.
-DTYPES = frozenset(
-    {"|b1", "|u1", "|i1", "<u2", "<i2", "<i4", "<i8", "<u4", "<f2", "<f4", "<f8"}
-)
+DTYPES = frozenset({"|b1", "|u1", "|i1", "<u2", "<i2", "<i4", "<i8", "<u4", "<f2", "<f4", "<f8"})
 MAX_DIMS = 8
+
+
+def _msgpack() -> Any:
+    try:
+        import msgpack
+    except ImportError as e:  # the one lazy boundary for the optional extra
+        raise ImportError("the policy server needs msgpack: pip install 'packing[serve]'") from e
+    return msgpack
 
 
 class WireError(ValueError):
@@ -36,7 +41,7 @@ class WireError(ValueError):
 
 def encode(message: dict[str, Any]) -> bytes:
     """``message`` as openpi's ``msgpack_numpy.packb`` writes it (numpy arrays and scalars)."""
-    return msgpack.packb(message, default=_pack_array, use_bin_type=True)  # type: ignore[no-any-return]
+    return _msgpack().packb(message, default=_pack_array, use_bin_type=True)  # type: ignore[no-any-return]
 
 
 def _pack_array(obj: Any) -> Any:
@@ -56,7 +61,7 @@ def decode(data: bytes | str, *, max_array_bytes: int) -> dict[str, Any]:
     if isinstance(data, str):
         raise WireError("got a text frame; send one binary msgpack frame per message")
     try:
-        out = msgpack.unpackb(
+        out = _msgpack().unpackb(
             data,
             raw=False,
             strict_map_key=True,
@@ -102,7 +107,11 @@ def _unpack_array(m: dict[Any, Any], max_bytes: int) -> Any:
         return np.frombuffer(raw, dtype=dtype).reshape(shape)
     if b"__npgeneric__" in m:
         dtype, value = _dtype(m.get(b"dtype")), m.get(b"data")
-        if not isinstance(value, bool | int | float) or set(m) != {b"__npgeneric__", b"data", b"dtype"}:
+        if not isinstance(value, bool | int | float) or set(m) != {
+            b"__npgeneric__",
+            b"data",
+            b"dtype",
+        }:
             raise WireError("a numpy scalar map needs __npgeneric__, dtype and a number as data")
         try:
             return dtype.type(value)

@@ -17,6 +17,7 @@ one line, the rest go on) and a passed deadline (``engine.cancel``) each end onl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -214,10 +215,8 @@ class EngineLoop:
                 self.answered += 1
             else:
                 self.failed += 1
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
             job.loop.call_soon_threadsafe(_set, job.future, outcome)
-        except RuntimeError:  # the server's loop is closed: nobody waits for it any more
-            pass
 
 
 def _set(future: asyncio.Future[Outcome], outcome: Outcome) -> None:
