@@ -387,3 +387,42 @@ def test_packing_serve_imports_without_the_serve_extra():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install 'packing[serve]'" in out.stdout, out.stderr
+
+
+def test_a_diffusers_wan_behind_the_server_with_wan_adapter():
+    """A VideoEngine (ServedWan) served to robots: each reply equals the same VideoRequest
+    alone through the engine; a NaN in one robot's context is refused, the other served."""
+    pytest.importorskip("diffusers")
+    import torch
+
+    from packing.integrations.diffusers import ServedWan, install
+    from packing.integrations.diffusers.testing import tiny_wan
+    from packing.serve import VideoEngine, VideoShape, WanAdapter
+
+    def wan_engine() -> VideoEngine:
+        torch.manual_seed(0)
+        served = ServedWan(install(tiny_wan("2.2"), latent_hw=(4, 6)))
+        return VideoEngine(served, [VideoShape(frames=8, text=16, requests=4)], max_steps=4)
+
+    def text_encoder(prompt: str) -> torch.Tensor:  # a stand-in: (L, 24) from the words
+        g = torch.Generator().manual_seed(sum(map(ord, prompt)))
+        return torch.randn(len(prompt.split()), 24, generator=g)
+
+    adapter = WanAdapter(text_encoder=text_encoder, frames=2, steps=3)
+    rng = np.random.default_rng(0)
+    obs = [{"context": rng.standard_normal((1, 48, 4, 6)).astype(np.float32), "seed": k,
+            "prompt": "pick up the cup" if k else "open"} for k in range(3)]  # fmt: skip
+    nan = {**obs[0], "context": obs[0]["context"].copy()}
+    nan["context"][0, 5, 1, 1] = np.nan
+    srv = PolicyServer(wan_engine(), adapter, ServerConfig(port=0))
+    with srv.running() as address:
+        with pytest.raises(ServerError, match="NaN or inf"):
+            one(address, nan)
+        replies = robots(address, [[o] for o in obs])
+    for o, (reply,) in zip(obs, replies, strict=True):
+        e = wan_engine()
+        e.submit(adapter.request(o, session="alone"))
+        (ref,) = e.run()
+        assert set(reply) == {"latents", "server_timing"}
+        np.testing.assert_allclose(reply["latents"], ref.latents.numpy(), rtol=0, atol=1e-5)
+    assert srv.summary()["max_requests_per_call"] >= 2
