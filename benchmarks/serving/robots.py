@@ -7,20 +7,21 @@ its rate), ask again. Both arms are the same `PolicyServer` over the same weight
 
 - ``one_at_a_time``: an engine whose only pack shape holds ONE request, so the server answers
   one request at a time (what openpi's server does);
-- ``packed``: an engine with shapes for 1, 2, 4, ... N requests; the continuous batcher packs
-  every waiting robot's request into each model call.
+- ``packed``: an engine with shapes for 1, 2, 4, ... min(N, ``--max-pack``) requests; the
+  continuous batcher packs the waiting robots' requests into each model call.
 
 Per arm and N: chunks/s (all robots), p50/p99 chunk latency (request sent to reply read), and
 robot idle time (latency over latency + execution). The robots' chunk durations are spread
 over ``--chunk-x`` x [0.75, 1.25] x one request's latency alone (measured first), so one robot
 alone idles ~1 / (1 + chunk_x) of the time.
 
-    python benchmarks/serving/robots.py --quick                 # CPU, tiny DiT, < 3 minutes
+    python benchmarks/serving/robots.py --quick --max-pack 4    # CPU, tiny DiT, < 3 minutes
     python benchmarks/serving/robots.py --device cuda --config 5b --compile --cuda-graphs
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -120,6 +121,7 @@ def main() -> None:
     p.add_argument("--chunk-x", type=float, default=4.0, help="chunk duration / lone latency")
     p.add_argument("--duration-s", type=float, default=None, help="timed window per run")
     p.add_argument("--warmup-s", type=float, default=1.0)
+    p.add_argument("--max-pack", type=int, default=16, help="most requests in a packed call")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU default 1)")
@@ -145,8 +147,9 @@ def main() -> None:
     lone_s = None
     for arm in ("one_at_a_time", "packed"):
         for n in counts:
+            top = min(n, args.max_pack)
             sizes = [1] if arm == "one_at_a_time" else [k for k in (1, 2, 4, 8, 16, 32, 64)
-                                                         if k < n] + [n]  # fmt: skip
+                                                         if k < top] + [top]  # fmt: skip
             t0 = time.perf_counter()
             engine = build_engine(model, args, sizes)
             warm_s = time.perf_counter() - t0
@@ -173,7 +176,9 @@ def main() -> None:
     cols = ["arm", "robots", "chunks_per_s", "p50_ms", "p99_ms", "idle", "requests_per_call",
             "lone_ms"]  # fmt: skip
     print(markdown_table(rows, cols))
-    write_json("serving_robots", args, {"rows": rows, "config": args.config}, device=dev)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None  # a shared machine says so
+    write_json("serving_robots", args, {"rows": rows, "config": args.config,
+                                        "load_average_after": load}, device=dev)  # fmt: skip
 
 
 if __name__ == "__main__":
