@@ -65,7 +65,7 @@ def test_size_limit_and_non_finite_values_name_the_key():
     with pytest.raises(WireError, match="max_array_bytes"):
         decode(encode({"context": big}), max_array_bytes=LIMIT)
     for bad in ({"context": np.array([1.0, np.inf])}, {"nested": {"x": [float("nan")]}}):
-        with pytest.raises(WireError, match="NaN or inf|is nan"):
+        with pytest.raises(WireError, match=r"NaN or inf|is nan"):
             decode(encode(bad), max_array_bytes=LIMIT)
 
 
@@ -81,7 +81,7 @@ def test_adapters_refuse_bad_observations_by_key():
         ADAPTER.request({**obs, "prompt": 3}, "s")
     with pytest.raises(ValueError, match="no text encoder"):
         WanAdapter().request({"context": obs["context"]}, "s")
-    with pytest.raises(TypeError, match="DiTAdapter.actions"):
+    with pytest.raises(TypeError, match=r"DiTAdapter\.actions"):
         DiTAdapter(actions=2.0)
 
 
