@@ -40,9 +40,9 @@ def openpi_python() -> str:
     return path
 
 
-def launch(python: str, address, seed: int, folder: Path, key: str | None = None):
+def launch(python: str, address, seed: int, folder: Path, key: str | None = None, *extra: str):
     args = [python, str(ROBOT), address[0], str(address[1]), str(seed), str(folder)]
-    return subprocess.Popen(args + ([key] if key else []), stdout=subprocess.PIPE,
+    return subprocess.Popen([*args, key or "-", *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={"PATH": os.environ["PATH"]})  # fmt: skip
 
 
@@ -90,6 +90,22 @@ def test_openpi_robot_without_the_right_key_is_refused(tmp_path):
         finally:
             p.kill()
     assert srv.summary()["failed"] == 0
+
+
+def test_openpi_robot_gets_a_one_line_error_and_goes_on(tmp_path):
+    """A NaN observation: openpi-client raises the server's line (no traceback), and the same
+    connection then gets its actions."""
+    python = openpi_python()
+    with PolicyServer(engine(), ADAPTER, ServerConfig(port=0)).running() as address:
+        (tmp_path / "go").write_text("")
+        p = launch(python, address, 3, tmp_path, None, "nan")
+        out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, out
+    error = (tmp_path / "error3").read_text()
+    assert error == "Error in inference server:\n'context' holds NaN or inf; send finite values"
+    got = np.load(tmp_path / "robot3.npz", allow_pickle=False)
+    ref = alone({"context": got["context0"], "seed": 30, "prompt": "robot 3"})
+    np.testing.assert_allclose(got["actions0"], ref.action.numpy(), rtol=0, atol=1e-5)
 
 
 def _engine_args():

@@ -426,3 +426,18 @@ def test_a_diffusers_wan_behind_the_server_with_wan_adapter():
         assert set(reply) == {"latents", "server_timing"}
         np.testing.assert_allclose(reply["latents"], ref.latents.numpy(), rtol=0, atol=1e-5)
     assert srv.summary()["max_requests_per_call"] >= 2
+
+
+def test_the_connection_limit_is_checked_in_the_handshake():
+    srv = server(max_connections=2)
+    with srv.running() as address:
+        with PolicyClient(*address, timeout_s=T), PolicyClient(*address, timeout_s=T):
+            with pytest.raises(InvalidStatus, match="503"):
+                PolicyClient(*address, timeout_s=T)
+        wait_until(lambda: srv.summary()["connections"] == 0)
+        assert one(address, observation(1))["actions"].shape == (4, 6)  # a slot is free again
+
+
+def test_metadata_msgpack_cannot_send_is_refused_at_construction():
+    with pytest.raises(TypeError, match="metadata cannot be sent"):
+        server(metadata={"shape": object()})

@@ -3,7 +3,9 @@
 Safe by default: loopback only; binding any other address needs ``api_key`` (the server
 refuses to start without one). Every limit is checked before the server allocates for it:
 ``max_message_bytes`` is the websocket frame limit (a larger frame closes the connection
-with code 1009 before its payload is read), ``max_connections`` is checked in the handshake,
+with code 1009 before its payload is read; a connection buffers at most 2 frames, so memory
+for messages stays under ``max_connections * 3 * max_message_bytes``), ``max_connections`` is
+checked in the handshake,
 ``max_queue`` bounds the requests waiting or running per engine (one more gets a "busy"
 reply at once), ``deadline_s`` cancels a request that has not finished in time.
 """

@@ -108,6 +108,10 @@ class PolicyServer:
             adapter = DiTAdapter()
         if not (hasattr(adapter, "request") and hasattr(adapter, "reply")):
             raise TypeError(f"adapter {type(adapter).__name__} needs request() and reply()")
+        try:  # every robot gets it on connect: a value msgpack cannot send fails here, once
+            encode(self.config.metadata)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"ServerConfig.metadata cannot be sent: {e}") from None
         self.adapter = adapter
         self.engines = listed
         self.loops = [EngineLoop(e, name=f"engine {i}", max_queue=self.config.max_queue)
@@ -169,7 +173,7 @@ class PolicyServer:
         try:
             server = await ws.serve(
                 self._handle, cfg.host, cfg.port, process_request=self._process_request,
-                max_size=cfg.max_message_bytes, max_queue=4, compression=None,
+                max_size=cfg.max_message_bytes, max_queue=2, compression=None,
                 open_timeout=cfg.handshake_timeout_s, ping_interval=20, ping_timeout=20,
                 close_timeout=2,
             )  # fmt: skip
