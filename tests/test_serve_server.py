@@ -431,9 +431,12 @@ def test_a_diffusers_wan_behind_the_server_with_wan_adapter():
 def test_the_connection_limit_is_checked_in_the_handshake():
     srv = server(max_connections=2)
     with srv.running() as address:
-        with PolicyClient(*address, timeout_s=T), PolicyClient(*address, timeout_s=T):
-            with pytest.raises(InvalidStatus, match="503"):
-                PolicyClient(*address, timeout_s=T)
+        with (
+            PolicyClient(*address, timeout_s=T),
+            PolicyClient(*address, timeout_s=T),
+            pytest.raises(InvalidStatus, match="503"),
+        ):
+            PolicyClient(*address, timeout_s=T)
         wait_until(lambda: srv.summary()["connections"] == 0)
         assert one(address, observation(1))["actions"].shape == (4, 6)  # a slot is free again
 
