@@ -35,7 +35,7 @@ from serve_robots import (
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from packing.serve import PolicyClient, PolicyServer, ServerConfig, ServerError
+from packing.serve import DiTAdapter, PolicyClient, PolicyServer, ServerConfig, ServerError
 from packing.serve._wire import encode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -444,3 +444,19 @@ def test_the_connection_limit_is_checked_in_the_handshake():
 def test_metadata_msgpack_cannot_send_is_refused_at_construction():
     with pytest.raises(TypeError, match="metadata cannot be sent"):
         server(metadata={"shape": object()})
+
+
+def test_an_encoder_that_crashes_fails_its_observation_only(caplog):
+    def encoder(images):
+        raise RuntimeError("camera driver fell over")
+
+    srv = PolicyServer(engine(), DiTAdapter(actions=4, steps=4, encoder=encoder),
+                       ServerConfig(port=0))  # fmt: skip
+    images = np.zeros((1, 4, 4, 3), np.uint8)
+    with caplog.at_level(logging.ERROR, "packing.serve"), srv.running() as address:
+        c = PolicyClient(*address, timeout_s=T)
+        with pytest.raises(ServerError, match=r"could not be made a request \(RuntimeError\)"):
+            c.infer({"images": images})
+        assert_alone(observation(2), c.infer(observation(2)))  # the connection goes on
+        c.close()
+    assert "camera driver fell over" in caplog.text

@@ -276,8 +276,11 @@ class PolicyServer:
                     robot.next_episode()
                 return encode({"episode": control, "session": robot.session})
             request = await asyncio.to_thread(self.adapter.request, obs, robot.session)
-        except (WireError, ValueError, TypeError) as e:
+        except (WireError, ValueError, TypeError) as e:  # the observation's fault: say why
             return _one_line(e)
+        except Exception as e:  # the adapter's or the encoder's own failure: the log says where
+            log.exception("robot %d: adapter.request failed", robot.id)
+            return f"the observation could not be made a request ({type(e).__name__}); see the server log"
         robot.used = True
         job = Job(request, asyncio.get_running_loop().create_future(), asyncio.get_running_loop(),
                   received=received, deadline=received + self.config.deadline_s)  # fmt: skip
