@@ -75,6 +75,29 @@ def observation(robot: int, args: Any, cfg: DiTConfig) -> dict[str, Any]:
     return {"context": frames.astype(np.float32), "seed": robot, "prompt": f"robot {robot}"}
 
 
+def step_costs(model: DiT, args: Any, counts: list[int]) -> list[dict[str, Any]]:
+    """The engine alone, no server: one model call's time with n requests in the pack (n up
+    to the most robots), the median of ``--steps`` calls after a warm run; what sets
+    ``--max-pack`` (on a CPU the dense-mask attention grows with the square of the pack)."""
+    adapter = DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps)
+    out = []
+    for n in (k for k in (1, 2, 4, 8, 16, 32, 64) if k <= max(counts)):
+        engine = build_engine(model, args, [n])
+        for k in range(n):
+            engine.submit(adapter.request(observation(k, args, model.config), session="cost"))
+        times = []
+        while engine.active or engine.waiting:
+            t0 = time.perf_counter()
+            engine.step()
+            if next(model.parameters()).is_cuda:
+                torch.cuda.synchronize()
+            times.append(1e3 * (time.perf_counter() - t0))
+        step_ms = summarize(times).median_ms
+        out.append({"requests": n, "step_ms": step_ms, "per_request_ms": step_ms / n})
+        print(out[-1], flush=True)
+    return out
+
+
 def run_robots(address: tuple[str, int], n: int, chunk_s: float, args: Any,
                cfg: DiTConfig) -> dict[str, Any]:  # fmt: skip
     """N robots for ``--warmup-s`` + ``--duration-s``; chunks that start in the timed window."""
@@ -143,6 +166,7 @@ def main() -> None:
     if args.compile:
         for block in model.blocks:
             block.compile(dynamic=False)
+    costs = step_costs(model, args, counts)
     rows: list[dict[str, Any]] = []
     lone_s = None
     for n in counts:  # the arms side by side at each N: a shared machine drifts less between
@@ -172,12 +196,14 @@ def main() -> None:
             rows.append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
                   flush=True)  # fmt: skip
-            write_json("serving_robots", args, {"rows": rows}, device=dev, partial=True)
+            write_json("serving_robots", args, {"rows": rows, "step_costs": costs}, device=dev,
+                       partial=True)  # fmt: skip
     cols = ["arm", "robots", "chunks_per_s", "p50_ms", "p99_ms", "idle", "requests_per_call",
             "lone_ms"]  # fmt: skip
     print(markdown_table(rows, cols))
     load = os.getloadavg() if hasattr(os, "getloadavg") else None  # a shared machine says so
-    write_json("serving_robots", args, {"rows": rows, "config": args.config,
+    print(markdown_table(costs, ["requests", "step_ms", "per_request_ms"]))
+    write_json("serving_robots", args, {"rows": rows, "step_costs": costs, "config": args.config,
                                         "load_average_after": load}, device=dev)  # fmt: skip
 
 
