@@ -103,3 +103,26 @@ def test_server_config_is_checked():
         with pytest.raises((TypeError, ValueError), match=match):
             ServerConfig(**bad)
     assert ServerConfig(host="::1").api_key is None  # loopback needs none
+
+
+def test_packing_serve_builds_a_preset_from_a_checkpoint_and_parses_shapes(tmp_path):
+    """The CLI's engine: the preset's weights from a state_dict file (read weights_only),
+    shapes from --shape, and one-line refusals for a bad shape or a checkpoint with a factory."""
+    from packing import _serve_command
+    from packing.cli import build_parser
+    from packing.model import DiT, DiTConfig
+
+    torch.manual_seed(3)
+    trained = DiT(DiTConfig.tiny())
+    torch.save(trained.state_dict(), tmp_path / "dit.pt")
+    args = build_parser().parse_args(["serve", "--checkpoint", str(tmp_path / "dit.pt"),
+                                      "--shape", "10,32,2", "--shape", "20,64,4"])  # fmt: skip
+    engine, adapter = _serve_command._build(args, "cpu")
+    for a, b in zip(engine.model.state_dict().values(), trained.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert [(s.frames, s.actions, s.requests) for s in engine.shapes] == [(10, 32, 2), (20, 64, 4)]
+    assert adapter.actions == 16
+    for argv, match in ((["--shape", "1,2"], "FRAMES,ACTIONS,REQUESTS"),
+                        (["--model", "m:f", "--checkpoint", "x.pt"], "a factory loads its own")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            _serve_command._build(build_parser().parse_args(["serve", *argv]), "cpu")
