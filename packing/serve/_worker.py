@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 __all__ = ["EngineLoop", "Job", "Outcome"]
 
 log = logging.getLogger("packing.serve")
@@ -108,6 +110,10 @@ class EngineLoop:
 
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
+        model = getattr(self.engine, "model", None)  # a VideoEngine's device is its model's
+        device = getattr(self.engine, "device", None) or getattr(model, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's graphs and streams on the engine's GPU
         while True:
             with self._cv:
                 while not (self._inbox or self._cancelled or self._ended or self._stop
