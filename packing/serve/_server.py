@@ -222,15 +222,13 @@ class PolicyServer:
                 log.warning("refused %s: missing or wrong API key", connection.remote_address)
                 return connection.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong API "
                                           "key: send 'Authorization: Api-Key <key>'\n")  # fmt: skip
-        if self._open >= self.config.max_connections or self._draining:
-            why = (
-                "shutting down"
-                if self._draining
-                else (
-                    f"{self._open} connections open (max_connections={self.config.max_connections})"
-                )
+        unavailable = http.HTTPStatus.SERVICE_UNAVAILABLE
+        if self._draining:
+            return connection.respond(unavailable, "busy: shutting down\n")
+        if self._open >= (n := self.config.max_connections):
+            return connection.respond(
+                unavailable, f"busy: {n} connections open (max_connections)\n"
             )
-            return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, f"busy: {why}\n")
         return None
 
     async def _handle(self, ws: Any) -> None:
