@@ -22,6 +22,7 @@ Every submitted request comes back exactly once (unless cancelled), good or with
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -34,6 +35,9 @@ from packing.serve._request import Result
 from packing.serve._schedulers import FlowScheduler
 
 __all__ = ["ContinuousBatcher"]
+
+# A failed request's traceback goes here (a server's log), its one-line reason to its client.
+_log = logging.getLogger("packing.serve")
 
 R = TypeVar("R")  # the request type
 S = TypeVar("S")  # the pack shape type
@@ -153,6 +157,7 @@ class ContinuousBatcher(Generic[R, S]):
                 member = self._member(rid, r)
             except Exception as err:  # this request's own host work (noise, patchify)
                 why = f"preparing it for the pack raised {type(err).__name__}: {err}"
+                _log.error("request %d failed: %s", rid, why, exc_info=err)
                 self._out.append(self._failed(rid, self.clock, why))
                 continue
             joining.append(member)
@@ -190,6 +195,8 @@ class ContinuousBatcher(Generic[R, S]):
             group, why = raised.popleft()
             if len(group) == 1:
                 failed.add(group[0].rid)
+                _log.error("request %d failed: the model call raised with it alone",
+                           group[0].rid, exc_info=why)  # fmt: skip
                 self._out.append(self._failed(group[0].rid, group[0].admitted,
                                               _raised(group[0], why, self.clock)))  # fmt: skip
                 continue
@@ -235,6 +242,7 @@ class ContinuousBatcher(Generic[R, S]):
                     result = self._result(m)
                 except Exception as err:  # this request's own host work
                     why = f"reading its result back raised {type(err).__name__}: {err}"
+                    _log.error("request %d failed: %s", m.rid, why, exc_info=err)
                     result = self._failed(m.rid, m.admitted, why)
                 self._finishing[m.rid] = (result, self._seq - 1)
                 self._drop(m.rid)
