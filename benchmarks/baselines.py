@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import packing.model._dit as pm
+from benchmarks.harness.flops import EpisodeShape
 from packing.data import PackedCollator, Stream
 from packing.data._joint import joint_layout
 from packing.model import DiT
@@ -273,7 +274,7 @@ class BucketBatch:
     real_tokens: int
     slots: int
     cropped_tokens: int
-    rows_jt: list[tuple[int, int]]  # (joint tokens, text tokens) per row: the useful FLOPs
+    row_shapes: list[EpisodeShape]  # each row's real (video, action, text) tokens: useful FLOPs
     weight: float = 1.0  # 0: a copy that only keeps the ranks' micro-step counts equal
 
 
@@ -377,5 +378,7 @@ def _bucket_batch(items: list[tuple[EpisodeInputs, int]], L: int, text_len: int,
         real_tokens=real_tokens,
         slots=len(eps) * L,
         cropped_tokens=original - real_tokens,
-        rows_jt=[(a + b, e.text.shape[0]) for a, b, e in zip(n_v, n_a, eps, strict=True)],
+        row_shapes=[
+            EpisodeShape(a, b, e.text.shape[0]) for a, b, e in zip(n_v, n_a, eps, strict=True)
+        ],
     )

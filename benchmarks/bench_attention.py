@@ -44,6 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
+from benchmarks.harness.flops import pair_flops
 from packing.attention import (
     document_mask_mod,
     fa4_available,
@@ -116,7 +117,8 @@ class Case:
     def flops(self, mask: str, backward: bool) -> float:
         kv = self.text_lengths if mask == "cross" else None
         p = pairs(self.lengths, mask, kv)
-        return 4.0 * sum(p) * self.dim * self.heads * (3.5 if backward else 1.0)
+        # the hardware count (bwd = 2.5x fwd), as FlashAttention's papers report kernels
+        return pair_flops(sum(p), heads=self.heads, head_dim=self.dim, backward=backward)
 
 
 def _req(*ts: torch.Tensor) -> list[torch.Tensor]:

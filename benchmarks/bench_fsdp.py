@@ -41,7 +41,7 @@ same episodes and initial weights in every variant::
 
 Reported per variant (rank 0 prints a markdown table; JSON to --out): s/step (median of the
 timed steps, CUDA events, up to the end-of-step barrier), tokens/s over all GPUs, MFU by model
-FLOPs (6 x block params x tokens + in-episode attention pairs, fwd+bwd; recompute NOT counted;
+FLOPs (`benchmarks/harness/flops.py`, against both named peaks; recompute NOT counted;
 "MFU incl. recompute" adds one more block forward for full checkpointing), first-step time and
 compile estimate (first step minus a timed one), peak memory (max over ranks), per-rank wait at
 the end-of-step barrier (CUDA events), exposed communication from one profiled step (GPU time
@@ -79,7 +79,7 @@ import baselines as bl
 import common
 from bench_step import (
     _LIB_ATTENTION,
-    block_params,
+    episode_shape,
     make_episode,
     sdpa_one_episode,
     step_flops,
@@ -87,6 +87,7 @@ from bench_step import (
 )
 
 import packing.model._dit as pm
+from benchmarks.harness.flops import PEAKS, dit_flops
 from packing.data import PackedBatch, PackedCollator, Stream
 from packing.model import DiT, DiTConfig
 from packing.planning import plan_packs
@@ -415,21 +416,14 @@ def variant_budget(kind: str, args: Any) -> int:
 
 def recompute_flops(cfg: DiTConfig, eps: list[dict], checkpointing: str,
                     blocks: int | None = None) -> float:  # fmt: skip
-    """FLOPs the checkpointing recompute adds: one more forward of each checkpointed block
-    (1/3 of the dense fwd+bwd, 1/3.5 of the attention's), its dense part only for
-    'attention' (the attention outputs are kept); 0 for 'none' and 'ops'."""
+    """FLOPs the checkpointing recompute adds: one more forward of each checkpointed block,
+    its dense part only for 'attention' (the attention outputs are kept); 0 for 'none' and
+    'ops'."""
     if checkpointing not in ("full", "attention"):
         return 0.0
-    attention = 1.0 if checkpointing == "full" else 0.0
-    n = cfg.depth if blocks is None else blocks
-    tpf = cfg.tokens_per_frame
-    total = 0.0
-    for ep in eps:
-        j = ep["latents"].shape[0] * tpf + ep["action"].shape[0]
-        n_text = ep["text"].shape[0]
-        total += n * (2.0 * block_params(cfg) * j
-                      + attention * 4.0 * (j * j + j * n_text) * cfg.head_dim * cfg.heads)  # fmt: skip
-    return total
+    again = dit_flops(cfg, [episode_shape(cfg, ep) for ep in eps], backward=False,
+                      blocks=cfg.depth if blocks is None else blocks, outside_blocks=False)  # fmt: skip
+    return again.model if checkpointing == "full" else again.dense
 
 
 # -- one variant -------------------------------------------------------------------------------
@@ -500,7 +494,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         "tokens": float(
             sum(e["latents"].shape[0] * tpf + e["action"].shape[0] for eps in timed for e in eps)
         ),
-        "flops": sum(step_flops(mcfg, eps) for eps in timed),
+        "flops": sum(step_flops(mcfg, eps).model for eps in timed),
         "recompute_flops": sum(
             recompute_flops(mcfg, eps, variant_checkpointing(kind, args), checkpoint_count(kind))
             for eps in timed
@@ -520,8 +514,8 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         "attention": "sdpa flash (per episode)" if unpacked else attention_name(mcfg, dev),
         "budget": budget,
         **shared,
-        "MFU": mfu(ranks, args.steps, shared["s/step"], world),
-        "MFU incl. recompute": mfu(ranks, args.steps, shared["s/step"], world, extra=rflops),
+        **mfu(ranks, args.steps, shared["s/step"], world),
+        **mfu(ranks, args.steps, shared["s/step"], world, extra=rflops, label=" incl. recompute"),
         "exposed comm ms (per rank)": [
             round(r.get("exposed_comm_ms", float("nan")), 1) for r in ranks
         ],
@@ -554,10 +548,12 @@ def shared_fields(ranks: list[dict[str, float]], steps: int, first_s: float,
 
 
 def mfu(ranks: list[dict[str, float]], steps: int, step_s: float, world: int,
-        extra: float = 0.0, scale: float = 1.0) -> float:  # fmt: skip
-    """Model FLOPs per step (the ranks' sum, ``scale``d, plus ``extra``) over the GPUs' peak."""
+        extra: float = 0.0, scale: float = 1.0, label: str = "") -> dict[str, float]:  # fmt: skip
+    """Model FLOPs per step (the ranks' sum, ``scale``d, plus ``extra``) over the GPUs' peak,
+    one field per named peak (``MFU of measured 790``, ``MFU of datasheet 989``)."""
     flops = sum(r["flops"] for r in ranks) / max(steps, 1) * scale + extra
-    return flops / step_s / (common.H200_BF16_PEAK_TFLOPS * 1e12 * world)
+    return {f"MFU{label} of {name}": flops / step_s / (peak * 1e12 * world)
+            for name, peak in PEAKS.items()}  # fmt: skip
 
 
 def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev: torch.device,
@@ -655,7 +651,7 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0,
         "tokens": float(sum(x.tokens for inputs in steps[args.warmup :] for x in inputs))
         if kind != "bucket_crop" else float(sum(b.real_tokens for b in flat)),
-        "flops": sum(step_flops(cfg, eps) for eps in trained),
+        "flops": sum(step_flops(cfg, eps).model for eps in trained),
         "micro_steps": (sum(len(x) for x in steps[args.warmup :]) if kind == "lean"
                         else ran) / max(args.steps, 1),
         "slots": float(sum(b.slots for b in flat)),
@@ -679,7 +675,7 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
         "attention": bl.ATTENTION_NAMES[kind],
         "budget": args.pack_budget if kind != "lean" else None,
         **shared,
-        "MFU": mfu(ranks, args.steps, shared["s/step"], world, scale=kept),
+        **mfu(ranks, args.steps, shared["s/step"], world, scale=kept),
         "recompiles after warm-up": recompiles,
         "losses": [float(x) for x in step_losses.tolist()],
     }  # fmt: skip
@@ -736,8 +732,8 @@ def recompile_check(args: Any, cfg: DiTConfig, dev: torch.device) -> dict[str, A
 
 
 COLUMNS = ["variant", "attention", "micro-steps", "budget", "s/step", "tokens/s",
-           "vs unpacked_sync", "vs best unpacked", "vs lean", "vs best bucketing", "MFU",
-           "padding fraction", "cropped fraction", "MFU incl. recompute", "first step s",
+           "vs unpacked_sync", "vs best unpacked", "vs lean", "vs best bucketing", "MFU of measured 790",
+           "padding fraction", "cropped fraction", "MFU incl. recompute of measured 790", "first step s",
            "compile s (est.)", "peak GB", "wait % of step", "exposed comm ms (per rank)",
            "loss rel diff (step 0)", "loss rel diff (max)", "recompiles after warm-up",
            "host syncs per micro-step", "seconds", "error"]  # fmt: skip

@@ -29,8 +29,9 @@ import warnings
 from typing import Any
 
 import torch
-from common import H200_BF16_PEAK_TFLOPS, base_parser, dynamo_counters, markdown_table, write_json
+from common import base_parser, dynamo_counters, markdown_table, write_json
 
+from benchmarks.harness.flops import MEASURED_PEAK_TFLOPS, dit_flops
 from packing.model import DiT, DiTConfig
 from packing.model._dit import text_tokens
 from packing.serve import Engine, EngineConfig, FlowScheduler, PackShape, Request
@@ -65,13 +66,11 @@ def make_requests(n: int, mix: tuple[int, int], cfg: DiTConfig, steps: int, seed
 
 
 def request_flops(cfg: DiTConfig, r: Request) -> float:
-    """Forward FLOPs of one denoising step of ``r`` on its real tokens (matmuls only)."""
-    d, f = cfg.dim, cfg.ffn_dim
-    J = (len(r.kept) + r.frames) * cfg.tokens_per_frame + r.actions
-    X = text_tokens(r.task, cfg.text_len).shape[0]
-    dense = 2 * J * (3 * d * d + d * d + d * d + d * d + 2 * d * f) + 2 * X * 2 * d * d
-    attn = 4 * J * J * d + 4 * J * X * d
-    return cfg.depth * (dense + attn)
+    """Model FLOPs of one denoising step of ``r`` on its real tokens (one forward,
+    `harness.flops.dit_flops`): context + generated frames, actions, the task's text."""
+    video = (len(r.kept) + r.frames) * cfg.tokens_per_frame
+    text = text_tokens(r.task, cfg.text_len).shape[0]
+    return dit_flops(cfg, [(video, r.actions, text)], backward=False).model
 
 
 def padded(r: Request, frames: int) -> Request:
@@ -186,7 +185,7 @@ def run_arm(name: str, model: DiT, cfg: DiTConfig, reqs: list[Request], C: int,
     warm_s = time.perf_counter() - t0
     row = closed_loop(engine, reqs, batch or C, dev, batch=batch)
     flops = sum(request_flops(cfg, r) for r in reqs) / len(reqs) * steps
-    bound_s = flops / (H200_BF16_PEAK_TFLOPS * 1e12)
+    bound_s = flops / (MEASURED_PEAK_TFLOPS * 1e12)  # the bound names its peak: 790
     row.update(arm=name, C=batch or C, warmup_s=warm_s, gflop_per_req=flops / 1e9,
                bound_req_per_s=1 / bound_s, fraction_of_bound=row["req_per_s"] * bound_s,
                tokens_mean=sum((len(r.kept) + r.frames) * cfg.tokens_per_frame + r.actions

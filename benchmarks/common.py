@@ -25,10 +25,8 @@ from typing import Any
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-# Measured on this workplace's H200 (gpu-recipes.md, KINDS.md): bf16 dense matmul on random
-# data. MFU and "useful TFLOP/s" are reported against this, not the 989 datasheet figure.
-H200_BF16_PEAK_TFLOPS = 790.0
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+from benchmarks.harness.flops import attention_flops, tflops  # noqa: E402, F401  (one count)
 
 
 @dataclass(frozen=True)
@@ -301,33 +299,6 @@ def write_json(
     if not partial:
         print(f"\nwrote {path}")
     return path
-
-
-def attention_flops(
-    lengths_q: Sequence[int],
-    lengths_k: Sequence[int] | None = None,
-    *,
-    heads: int,
-    head_dim: int,
-    causal_fraction: Sequence[float] | None = None,
-    backward: bool = False,
-) -> float:
-    """Useful FLOPs of attention counting only in-episode (q, k) pairs.
-
-    Forward: 2 matmuls (QK^T and PV) of 2*Lq*Lk*D each per head = 4*Lq*Lk*D*H. Backward is
-    2.5x forward (5 matmuls: dV, dP, dS->dQ, dK, plus the recomputed QK^T... the usual FA
-    convention counts 2.5x), so fwd+bwd = 3.5x forward. ``causal_fraction[k]`` scales an
-    episode's pairs when its mask keeps only part of them (frame-causal keeps ~1/2 + 1/(2F)).
-    """
-    lk = lengths_q if lengths_k is None else lengths_k
-    frac = causal_fraction or [1.0] * len(lengths_q)
-    pairs = sum(q * k * f for q, k, f in zip(lengths_q, lk, frac, strict=True))
-    fwd = 4.0 * pairs * head_dim * heads
-    return fwd * 3.5 if backward else fwd
-
-
-def tflops(flops: float, ms: float) -> float:
-    return flops / (ms * 1e-3) / 1e12 if ms > 0 else 0.0
 
 
 def seeded_lengths(
