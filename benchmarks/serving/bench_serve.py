@@ -24,14 +24,23 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
-from common import base_parser, dynamo_counters, markdown_table, write_json
 
-from benchmarks.harness.flops import MEASURED_PEAK_TFLOPS, dit_flops
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.harness import (
+    MEASURED_PEAK_TFLOPS,
+    base_parser,
+    dit_flops,
+    dynamo_counters,
+    markdown_table,
+    write_json,
+)
 from packing.model import DiT, DiTConfig
 from packing.model._dit import text_tokens
 from packing.serve import Engine, EngineConfig, FlowScheduler, PackShape, Request

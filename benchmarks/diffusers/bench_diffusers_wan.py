@@ -40,9 +40,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import harness
 from packing.data import PackedCollator
 from packing.integrations.diffusers import PackedWan, install
 from packing.integrations.diffusers.testing import WanReference, tiny_wan
@@ -135,7 +134,7 @@ def probe_backends(dev: torch.device, heads: int, head_dim: int) -> tuple[str, d
             def run(name: str = name) -> None:
                 dispatch_attention_fn(q, k, v, backend=name).sum().backward()
 
-            times[name] = common.time_fn(run, device=dev, warmup=2, iters=5).median_ms
+            times[name] = harness.time_fn(run, device=dev, warmup=2, iters=5).median_ms
         except Exception as e:  # a backend this machine lacks: recorded, not chosen
             times[name] = f"{type(e).__name__}: {str(e)[:80]}"
     ok = {n: t for n, t in times.items() if isinstance(t, float)}
@@ -184,7 +183,7 @@ def run_variant(kind: str, args: Any, state: dict[str, torch.Tensor],
         torch.cuda.synchronize()
     for s, mbs in enumerate(plans):
         if s == args.warmup:
-            g0 = common.dynamo_counters()["unique_graphs"]
+            g0 = harness.dynamo_counters()["unique_graphs"]
             if dev.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -214,7 +213,7 @@ def run_variant(kind: str, args: Any, state: dict[str, torch.Tensor],
     timed = steps_eps[args.warmup :]
     tpf = (LATENT_HW[0] // 2) * (LATENT_HW[1] // 2)
     tokens = sum(e["latents"].shape[0] * tpf for eps in timed for e in eps)
-    t = common.summarize(ms)
+    t = harness.summarize(ms)
     attention = backend
     if kind == "packed":
         mb = plans[-1][0].to(dev)
@@ -230,7 +229,7 @@ def run_variant(kind: str, args: Any, state: dict[str, torch.Tensor],
         "p10-p90 ms": f"{t.p10_ms:.0f}-{t.p90_ms:.0f}",
         "tokens/s": tokens / (sum(ms) * 1e-3),
         "peak GB": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0,
-        "recompiles after warm-up": common.dynamo_counters()["unique_graphs"] - g0,
+        "recompiles after warm-up": harness.dynamo_counters()["unique_graphs"] - g0,
         "losses": torch.stack(losses).float().tolist(),
         "timing": t.as_dict(),
     }
@@ -259,7 +258,7 @@ def _elapsed(dev: torch.device, a: Any) -> float:
 
 
 def main() -> None:
-    p = common.base_parser(__doc__.split("\n")[0])
+    p = harness.base_parser(__doc__.split("\n")[0])
     p.add_argument("--depth", type=int, default=4, help="Wan blocks (the 5B model has 30)")
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (compile included)")
@@ -315,7 +314,7 @@ def main() -> None:
             gc.collect()  # the variant's model, optimizer state and graphs go before the next
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            common.write_json("diffusers_wan", args, {"rows": rows, "probe": probe}, device=dev,
+            harness.write_json("diffusers_wan", args, {"rows": rows, "probe": probe}, device=dev,
                               partial=True)  # fmt: skip
     for r in rows:
         base = next((b for b in rows if b["regime"] == r["regime"]
@@ -334,9 +333,9 @@ def main() -> None:
     what = "tiny Wan (smoke, numbers mean nothing)" if args.quick else "Wan-2.2-TI2V-5B config"
     print(f"{what}, {cfg.num_layers} blocks, bf16 autocast, AdamW; "
           f"{args.steps} timed steps after {args.warmup} warm-up")  # fmt: skip
-    table = common.markdown_table(rows, cols)
+    table = harness.markdown_table(rows, cols)
     print(table)
-    path = common.write_json("diffusers_wan", args, {"rows": rows, "probe": probe,
+    path = harness.write_json("diffusers_wan", args, {"rows": rows, "probe": probe,
                                               "unpacked_backend": backend}, device=dev)  # fmt: skip
     path.with_suffix(".md").write_text(table + "\n")
 

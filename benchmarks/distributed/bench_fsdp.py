@@ -74,10 +74,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import baselines as bl
-import common
-from bench_step import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+import packing.model._dit as pm
+from benchmarks import harness
+from benchmarks.harness import PEAKS, dit_flops
+from benchmarks.step import baselines as bl
+from benchmarks.step.bench_step import (
     _LIB_ATTENTION,
     episode_shape,
     make_episode,
@@ -85,9 +87,6 @@ from bench_step import (
     step_flops,
     to_device,
 )
-
-import packing.model._dit as pm
-from benchmarks.harness.flops import PEAKS, dit_flops
 from packing.data import PackedBatch, PackedCollator, Stream
 from packing.model import DiT, DiTConfig
 from packing.planning import plan_packs
@@ -303,10 +302,10 @@ def count_syncs(model: Any, opt: Any, mb: PackedBatch, step: int, dev: torch.dev
 def start_timing(dev: torch.device) -> int:
     """After the warm-up: peak memory from here, and the graph count recompiles are taken
     against."""
-    common.sync(dev)
+    harness.sync(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    return int(common.dynamo_counters()["unique_graphs"])
+    return int(harness.dynamo_counters()["unique_graphs"])
 
 
 def end_of_step(
@@ -321,14 +320,14 @@ def end_of_step(
     if s >= warmup:
         marks.append((start, done, after))
         return None
-    common.sync(dev)
+    harness.sync(dev)
     return time.perf_counter() - t0 if s == 0 else None
 
 
 def timing_summary(dev: torch.device, marks: list, g0: int) -> tuple[int, list[float], list[float]]:
     """(graphs compiled since the warm-up, step ms, barrier-wait ms) of the timed steps."""
-    common.sync(dev)
-    recompiles = common.dynamo_counters()["unique_graphs"] - g0
+    harness.sync(dev)
+    recompiles = harness.dynamo_counters()["unique_graphs"] - g0
     step_ms = [Clock.ms(a, c) for a, _, c in marks]
     wait_ms = [Clock.ms(b, c) for _, b, c in marks]
     return recompiles, step_ms, wait_ms
@@ -475,7 +474,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             train_step(model, opt, plans[-1], n_steps, dev, sync_every)
             barrier_on(dev)
-            common.sync(dev)
+            harness.sync(dev)
         try:
             prof_row.update(exposed_comm(prof))  # keeps the host-sync count above
         except Exception as e:  # a reporting failure must not cost the variant's row
@@ -720,10 +719,10 @@ def recompile_check(args: Any, cfg: DiTConfig, dev: torch.device) -> dict[str, A
             tok += f * mcfg.tokens_per_frame
         train_step(model, opt, [col(eps)], s, dev, False)
         if g0 is None:
-            common.sync(dev)
-            g0 = common.dynamo_counters()["unique_graphs"]
-    common.sync(dev)
-    n = common.dynamo_counters()["unique_graphs"] - (g0 or 0)
+            harness.sync(dev)
+            g0 = harness.dynamo_counters()["unique_graphs"]
+    harness.sync(dev)
+    n = harness.dynamo_counters()["unique_graphs"] - (g0 or 0)
     del model, opt
     pm.packed_attention = _LIB_ATTENTION
     return {"recompile check": f"{args.recompile_packs} random packs at depth "
@@ -833,14 +832,14 @@ def main() -> None:
     def save(partial: bool) -> None:
         if rank == 0:
             ns = argparse.Namespace(**{**vars(args), "out": str(path), "quick": args.smoke})
-            common.write_json("fsdp", ns, {"rows": rows, "world_size": world, **extra,
+            harness.write_json("fsdp", ns, {"rows": rows, "world_size": world, **extra,
                                            "model": cfg.__dict__}, device=dev,
                               partial=partial)  # fmt: skip
 
     def abort() -> None:  # a watchdog thread: a stuck compile must not eat the device call
         say(f"hard limit {args.hard_limit:.0f} s reached: saving the rows that finished")
         if rank == 0:
-            print(common.markdown_table(rows, COLUMNS), flush=True)
+            print(harness.markdown_table(rows, COLUMNS), flush=True)
         extra["aborted"] = f"hard limit {args.hard_limit} s"
         save(partial=True)
         os._exit(124)
@@ -922,7 +921,7 @@ def main() -> None:
     extra["total_seconds"] = time.perf_counter() - t_start
     watchdog.cancel()
     if rank == 0:
-        print(common.markdown_table(rows, COLUMNS))
+        print(harness.markdown_table(rows, COLUMNS))
     save(partial=False)
     dist.barrier()
     dist.destroy_process_group()
