@@ -4,12 +4,12 @@
 #
 #   bash benchmarks/gpu.sh serve       # serving: >= 200 requests an arm, Poisson sweep, padded
 #                                      #   by length bucket, one at a time in its own shape, sync
-#                                      #   check (SERVE_LIMIT 300 s)
+#                                      #   check (SERVE_LIMIT 290 s)
 #   bash benchmarks/gpu.sh step        # one-GPU step table, seed + short: packed vs lean (probed
 #                                      #   attention), lean_whole, bucketing 4 buckets and
 #                                      #   Open-Sora's (STEP_LIMIT 540 s)
 #   bash benchmarks/gpu.sh diffusers   # diffusers Wan, 30 blocks: packed vs batch 1 vs bucketed
-#                                      #   (WAN_LIMIT 540 s; carry .whl/diffusers)
+#                                      #   (WAN_LIMIT 480 s; carry .whl/diffusers)
 #   bash benchmarks/gpu.sh encode      # benchmarks/data/bench_encode.py, when present (300 s)
 #   bash benchmarks/gpu.sh attention | blockmask | fillprobe | tests | verify | budget
 #   NPROC=2 REGIME=seed bash benchmarks/gpu.sh fsdp     # two GPUs (nvidia-h200-x2)
@@ -107,24 +107,25 @@ for STAGE in "$@"; do
   case $STAGE in
   fa4) ;;  # the wheels were staged above
   serve)
-    t "${SERVE_LIMIT:-300}" $PY $B/serving/bench_serve.py --requests "${REQUESTS:-200}" \
-      --deadline-s "${SERVE_DEADLINE:-270}" --out "$R/serve.json" ${SERVE_ARGS:-}
+    t "${SERVE_LIMIT:-290}" $PY $B/serving/bench_serve.py --configs "${SERVE_CONFIGS:-small}" \
+      --requests "${REQUESTS:-200}" --long-requests "${LONG_REQUESTS:-48}" \
+      --deadline-s "${SERVE_DEADLINE:-250}" --out "$R/serve.json" ${SERVE_ARGS:-}
     ;;
   step)
     t "${STEP_LIMIT:-540}" $PY $B/step/bench_step.py --depth 4 --steps "${STEPS:-5}" --warmup 2 \
       --regimes "${REGIMES:-seed,short}" \
-      --variants "${VARIANTS:-packed,lean,lean_whole,bucket_sdpa,bucket_opensora}" \
-      --variant-limit "${VARIANT_LIMIT:-45}" --deadline-s "${STEP_DEADLINE:-500}" \
+      --variants "${VARIANTS:-packed,lean,bucket_sdpa,bucket_opensora,lean_whole}" \
+      --variant-limit "${VARIANT_LIMIT:-90}" --deadline-s "${STEP_DEADLINE:-470}" --profile \
       --out "$R/step.json" ${STEP_ARGS:-}
     ;;
   diffusers)
     if [ "$DRY" != 1 ] && ! $PY -c "import diffusers" 2>/dev/null; then
       echo "diffusers not importable: carry .whl/diffusers"; continue
     fi
-    t "${WAN_LIMIT:-540}" $PY $B/diffusers/bench_diffusers_wan.py --depth "${WAN_DEPTH:-30}" \
-      --checkpointing seed=both,short=packed \
-      --variants "${WAN_VARIANTS:-packed,unpacked,unpacked_bucketed}" --steps "${STEPS:-3}" \
-      --warmup 1 --deadline-s "${WAN_DEADLINE:-500}" --out "$R" ${WAN_ARGS:-}
+    t "${WAN_LIMIT:-480}" $PY $B/diffusers/bench_diffusers_wan.py --depth "${WAN_DEPTH:-30}" \
+      --checkpointing seed=both,short=packed --regimes "${WAN_REGIMES:-short,seed}" \
+      --variants "${WAN_VARIANTS:-packed,unpacked_bucketed,unpacked}" --steps "${STEPS:-3}" \
+      --warmup 1 --deadline-s "${WAN_DEADLINE:-400}" --out "$R" ${WAN_ARGS:-}
     ;;
   encode)
     if [ -f $B/data/bench_encode.py ]; then

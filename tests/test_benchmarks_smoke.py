@@ -32,14 +32,17 @@ SCRIPTS = [
             "--regimes",
             "seed,short",
             "--variants",
-            "lean,bucket_sdpa,bucket_crop,fill",
+            "lean,lean_whole,bucket_sdpa,bucket_crop,bucket_opensora,fill",
             "--fills",
             "1.0,0.5",
         ],
     ),
     ("step/bench_step_fill.py", []),
     ("distributed/find_token_budget.py", []),
-    ("diffusers/bench_diffusers_wan.py", ["--regimes", "seed"]),
+    (
+        "diffusers/bench_diffusers_wan.py",
+        ["--regimes", "seed", "--variants", "unpacked,unpacked_bucketed,packed"],
+    ),
     ("serving/bench_serve.py", ["--configs", "small", "--concurrency", "1,2"]),
 ]
 
@@ -58,26 +61,41 @@ def test_script_runs_quick_on_cpu(script: str, extra: list[str], tmp_path: Path)
     table_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("|---")]
     assert table_lines, f"{script} printed no markdown table"
     doc = json.loads(out.read_text())
-    assert doc["machine"]["torch"] and doc["command"] and doc["machine"]["date_utc"]
+    assert doc["machine"]["date_utc"] and doc["command"] and doc["provenance"]["tree_sha256"]
     rows = doc["rows"]
     assert rows, f"{script} wrote no rows"
     errors = [r for r in rows if r.get("error")]
     assert not errors, errors
     if script == "diffusers/bench_diffusers_wan.py":
         # packed and the unmodified model per episode, same episodes and weights, fp32 CPU
-        assert {r["variant"] for r in rows} == {"unpacked[diffusers]", "packed[auto]"}
-        assert all(r["loss rel diff"] < 1e-5 for r in rows), rows
+        assert {r["variant"] for r in rows} == {
+            "unpacked[diffusers]",
+            "unpacked_bucketed[diffusers]",
+            "packed[auto]",
+        }
+        assert all(r["loss rel diff"] < 1e-5 for r in rows if "bucketed" not in r["variant"])
+        bucketed = next(r for r in rows if "bucketed" in r["variant"])
+        assert bucketed["micro-steps/step"] < bucketed["episodes/step"]  # rows share batches
     if script == "serving/bench_serve.py":
         # the CPU run is eager fp32: packed and alone agree, and the sync check ran
         assert doc["cosine"]["small"]["min"] > 0.999999, doc["cosine"]
         assert doc["sync_check"]["engine_steps"] >= 20, doc["sync_check"]
+        arms = {(r["arm"], r["mix"]): r for r in rows}
+        assert arms[("alone/graphs", "short")]["shapes"] > 1  # one shape per request length
+        bucketed = arms[("padded_bucketed/graphs", "short")]
+        assert bucketed["tokens_mean"] < arms[("padded/graphs", "short")]["tokens_mean"]
+        assert len(doc["open_loop"]) == 2 and all("p99_ms" in r for r in doc["open_loop"])
     if script == "step/bench_step.py":
         # every variant trains on the same episodes and weights: the losses must agree
         # (fp32 on CPU), and a NaN run would have been flagged as an error above
         for r in rows:
+            assert r["MFU of measured 790"] > r["MFU of datasheet 989"] > 0, r
+            if r["variant"].startswith(("lean", "bucket")):
+                assert r["attention probe"]["self"]["chosen"], r  # probed, recorded
             assert len(r["losses"]) == 3 and all(abs(x) < 1e3 for x in r["losses"]), r
-            # cropped buckets train on fewer tokens: their loss differs by design
-            if not r["variant"].startswith(("unpacked", "bucket_crop")):
+            # cropped buckets train on fewer tokens and Open-Sora's steps are other batches:
+            # their losses differ by design
+            if not r["variant"].startswith(("unpacked", "bucket_crop", "bucket_opensora")):
                 assert r["loss rel diff"] < 1e-4, r
 
 

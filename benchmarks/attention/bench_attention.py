@@ -26,8 +26,8 @@ Masks: ``document`` (doc-only), ``frame_causal`` (32 tokens/frame), ``cross`` (v
 -> the episode's 64-512 text tokens). ``aligned`` rows start every episode at a multiple of
 128 (pad tokens between episodes) to show what tile alignment buys.
 
-    python benchmarks/bench_attention.py --fills 0.5,0.75,1.0   # H200, ~4 min
-    python benchmarks/bench_attention.py --quick               # tiny, CPU, for CI
+    python benchmarks/attention/bench_attention.py --fills 0.5,0.75,1.0   # H200, ~4 min
+    python benchmarks/attention/bench_attention.py --quick               # tiny, CPU, for CI
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ the plain mask_mod a user writes (``doc[q] == doc[kv]``); the library's own mask
 (``document_mask_mod``, which also reads padding) is timed too, and the two BlockMasks are
 checked to describe the same tiles.
 
-    python benchmarks/bench_block_mask.py             # GPU, full sizes (~2 min on H200)
-    python benchmarks/bench_block_mask.py --quick     # tiny, CPU, for CI
+    python benchmarks/attention/bench_block_mask.py             # GPU, full sizes (~2 min on H200)
+    python benchmarks/attention/bench_block_mask.py --quick     # tiny, CPU, for CI
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a half-empty pack's extra Flex time goes (a probe, CUDA only).
 
-    python3 benchmarks/probe_fill.py            # writes $OUT/probe_fill.json (or --out)
+    python3 benchmarks/attention/probe_fill.py            # writes $OUT/probe_fill.json (or --out)
 
 The same short-regime episodes (0.3K-2.5K tokens) at 50% of a 49,152-token budget and packed
 tight, fwd+bwd through `packing.attention._packed` with the Flex backends: per CUDA kernel, the time

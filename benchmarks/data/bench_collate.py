@@ -20,8 +20,8 @@ Sizes: ``small`` (K ~ 6 episodes of 18-42 latent frames, budget 8K tokens: 2 MB 
 ``seed`` (4.6K-10.7K-token episodes, budget 64K: ~25 MB bf16, ~50 MB fp32), ``short``
 (0.3K-2.5K tokens, budget 48K); bf16 and fp32 latents; 1 thread and the default threads.
 
-    python benchmarks/bench_collate.py            # full sizes (~3 min on 2 cores)
-    python benchmarks/bench_collate.py --quick    # tiny, for CI
+    python benchmarks/data/bench_collate.py            # full sizes (~3 min on 2 cores)
+    python benchmarks/data/bench_collate.py --quick    # tiny, for CI
 """
 
 from __future__ import annotations

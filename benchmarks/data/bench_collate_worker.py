@@ -3,7 +3,7 @@
 In a worker, PackedCollator allocates its output in shared memory (as default_collate does),
 so handing the batch to the main process skips a second copy. ``old`` patches that out.
 
-    python benchmarks/bench_collate_worker.py --repeats 6    # alternates old/new, prints medians
+    python benchmarks/data/bench_collate_worker.py --repeats 6    # alternates old/new, prints medians
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ MB/s compares work done; lerobot returns the float16 latents as float32 (twice t
 on a LeRobotDataset) its first load converts the parquet files into datasets' Arrow cache.
 "first pass s" is the warm-up pass; with ``cache_dir`` it includes building our Arrow cache.
 
-    HF_HUB_OFFLINE=1 python benchmarks/bench_lerobot_io.py            # ~1 min on 1 core
-    HF_HUB_OFFLINE=1 python benchmarks/bench_lerobot_io.py --episodes 64 --passes 5
+    HF_HUB_OFFLINE=1 python benchmarks/data/bench_lerobot_io.py            # ~1 min on 1 core
+    HF_HUB_OFFLINE=1 python benchmarks/data/bench_lerobot_io.py --episodes 64 --passes 5
 """
 
 from __future__ import annotations

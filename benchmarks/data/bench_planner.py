@@ -1,7 +1,7 @@
 """Planner benchmark: episodes/s and pack efficiency, against naive greedy and padding.
 
-    python benchmarks/bench_planner.py                            # 10K, 100K, 1M (~5 min, 1 core)
-    python benchmarks/bench_planner.py --sizes 10000,100000       # quick look
+    python benchmarks/data/bench_planner.py                            # 10K, 100K, 1M (~5 min, 1 core)
+    python benchmarks/data/bench_planner.py --sizes 10000,100000       # quick look
 
 Pinned to one CPU core. Fixed seeds; one warm-up call per algorithm; the median, p90 and best
 of ``--repeats`` timed calls of ``plan_packs`` (validation, packing and the CSR plan included).

@@ -2,8 +2,8 @@
 
 Launch one process per GPU::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --regime seed --out results/fsdp
-    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --smoke --out /tmp/fsdp   # CPU, gloo
+    torchrun --nproc-per-node 2 benchmarks/distributed/bench_fsdp.py --regime seed --out results/fsdp
+    torchrun --nproc-per-node 2 benchmarks/distributed/bench_fsdp.py --smoke --out /tmp/fsdp   # CPU, gloo
 
 The reference DiT at Wan-2.2-5B widths (``--depth``, default 30 blocks), sharded with
 `packing.train._fsdp.shard_model`: ``fully_shard`` per block and root, bf16 parameters, fp32 gradient
@@ -18,7 +18,7 @@ same episodes and initial weights in every variant::
     unpacked_nosync  the same, reduce-scatter only on the last micro-step
                      (set_requires_gradient_sync(False) before: the best unpacked setup)
     lean             one episode per micro-step, sync on the last, through
-                     benchmarks/baselines.py's lean forward (inputs prepared ahead, exact
+                     benchmarks/step/baselines.py's lean forward (inputs prepared ahead, exact
                      length, SDPA flash, the blocks compiled dynamic=True inside the same
                      FSDP + checkpoint wrapping): the strongest per-episode setup
     bucket_sdpa      length bucketing as Open-Sora 2.0 (--buckets frame buckets, a batch per
@@ -53,7 +53,7 @@ to unpacked_sync, and dynamo graphs compiled after warm-up (recompiles).
 ``--recompile-depth`` blocks (the same compiled block code; full depth would take minutes per
 100 steps) and counts the graphs compiled after the first pack. ``--sweep 1,2,4,8`` trains the
 same episodes in exactly M packs for each M (reduce-scatter on every micro-step) to fit
-``step = a + M * x`` (docs/benchmarks.md §5; benchmarks/fit_microsteps.py re-predicts 4 and
+``step = a + M * x`` (docs/benchmarks.md §5; benchmarks/distributed/fit_microsteps.py re-predicts 4 and
 8 GPUs). ``--time-limit`` skips what would not finish (all ranks agree), so the run ends in time.
 """
 
@@ -77,6 +77,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import packing.model._dit as pm
 from benchmarks import harness
+from benchmarks.attention import backends
 from benchmarks.harness import PEAKS, dit_flops
 from benchmarks.step import baselines as bl
 from benchmarks.step.bench_step import (
@@ -102,7 +103,7 @@ VARIANT_NAME = re.compile(
     r"unpacked_sync|unpacked_nosync|lean|bucket_sdpa|bucket_flex|bucket_crop"
     r"|packed(_b\d+)?(_ac\d+|_ops|_attn)?"
 )
-BASELINES = ("lean", "bucket_sdpa", "bucket_flex", "bucket_crop")  # benchmarks/baselines.py
+BASELINES = ("lean", "bucket_sdpa", "bucket_flex", "bucket_crop")  # benchmarks/step/baselines.py
 
 
 # -- episodes and plans ------------------------------------------------------------------------
@@ -214,7 +215,7 @@ def build(args: Any, cfg: DiTConfig, dev: torch.device, kind: str, depth: int | 
 
 
 def _route_through_baselines(model: Any) -> None:
-    """Make the sharded model run `benchmarks/baselines.py`'s forward: each inner Block's
+    """Make the sharded model run `benchmarks/step/baselines.py`'s forward: each inner Block's
     ``forward`` becomes `bl.block_forward` (so FSDP's per-block hooks, the checkpoint wrapper
     and the compiled wrapper still run around it), the baseline losses call the wrapped
     blocks, and ``model(...)`` (the root's hooks: embeddings and head gathered) runs the loss
@@ -230,14 +231,28 @@ def _route_through_baselines(model: Any) -> None:
     model.forward = lambda loss_fn, *args: loss_fn(model, *args)
 
 
+def accumulate(net: Any, last: bool, keep_unsharded: bool) -> None:
+    """Before a micro-step: reduce-scatter only on the ``last`` one; with ``keep_unsharded``
+    the parameters also stay gathered between the accumulation micro-steps (no reshard after
+    forward, none after backward until the last), so a baseline does not all-gather every
+    block again each micro-step (FSDP2's default), at the memory of one unsharded copy."""
+    net.set_requires_gradient_sync(last)
+    if keep_unsharded:
+        net.set_reshard_after_forward(False)
+        net.set_reshard_after_backward(last)
+
+
 def train_step(model: Any, opt: Any, mbs: list[PackedBatch], step: int, dev: torch.device,
-               sync_every: bool) -> torch.Tensor:  # fmt: skip
+               sync_every: bool, keep_unsharded: bool = False) -> torch.Tensor:  # fmt: skip
     """One optimizer step over this rank's micro-batches; the global loss stays on device."""
     norms = {s: LossNormalizer.for_step([b.layout(s) for b in mbs], "token", device=dev)
              for s in ("latents", "action")}  # fmt: skip
     total = torch.zeros((), device=dev, dtype=torch.float32)
     for i, mb in enumerate(mbs):
-        model.set_requires_gradient_sync(sync_every or i == len(mbs) - 1)
+        if sync_every:
+            model.set_requires_gradient_sync(True)
+        else:
+            accumulate(model, i == len(mbs) - 1, keep_unsharded and len(mbs) > 1)
         batch = to_device(mb, dev)
         batch.extras["seed"], batch.extras["step"] = 0, step
         out = model(batch)
@@ -436,6 +451,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         return run_baseline(kind, args, model, opt, mcfg, dev, data, build_s)
     unpacked = kind.startswith("unpacked")
     sync_every = kind == "unpacked_sync" or sweep_m is not None
+    keep = args.keep_unsharded and kind == "unpacked_nosync"  # packed: its own default
     n_steps = args.warmup + args.steps
     if unpacked:
         col = PackedCollator([*mcfg.streams(), Stream("text")], pad_to_multiple=1)
@@ -458,7 +474,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
             g0 = start_timing(dev)
         t0 = time.perf_counter()
         a = clock.mark()
-        losses.append(train_step(model, opt, plans[s], s, dev, sync_every))
+        losses.append(train_step(model, opt, plans[s], s, dev, sync_every, keep))
         first_s = end_of_step(clock, dev, s, args.warmup, t0, a, marks) or first_s
     recompiles, step_ms, wait_ms = timing_summary(dev, marks, g0)
     peak = torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0
@@ -472,7 +488,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            train_step(model, opt, plans[-1], n_steps, dev, sync_every)
+            train_step(model, opt, plans[-1], n_steps, dev, sync_every, keep)
             barrier_on(dev)
             harness.sync(dev)
         try:
@@ -510,7 +526,10 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
     rflops = sum(r["recompute_flops"] for r in ranks) / max(args.steps, 1)
     row = {
         "variant": kind if sweep_m is None else f"packed M={sweep_m}",
-        "attention": "sdpa flash (per episode)" if unpacked else attention_name(mcfg, dev),
+        "attention": "sdpa default dispatch (per episode)"
+        if unpacked
+        else attention_name(mcfg, dev),
+        "reshard every micro-step": unpacked and not keep,
         "budget": budget,
         **shared,
         **mfu(ranks, args.steps, shared["s/step"], world),
@@ -559,14 +578,14 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
                  data: Episodes, build_s: float) -> dict[str, Any]:  # fmt: skip
     """The lean per-episode loop (gradient sync on the last micro-step only) or length
     bucketing (one micro-step per bucket batch, sync on the last), over this rank's own
-    episodes, through the sharded model (benchmarks/baselines.py, as in bench_step)."""
+    episodes, through the sharded model (benchmarks/step/baselines.py, as in bench_step)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     n_steps = args.warmup + args.steps
     tpf = cfg.tokens_per_frame + 1  # joint tokens a frame: video + one action
     lo, hi = REGIMES[args.regime] if not args.smoke else (2, 6)
     mode = "crop" if kind == "bucket_crop" else "pad"
     bounds = bl.bounds_for(mode, lo * tpf, hi * tpf, args.buckets, tpf)
-    attn = {"bucket_flex": bl.flex_masked, "bucket_crop": bl.sdpa_flash}.get(kind, bl.sdpa_masked)
+    attn = {"bucket_flex": bl.flex_masked, "bucket_crop": backends.sdpa}.get(kind, bl.sdpa_masked)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # FSDP's param dtype
     steps, plans = [], []
     for s in range(n_steps):
@@ -612,7 +631,7 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
                     da: Any) -> torch.Tensor:  # fmt: skip
         total = torch.zeros((), device=dev)
         for i, m in enumerate(micro):
-            net.set_requires_gradient_sync(i == len(micro) - 1)
+            accumulate(net, i == len(micro) - 1, args.keep_unsharded and len(micro) > 1)
             loss = net(*m, dv, da) * weights[i]
             loss.backward()
             total += loss.detach().float() / world
@@ -672,6 +691,7 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
     row: dict[str, Any] = {
         "variant": kind,
         "attention": bl.ATTENTION_NAMES[kind],
+        "reshard every micro-step": not args.keep_unsharded,
         "budget": args.pack_budget if kind != "lean" else None,
         **shared,
         **mfu(ranks, args.steps, shared["s/step"], world, scale=kept),
@@ -747,6 +767,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pack-budget", type=int, default=None, help="tokens (default per regime)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--buckets", type=int, default=4, help="length buckets of bucket_*")
+    p.add_argument(
+        "--keep-unsharded",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="accumulating baselines (unpacked_nosync, lean, bucket_*) keep the "
+        "parameters gathered between micro-steps (reshard_after_forward=False)",
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--warm-pass", action=argparse.BooleanOptionalAction, default=True,
                    help="baselines: every micro-batch once before the steps, untimed, so no "

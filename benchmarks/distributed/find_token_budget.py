@@ -7,9 +7,9 @@ fitted, its peak memory, and the step time at that size. This answers "how many 
 GPU?" for your model: use it for ``token_budget`` (leave headroom: a fragmenting allocator or
 a longer text can add a few GB; ``--headroom`` subtracts a fraction).
 
-    python benchmarks/find_token_budget.py --preset wan_2_2_5b --depth 30
-    python benchmarks/find_token_budget.py --preset wan_1_3b --depth 30 --episode-frames 240
-    python benchmarks/find_token_budget.py --quick      # tiny model on CPU, for CI
+    python benchmarks/distributed/find_token_budget.py --preset wan_2_2_5b --depth 30
+    python benchmarks/distributed/find_token_budget.py --preset wan_1_3b --depth 30 --episode-frames 240
+    python benchmarks/distributed/find_token_budget.py --quick      # tiny model on CPU, for CI
 
 Your own model: copy ``try_budget`` and replace the DiT with your model and its batch.
 """

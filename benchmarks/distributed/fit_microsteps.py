@@ -1,6 +1,6 @@
 """Fit §6's per-micro-step cost from bench_fsdp.py runs and re-predict 4 and 8 GPUs.
 
-    python benchmarks/fit_microsteps.py SWEEP.json REGIME.json [--out fit.json]
+    python benchmarks/distributed/fit_microsteps.py SWEEP.json REGIME.json [--out fit.json]
 
 SWEEP.json: ``bench_fsdp.py --sweep 1,2,4,8`` (the same episodes in exactly M packs, gradient
 reduce-scatter on every micro-step): least squares of ``step = a + M * x`` gives ``x``, what a

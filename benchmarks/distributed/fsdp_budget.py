@@ -1,8 +1,8 @@
 """Tokens per GPU under N-way FSDP, with and without activation checkpointing.
 
-    torchrun --nproc-per-node 2 benchmarks/fsdp_budget.py --out results/budget    # ~3 min
-    torchrun --nproc-per-node 2 benchmarks/fsdp_budget.py --smoke --out /tmp/b    # CPU, gloo
-    python benchmarks/fsdp_budget.py --refit results/fsdp_budget_1xh200.json --out /tmp/r
+    torchrun --nproc-per-node 2 benchmarks/distributed/fsdp_budget.py --out results/budget    # ~3 min
+    torchrun --nproc-per-node 2 benchmarks/distributed/fsdp_budget.py --smoke --out /tmp/b    # CPU, gloo
+    python benchmarks/distributed/fsdp_budget.py --refit results/fsdp_budget_1xh200.json --out /tmp/r
                                      # the table again from a run's probes (no GPU)
 
 For each checkpointing mode (``full``, ``none``) the model is sharded with

@@ -3,21 +3,30 @@
 Same requests, same weights, one run. Arms (each a `packing.serve.Engine`, the runner a
 careful user writes: static shapes, no host sync, schedule tables on the device):
 
-- ``alone/eager``, ``alone/compiled``, ``alone/graphs``: one request at a time in a pack of
-  one request sized for the longest request (blocks eager, compiled with ``block.compile()``,
-  compiled and the whole step captured in a CUDA graph);
-- ``padded/graphs@B``: static batches of B requests, each padded to the mix's longest;
+- ``alone/graphs``: one request at a time, each in a pack shaped to fit it exactly (one
+  shape per request length: no padding), blocks compiled, the step in a CUDA graph;
+  ``alone/eager`` and ``alone/compiled`` (only with ``--only``) without graphs / compile;
+- ``padded/graphs@B``: static batches of B requests, each padded to the mix's longest (the
+  cost of padding everything to one length: an upper bound, not a fair baseline);
+- ``padded_bucketed/graphs@B``: the fair padded baseline: requests in ``--buckets`` length
+  buckets, a static batch of B requests of one bucket, each padded to its bucket's longest;
 - ``packed/graphs@C``: continuous batching, at most C requests in flight (``/drop33``: the
-  middle third of every context dropped, ~33% fewer tokens).
+  middle third of every context dropped, ~33% fewer tokens);
+- ``open``: the packed engine under an open loop, Poisson arrivals at fractions of its
+  closed-loop capacity: offered rate against p50/p99 (`benchmarks/serving/loops.py`).
 
-Closed loop at concurrency C (C requests always in the system): requests/s over the steady
-window, p50/p99 latency, and the compute bound: model FLOPs of the real tokens at
-790 TFLOP/s (the H200's measured bf16 matmul peak), with the fraction reached. Then 1,000+
-engine steps of Poisson arrivals with host syncs counted (``torch.cuda.set_sync_debug_mode``)
-and recompiles (dynamo's graph count). bf16 packed vs alone: cosine per request.
+Closed loop at concurrency C over ``--requests`` requests an arm (>= 200 on the GPU, so
+p99 is not the maximum): requests/s over the steady window, p50/p99 latency, and the compute
+bound: model FLOPs of the real tokens (`benchmarks/harness/flops.py`) at 790 TFLOP/s (the
+H200's measured bf16 matmul peak), with the fraction reached. Then engine steps of Poisson
+arrivals checked for host syncs (``torch.cuda.set_sync_debug_mode``) and for blocking
+host-to-device copies from pageable memory (the profiler's memcpy records), each check with
+a control it must see (`benchmarks/serving/checks.py`), and recompiles (dynamo's graph
+count). bf16 packed vs alone: cosine per request. ``--context-cache`` serves with the
+engine's context cache (issue 34's EngineConfig option, where the tree has it).
 
-    python benchmarks/bench_serve.py                  # H200: the run in docs/inference.md
-    python benchmarks/bench_serve.py --quick --device cpu   # smoke (CPU, tiny, eager)
+    python benchmarks/serving/bench_serve.py --configs small --requests 200   # H200
+    python benchmarks/serving/bench_serve.py --quick --device cpu   # smoke (CPU, tiny, eager)
 """
 
 from __future__ import annotations
@@ -26,7 +35,6 @@ import math
 import random
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +49,8 @@ from benchmarks.harness import (
     markdown_table,
     write_json,
 )
+from benchmarks.serving.checks import pageable_copies, sync_debug_count
+from benchmarks.serving.loops import closed_loop, open_loop
 from packing.model import DiT, DiTConfig
 from packing.model._dit import text_tokens
 from packing.serve import Engine, EngineConfig, FlowScheduler, PackShape, Request
@@ -90,102 +100,75 @@ def padded(r: Request, frames: int) -> Request:
                    steps=r.steps)  # fmt: skip
 
 
-class Clock:
-    """Time stamps in the GPU's stream order (CUDA events: the host never waits for the GPU
-    while the loop runs, as a server would not), or perf_counter on the CPU."""
-
-    def __init__(self, dev: torch.device) -> None:
-        self.cuda = dev.type == "cuda"
-        self.marks: list[Any] = []
-
-    def mark(self) -> int:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-        return len(self.marks) - 1
-
-    def seconds(self) -> list[float]:
-        """Every mark, in seconds since the first (synchronizes once, at the end)."""
-        if not self.cuda:
-            return [t - self.marks[0] for t in self.marks]
-        torch.cuda.synchronize()
-        return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks]
-
-
-def closed_loop(engine: Engine, reqs: list[Request], C: int, dev: torch.device,
-                batch: int = 0) -> dict[str, Any]:  # fmt: skip
-    """C requests always in the system (``batch``: static batches of that many instead).
-    A request's latency runs from the stream position where it was submitted to the end of
-    the step that finished it."""
-    clock = Clock(dev)
-    arrive: dict[int, int] = {}
-    finish: dict[int, int] = {}
-    queue = list(reqs)
-    index: dict[int, int] = {}
-    outputs: dict[int, Any] = {}
-
-    def submit() -> None:
-        rid = engine.submit(queue.pop(0))
-        index[rid] = len(reqs) - len(queue) - 1
-        arrive[rid] = clock.mark()
-
-    for _ in range(min(C, len(queue))):
-        submit()
-    while engine.active or engine.waiting:
-        finished = engine.step()
-        mark = clock.mark()
-        for r in finished:
-            finish[r.request_id] = mark
-            outputs[index[r.request_id]] = r
-        if batch:  # a static batch: the next one starts when the whole batch is done
-            if not (engine.active or engine.waiting):
-                for _ in range(min(batch, len(queue))):
-                    submit()
-        else:
-            for _ in finished:
-                if queue:
-                    submit()
-    t = clock.seconds()
-    done = sorted(t[m] for m in finish.values())
-    n = len(done)
-    lo, hi = (n // 4, n - n // 4 - 1) if n >= 8 else (0, n - 1)  # the steady middle half
-    # Requests finishing in the same step share a time: count those after done[lo] up to
-    # done[hi] (the first H200 run divided hi - lo by the window and under-counted packs).
-    count = sum(1 for x in done if done[lo] < x <= done[hi])
-    rate = count / (done[hi] - done[lo]) if done[hi] > done[lo] else n / done[-1]
-    lat = sorted(t[finish[r]] - t[arrive[r]] for r in finish)
-    return {"req_per_s": rate, "p50_ms": 1e3 * lat[len(lat) // 2],
-            "p99_ms": 1e3 * lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)],
-            "requests": n, "engine_steps": engine.clock, "outputs": outputs}  # fmt: skip
+CONTEXT_CACHE = False  # --context-cache: every engine of the run gets the option
 
 
 def engine_for(model: DiT, shapes: list[PackShape], graphs: bool, steps: int) -> Engine:
+    extra: dict[str, Any] = {}
+    if CONTEXT_CACHE:
+        extra["context_cache"] = True  # issue 34's option; main() checked the tree has it
     config = EngineConfig(shapes=tuple(shapes), scheduler=FlowScheduler(solver="multistep2",
-                          shift=5.0), max_steps=steps, cuda_graphs=graphs)  # fmt: skip
+                          shift=5.0), max_steps=steps, cuda_graphs=graphs, **extra)  # fmt: skip
     return Engine(model, config)
+
+
+def frames_of(r: Request) -> int:
+    return len(r.kept) + r.frames
 
 
 def shapes_for(reqs: list[Request], C: int, fracs: tuple[float, ...] = (1.0,)) -> list[PackShape]:
     """Budgets for up to C requests: ``fracs`` of C x the mean request (+15%), each at least
     the longest request. One shape is one compile per arm; the sync check uses two."""
-    fmax = max(len(r.kept) + r.frames for r in reqs)
-    fmean = sum(len(r.kept) + r.frames for r in reqs) / len(reqs)
+    fmax = max(frames_of(r) for r in reqs)
+    fmean = sum(frames_of(r) for r in reqs) / len(reqs)
     top = math.ceil(C * fmean * 1.15) if C > 1 else fmax
     return [PackShape(frames=max(fmax, math.ceil(top * f)), actions=C * ACTIONS, requests=C)
             for f in fracs]  # fmt: skip
 
 
+def exact_shapes(reqs: list[Request]) -> list[PackShape]:
+    """One request a pack, one shape per request length: each request runs unpadded."""
+    return [PackShape(frames=f, actions=ACTIONS, requests=1)
+            for f in sorted({frames_of(r) for r in reqs})]  # fmt: skip
+
+
+def length_buckets(reqs: list[Request], buckets: int) -> list[int]:
+    """Upper frame edges of ``buckets`` buckets holding about equal numbers of requests."""
+    fs = sorted(frames_of(r) for r in reqs)
+    edges = {
+        fs[min(len(fs) - 1, math.ceil((i + 1) * len(fs) / buckets) - 1)] for i in range(buckets)
+    }
+    return sorted(edges)
+
+
+def bucketed_batches(reqs: list[Request], B: int, edges: list[int],
+                     seed: int) -> tuple[list[Request], list[PackShape]]:  # fmt: skip
+    """The padded-bucketed arm's queue and shapes: each request padded to its bucket's edge,
+    the queue a shuffled sequence of B-request batches of one bucket each."""
+    by: dict[int, list[Request]] = {}
+    for r in reqs:
+        edge = next(e for e in edges if e >= frames_of(r))
+        by.setdefault(edge, []).append(padded(r, edge))
+    chunks = [items[i : i + B] for items in by.values() for i in range(0, len(items), B)]
+    random.Random(seed).shuffle(chunks)
+    shapes = [PackShape(frames=B * e, actions=B * ACTIONS, requests=B) for e in sorted(by)]
+    return [r for c in chunks for r in c], shapes
+
+
 def run_arm(name: str, model: DiT, cfg: DiTConfig, reqs: list[Request], C: int,
-            dev: torch.device, graphs: bool, steps: int, batch: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Warm up (compile, capture) on a few requests, then the closed loop over ``reqs``."""
+            dev: torch.device, graphs: bool, steps: int, batch: int = 0,
+            buckets: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Warm up (compile, capture) each shape, then the closed loop over ``reqs``."""
     graphs = graphs and dev.type == "cuda"
-    if batch:
-        fmax = max(len(r.kept) + r.frames for r in reqs)
+    real = reqs
+    if batch and buckets:
+        reqs, shapes = bucketed_batches(reqs, batch, length_buckets(reqs, buckets), seed=0)
+    elif batch:
+        fmax = max(frames_of(r) for r in reqs)
         reqs = [padded(r, fmax) for r in reqs]
         shapes = [PackShape(frames=batch * fmax, actions=batch * ACTIONS, requests=batch)]
+    elif C == 1:
+        shapes = exact_shapes(reqs)
     else:
         shapes = shapes_for(reqs, C)
     engine = engine_for(model, shapes, graphs, steps)
@@ -193,13 +176,36 @@ def run_arm(name: str, model: DiT, cfg: DiTConfig, reqs: list[Request], C: int,
     warm(engine, shapes, reqs)
     warm_s = time.perf_counter() - t0
     row = closed_loop(engine, reqs, batch or C, dev, batch=batch)
-    flops = sum(request_flops(cfg, r) for r in reqs) / len(reqs) * steps
+    flops = sum(request_flops(cfg, r) for r in reqs) / len(reqs) * steps  # what it computes
+    useful = sum(request_flops(cfg, r) for r in real) / len(real) * steps  # the real tokens
     bound_s = flops / (MEASURED_PEAK_TFLOPS * 1e12)  # the bound names its peak: 790
-    row.update(arm=name, C=batch or C, warmup_s=warm_s, gflop_per_req=flops / 1e9,
-               bound_req_per_s=1 / bound_s, fraction_of_bound=row["req_per_s"] * bound_s,
-               tokens_mean=sum((len(r.kept) + r.frames) * cfg.tokens_per_frame + r.actions
+    row.update(arm=name, C=batch or C, warmup_s=warm_s, shapes=len(shapes),
+               gflop_per_req=flops / 1e9, bound_req_per_s=1 / bound_s,
+               fraction_of_bound=row["req_per_s"] * bound_s,
+               fraction_of_useful_bound=row["req_per_s"] * useful / (MEASURED_PEAK_TFLOPS * 1e12),
+               peak="measured 790 TFLOP/s",
+               tokens_mean=sum(frames_of(r) * cfg.tokens_per_frame + r.actions
                                for r in reqs) / len(reqs))  # fmt: skip
     return row
+
+
+def run_open(model: DiT, reqs: list[Request], C: int, dev: torch.device, steps: int,
+             capacity: float, fractions: list[float], max_s: float) -> list[dict[str, Any]]:  # fmt: skip
+    """The packed engine (at most C in flight) under Poisson arrivals at ``fractions`` of
+    its closed-loop ``capacity`` (requests/s): one row per offered rate."""
+    graphs = dev.type == "cuda"
+    shapes = shapes_for(reqs, C)
+    engine = engine_for(model, shapes, graphs, steps)
+    warm(engine, shapes, reqs)
+    rows = []
+    for i, f in enumerate(fractions):
+        got = open_loop(engine, reqs, capacity * f, dev, seed=i, max_s=max_s)
+        rows.append({"arm": "open", "C": C, "load": f, **got})
+        print(rows[-1], flush=True)
+        if got["cut"]:
+            engine = engine_for(model, shapes, graphs, steps)  # the cut one holds a queue
+            warm(engine, shapes, reqs)
+    return rows
 
 
 def warm(engine: Engine, shapes: list[PackShape], reqs: list[Request]) -> None:
@@ -207,7 +213,7 @@ def warm(engine: Engine, shapes: list[PackShape], reqs: list[Request]) -> None:
     they fit, so the engine picks that shape."""
     for s in shapes:
         chosen: list[Request] = []
-        for r in sorted(reqs, key=lambda r: -len(r.kept)):
+        for r in sorted(reqs, key=lambda r: -frames_of(r)):
             if s.fits([*chosen, r]):
                 chosen.append(r)
         for r in chosen:
@@ -217,42 +223,32 @@ def warm(engine: Engine, shapes: list[PackShape], reqs: list[Request]) -> None:
 
 def sync_and_recompile_check(model: DiT, reqs: list[Request], C: int, dev: torch.device,
                              steps_total: int, steps: int) -> dict[str, Any]:  # fmt: skip
-    """Poisson arrivals (mean one per engine step) for ``steps_total`` steps after warm-up:
-    host syncs flagged by torch and dynamo graphs compiled during them."""
+    """Poisson arrivals (mean 60% of what C slots serve) for ``steps_total`` steps after
+    warm-up, two pack shapes switching: host syncs torch flags, blocking copies from
+    pageable memory the profiler records (on a slice of the steps), and graphs compiled."""
     graphs = dev.type == "cuda"
     shapes = shapes_for(reqs, C, (0.5, 1.0))
     engine = engine_for(model, shapes, graphs, steps)
     warm(engine, shapes, reqs)
     rng = random.Random(1)
     before = dynamo_counters()["unique_graphs"]
-    syncs = 0
-    if graphs:
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        i = 0
-        for _ in range(steps_total):
-            k = _poisson(rng, 0.6 * C / steps)  # 60% of what C slots serve: a stable queue
-            for _ in range(k):
-                engine.submit(reqs[i % len(reqs)])
-                i += 1
+    state = {"i": 0}
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            for _ in range(_poisson(rng, 0.6 * C / steps)):
+                engine.submit(reqs[state["i"] % len(reqs)])
+                state["i"] += 1
             engine.step()
             if engine.waiting > 4 * C:  # bounded queue: an overloaded server sheds load
                 break
-    syncs = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
-    with warnings.catch_warnings(record=True) as control:  # the counter can see a sync
-        warnings.simplefilter("always")
-        if graphs:
-            float(torch.ones(1, device=dev).sum())
-    if graphs:
-        torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-    seen = sum(1 for w in control if "synchroniz" in str(w.message).lower())
-    return {"check": "syncs_recompiles", "engine_steps": engine.clock, "host_syncs": syncs,
-            "control_sync_seen": seen,
+
+    syncs = sync_debug_count(lambda: run(steps_total), dev)
+    copies = pageable_copies(lambda: run(min(50, steps_total)), dev)
+    return {"check": "syncs_copies_recompiles", "engine_steps": engine.clock, **syncs,
+            "pageable_copies": copies,
             "recompiles": dynamo_counters()["unique_graphs"] - before,
-            "submitted": i}  # fmt: skip
+            "submitted": state["i"]}  # fmt: skip
 
 
 def _poisson(rng: random.Random, lam: float) -> int:
@@ -278,13 +274,44 @@ def main() -> None:
     p = base_parser(__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="same as --quick")
     p.add_argument("--configs", default="small,5b")
-    p.add_argument("--concurrency", default="1,4,8,16,32")
+    p.add_argument("--concurrency", default="1,8,16,32")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=200,
+        help="requests an arm (>= 200: p99 is then not the maximum)",
+    )
+    p.add_argument(
+        "--long-requests",
+        type=int,
+        default=0,
+        help="requests an arm on the long mix (default --requests): its rows are "
+        "about rates, at 2-3 requests/s",
+    )
+    p.add_argument("--buckets", type=int, default=3, help="length buckets of padded_bucketed")
+    p.add_argument(
+        "--loads",
+        default="0.3,0.5,0.7,0.85,1.0,1.2",
+        help="open loop: offered rates as fractions of packed@8's closed-loop rate",
+    )
+    p.add_argument("--open-max-s", type=float, default=20.0, help="seconds an offered rate runs")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--sync-steps", type=int, default=1000)
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no arm after this")
     p.add_argument("--only", default="", help="run only these arms, e.g. 'packed/graphs@4/short'")
+    p.add_argument(
+        "--context-cache",
+        action="store_true",
+        help="serve with the engine's context cache (EngineConfig(context_cache=True))",
+    )
     args = p.parse_args()
     args.quick = args.quick or args.smoke
+    if args.context_cache:
+        if "context_cache" not in getattr(EngineConfig, "__dataclass_fields__", {}):
+            raise SystemExit("--context-cache: this tree's EngineConfig has no context_cache "
+                             "option (issue 34's engine cache): merge it first")  # fmt: skip
+        global CONTEXT_CACHE
+        CONTEXT_CACHE = True
     dev = torch.device(args.device)
     t_start = time.perf_counter()
     torch._dynamo.config.recompile_limit = 64  # one graph per pack shape, many shapes here
@@ -292,8 +319,11 @@ def main() -> None:
     conc = [int(c) for c in args.concurrency.split(",")]
     if args.quick:
         conc, args.steps, args.sync_steps = [1, 2, 4], 3, 30
+        args.requests, args.open_max_s, args.loads = min(args.requests, 12), 4.0, "0.5,1.0"
+        args.long_requests = min(args.long_requests, 12) if args.long_requests else 0
     rows: list[dict[str, Any]] = []
-    extra: dict[str, Any] = {"skipped": [], "cosine": {}}
+    extra: dict[str, Any] = {"skipped": [], "cosine": {}, "open_loop": [],
+                             "context_cache": CONTEXT_CACHE}  # fmt: skip
     configs = args.configs.split(",")
 
     def out(row: dict[str, Any]) -> None:
@@ -315,9 +345,14 @@ def main() -> None:
         torch._dynamo.reset()  # the next config compiles its own blocks from scratch
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    cols = ["config", "mix", "arm", "C", "tokens_mean", "req_per_s", "p50_ms", "p99_ms",
-            "bound_req_per_s", "fraction_of_bound", "warmup_s"]  # fmt: skip
+    cols = ["config", "mix", "arm", "C", "requests", "shapes", "tokens_mean", "req_per_s",
+            "p50_ms", "p99_ms", "max_ms", "bound_req_per_s", "fraction_of_bound",
+            "fraction_of_useful_bound", "warmup_s"]  # fmt: skip
     print(markdown_table([r for r in rows if "error" not in r], cols))
+    if extra["open_loop"]:
+        print(markdown_table(extra["open_loop"], ["config", "load", "offered_req_per_s",
+                                                  "served_req_per_s", "served", "p50_ms",
+                                                  "p99_ms", "max_ms", "cut"]))  # fmt: skip
     errs = [r for r in rows if "error" in r]
     if errs:
         print("errors:", errs)
@@ -331,24 +366,40 @@ def run_config(name: str, args: Any, dev: torch.device, conc: list[int], out: An
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = DiT(cfg).to(dev, dtype).eval()
     mix = MIXES["short"] if not args.quick else (2, 4)
-    n = lambda C: max(3 * C, 6)  # noqa: E731
+    n = lambda C: max(args.requests, 3 * C)  # noqa: E731
     reqs = make_requests(n(max(conc)), mix, cfg, args.steps, args.seed)
     outputs: dict[str, dict[int, Any]] = {}
+    rates: dict[str, float] = {}
     compiled = False
-    plan = run_plan(name, conc, args.quick)
+    plan = run_plan(name, conc, args.quick, with_slow="alone/eager" in args.only or
+                    "alone/compiled" in args.only)  # fmt: skip
     if args.only:
         keep = set(args.only.split(","))
         plan = [p for p in plan if f"{p[0]}@{p[1]}/{p[4]}" in keep or p[0] in keep]
     for arm, C, graphs, want_compiled, kind in plan:
+        if arm in ("syncs", "open") and late(f"{name} {arm}"):
+            continue
         if arm == "syncs":
-            if not late(f"{name} syncs"):
-                try:
-                    chk = sync_and_recompile_check(model, reqs[: n(C)], C, dev, args.sync_steps,
-                                                   args.steps)  # fmt: skip
-                    extra["sync_check"] = {"config": name, **chk}
-                    print(chk, flush=True)
-                except Exception as e:
-                    extra["sync_check"] = {"error": f"{type(e).__name__}: {e}"}
+            try:
+                chk = sync_and_recompile_check(model, reqs[: n(C)], C, dev, args.sync_steps,
+                                               args.steps)  # fmt: skip
+                extra["sync_check"] = {"config": name, **chk}
+                print(chk, flush=True)
+            except Exception as e:
+                extra["sync_check"] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        if arm == "open":
+            capacity = rates.get(f"packed/graphs@{C}/short")
+            if capacity is None:
+                extra["skipped"].append(f"{name} open: no packed@{C} rate to scale the loads")
+                continue
+            try:
+                loads = [float(x) for x in args.loads.split(",")]
+                got = run_open(model, reqs[: n(C)], C, dev, args.steps, capacity, loads,
+                               args.open_max_s)  # fmt: skip
+                extra["open_loop"] += [{"config": name, **r} for r in got]
+            except Exception as e:
+                extra["open_loop"].append({"config": name, "error": f"{type(e).__name__}: {e}"})
             continue
         if late(f"{name} {arm}@{C} {kind}"):
             continue
@@ -359,15 +410,17 @@ def run_config(name: str, args: Any, dev: torch.device, conc: list[int], out: An
         try:
             if kind == "long":
                 lm = MIXES["long"] if not args.quick else (5, 9)
-                rq = make_requests(n(C), lm, cfg, args.steps, args.seed + 1)
+                rq = make_requests(args.long_requests or n(C), lm, cfg, args.steps, args.seed + 1)
             elif kind == "drop":
                 rq = make_requests(n(C), mix, cfg, args.steps, args.seed, drop=True)
             else:
                 rq = reqs[: n(C)]
             batch = C if arm.startswith("padded") else 0
+            buckets = args.buckets if arm.startswith("padded_bucketed") else 0
             row = run_arm(arm, model, cfg, rq, 1 if arm.startswith("alone") else C, dev,
-                          graphs, args.steps, batch=batch)  # fmt: skip
+                          graphs, args.steps, batch=batch, buckets=buckets)  # fmt: skip
             outputs[f"{arm}@{C}/{kind}"] = row.pop("outputs")
+            rates[f"{arm}@{C}/{kind}"] = row["req_per_s"]
             row.update(config=name, mix=kind, compiled=compiled, dtype=str(dtype))
             out(row)
         except Exception as e:  # one failing arm must not lose the others
@@ -384,33 +437,40 @@ def run_config(name: str, args: Any, dev: torch.device, conc: list[int], out: An
         print("cosine packed vs alone: min", min(cs), flush=True)
 
 
-def run_plan(name: str, conc: list[int], quick: bool) -> list[tuple[str, int, bool, bool, str]]:
-    """(arm, C, graphs, compiled, mix) by priority; eager arms before compiling the blocks."""
+def run_plan(name: str, conc: list[int], quick: bool,
+             with_slow: bool = False) -> list[tuple[str, int, bool, bool, str]]:  # fmt: skip
+    """(arm, C, graphs, compiled, mix) by priority: the contested comparisons first (one at a
+    time in its own shape, packed, padded to the mix's longest, padded by length bucket, the
+    checks), the long mix against bucketed padding, the open loop, then the rest. ``alone/eager`` and
+    ``alone/compiled`` (200 requests at 0.7 / 0.17 s each) only by ``--only``: they would
+    run after the blocks are compiled, so they come first when asked for."""
     c8 = 8 if not quick else 2
     cs = [c for c in conc if c > 1]
-    alone = [("alone/eager", 1, False, False, "short"), ("alone/compiled", 1, False, True, "short"),
-             ("alone/graphs", 1, True, True, "short")]  # fmt: skip
+    slow = [("alone/eager", 1, False, False, "short"), ("alone/compiled", 1, False, True, "short")]
+    slow = slow if with_slow else []
+    short = [
+        ("alone/graphs", 1, True, True, "short"),
+        ("packed/graphs", c8, True, True, "short"),
+        ("padded/graphs", c8, True, True, "short"),
+        ("padded_bucketed/graphs", c8, True, True, "short"),
+        ("syncs", c8, True, True, "short"),
+    ]
     if name == "small" or quick:
-        first = [c for c in cs if c in (c8, max(cs))]
         return [
-            *alone,
-            *[("packed/graphs", c, True, True, "short") for c in first],
-            ("syncs", c8, True, True, "short"),
-            ("packed/graphs/drop33", c8, True, True, "drop"),
-            ("padded/graphs", c8, True, True, "short"),
+            *slow,
+            *short,
             ("packed/graphs", c8, True, True, "long"),
+            ("padded_bucketed/graphs", c8, True, True, "long"),
+            ("open", c8, True, True, "short"),
             ("padded/graphs", c8, True, True, "long"),
-            *[("packed/graphs", c, True, True, "short") for c in cs if c not in first],
+            ("packed/graphs/drop33", c8, True, True, "drop"),
+            *[("packed/graphs", c, True, True, "short") for c in cs if c != c8],
             ("packed/compiled", c8, False, True, "short"),
         ]
     return [
-        alone[2],
-        ("packed/graphs", 8, True, True, "short"),
-        ("padded/graphs", 8, True, True, "short"),
+        *short[:4],
         ("packed/graphs/drop33", 8, True, True, "drop"),
-        ("packed/graphs", 16, True, True, "short"),
-        ("packed/graphs", 32, True, True, "short"),
-        *[("packed/graphs", c, True, True, "short") for c in cs if c not in (8, 16, 32)],
+        *[("packed/graphs", c, True, True, "short") for c in cs if c != 8],
     ]
 
 

@@ -11,7 +11,7 @@ optimizer step consumes the same set of episodes in every variant:
   mask: one unpadded episode needs none) -- the strongest unpacked setup.
 * ``lean``: one episode per micro-step, exact length, SDPA flash, one compiled block function
   (``dynamic=True``) over the same modules, inputs prepared ahead, none of the reference
-  path's per-micro-step host work (benchmarks/baselines.py).
+  path's per-micro-step host work (benchmarks/step/baselines.py).
 * ``bucket_sdpa`` / ``bucket_flex`` / ``bucket_crop``: length bucketing as Open-Sora 2.0 does
   it (``--buckets`` frame buckets, a batch size per bucket for about equal micro-step tokens,
   rows padded with a key-padding mask through SDPA or Flex, or cropped to the bucket below);
@@ -36,8 +36,8 @@ unpacked variant's on the same episodes ("loss rel diff"). A non-finite loss mar
 an error: in session 2 a packed row was timed on NaN weights (a varlen padding bug since
 fixed), and its GEMMs ran 20% faster than on real data.
 
-    python benchmarks/bench_step.py                 # H200 (~6 min)
-    python benchmarks/bench_step.py --quick         # tiny model on CPU, for CI
+    python benchmarks/step/bench_step.py                 # H200 (~6 min)
+    python benchmarks/step/bench_step.py --quick         # tiny model on CPU, for CI
 """
 
 from __future__ import annotations
@@ -498,12 +498,12 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
             n_a = sum(b.args[2].shape[0] for b in plans[s])
         dv = torch.tensor(float(n_v), device=dev)
         da = torch.tensor(float(n_a), device=dev)
-        started = _timer(dev)
+        clock = _timer(dev)
         step_loss = torch.zeros((), device=dev)
         for item in inputs if kind == "lean" else plans[s]:
             step_loss += micro_step(item, dv, da)
         step_losses.append(step_loss)
-        finish_step(opt, dev, started, s >= args.warmup, times)
+        finish_step(opt, dev, clock, s >= args.warmup, times)
     times = _elapsed(dev, times)
     if len(times) < 2:
         raise RuntimeError(f"{cut or 'no timed steps'}: {len(times)} timed, too few to report")

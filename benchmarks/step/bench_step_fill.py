@@ -17,8 +17,8 @@ The seed and short length distributions of bench_step (episodes of 144-336 / 10-
 Reported per row: packs, episodes per step (mean, min, max), mean fill, the lowest fill but
 the epoch's last pack, and the fraction of packs >= 97% full.
 
-    python benchmarks/bench_step_fill.py              # ~10 s
-    python benchmarks/bench_step_fill.py --quick
+    python benchmarks/step/bench_step_fill.py              # ~10 s
+    python benchmarks/step/bench_step_fill.py --quick
 """
 
 from __future__ import annotations
