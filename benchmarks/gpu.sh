@@ -116,7 +116,7 @@ for STAGE in "$@"; do
       --regimes "${REGIMES:-seed,short}" \
       --variants "${VARIANTS:-packed,lean,bucket_sdpa,bucket_opensora,lean_whole}" \
       --variant-limit "${VARIANT_LIMIT:-90}" --deadline-s "${STEP_DEADLINE:-470}" --profile \
-      --out "$R/step.json" ${STEP_ARGS:-}
+      --probe "${PROBE:-sdpa,sdpa_flash,sdpa_cudnn,sdpa_efficient,fa4}" --out "$R/step.json" ${STEP_ARGS:-}
     ;;
   diffusers)
     if [ "$DRY" != 1 ] && ! $PY -c "import diffusers" 2>/dev/null; then

@@ -126,25 +126,32 @@ def draw_steps(
     return steps
 
 
-def probe_backends(dev: torch.device, heads: int, head_dim: int) -> tuple[str, dict[str, Any]]:
-    """diffusers' fastest native attention backend here: fwd+bwd of one 7K-token episode."""
+def probe_backends(dev: torch.device, heads: int, head_dim: int,
+                   lengths: list[int]) -> tuple[str, dict[str, Any]]:  # fmt: skip
+    """diffusers' fastest native attention backend here, timed fwd+bwd on the run's own
+    episode lengths (the shortest, median and longest); every timing goes into the JSON."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     if dev.type != "cuda":
         return "native", {}
-    q, k, v = (torch.randn(1, 7168, heads, head_dim, device=dev, dtype=torch.bfloat16,
-                           requires_grad=True) for _ in range(3))  # fmt: skip
+    s = sorted(lengths)
+    picks = sorted({s[0], s[len(s) // 2], s[-1]})
     times: dict[str, Any] = {}
     for name in UNPACKED_BACKENDS:
+        per: dict[str, float] = {}
         try:
+            for n in picks:
+                q, k, v = (torch.randn(1, n, heads, head_dim, device=dev, dtype=torch.bfloat16,
+                                       requires_grad=True) for _ in range(3))  # fmt: skip
 
-            def run(name: str = name) -> None:
-                dispatch_attention_fn(q, k, v, backend=name).sum().backward()
+                def run(name: str = name, q: Any = q, k: Any = k, v: Any = v) -> None:
+                    dispatch_attention_fn(q, k, v, backend=name).sum().backward()
 
-            times[name] = harness.time_fn(run, device=dev, warmup=2, iters=5).median_ms
+                per[str(n)] = harness.time_fn(run, device=dev, warmup=2, iters=5).median_ms
+            times[name] = {"ms": per, "total ms": sum(per.values())}
         except Exception as e:  # a backend this machine lacks: recorded, not chosen
             times[name] = f"{type(e).__name__}: {str(e)[:80]}"
-    ok = {n: t for n, t in times.items() if isinstance(t, float)}
+    ok = {n: t["total ms"] for n, t in times.items() if isinstance(t, dict)}
     return min(ok, key=ok.__getitem__), times
 
 
@@ -409,18 +416,23 @@ def main() -> None:
     cfg = model0.config
     state = {k: v.detach().cpu() for k, v in model0.state_dict().items()}
     del model0
-    if args.unpacked_backend == "probe":
-        backend, probe = probe_backends(dev, cfg.num_attention_heads, cfg.attention_head_dim)
-    else:
-        backend, probe = args.unpacked_backend, {}
-    print(f"unpacked attention backend: {backend} {probe}", flush=True)
     regimes = dict(QUICK_REGIMES if args.quick else REGIMES)
     if args.budget:
         regimes = {k: (args.budget, *v[1:]) for k, v in regimes.items()}
+    drawn = {r: draw_steps(args, regimes[r], cfg.in_channels, cfg.text_dim)
+             for r in args.regimes.split(",")}  # fmt: skip
+    tpf = (LATENT_HW[0] // 2) * (LATENT_HW[1] // 2)
+    lengths = [e["latents"].shape[0] * tpf for st in drawn.values() for eps in st for e in eps]
+    if args.unpacked_backend == "probe":
+        backend, probe = probe_backends(dev, cfg.num_attention_heads, cfg.attention_head_dim,
+                                        lengths)  # fmt: skip
+    else:
+        backend, probe = args.unpacked_backend, {}
+    print(f"unpacked attention backend: {backend} {probe}", flush=True)
     rows: list[dict[str, Any]] = []
     t_start = time.monotonic()
     for rname in args.regimes.split(","):
-        steps_eps = draw_steps(args, regimes[rname], cfg.in_channels, cfg.text_dim)
+        steps_eps = drawn[rname]
         for kind in kinds:
             print(f"{rname}: {kind} ...", flush=True)
             ck = checkpointed(args.checkpointing, rname, "packed" if kind != "unpacked" else kind)
