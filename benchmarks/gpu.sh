@@ -7,7 +7,7 @@
 #                                      #   check (SERVE_LIMIT 290 s)
 #   bash benchmarks/gpu.sh step        # one-GPU step table, seed + short: packed vs lean (probed
 #                                      #   attention), lean_whole, bucketing 4 buckets and
-#                                      #   Open-Sora's (STEP_LIMIT 540 s)
+#                                      #   Open-Sora's (STEP_LIMIT 270 s a regime)
 #   bash benchmarks/gpu.sh diffusers   # diffusers Wan, 30 blocks: packed vs batch 1 vs bucketed
 #                                      #   (WAN_LIMIT 480 s; carry .whl/diffusers)
 #   bash benchmarks/gpu.sh encode      # benchmarks/data/bench_encode.py, when present (300 s)
@@ -112,11 +112,15 @@ for STAGE in "$@"; do
       --deadline-s "${SERVE_DEADLINE:-250}" --out "$R/serve.json" ${SERVE_ARGS:-}
     ;;
   step)
-    t "${STEP_LIMIT:-540}" $PY $B/step/bench_step.py --depth 4 --steps "${STEPS:-5}" --warmup 2 \
-      --regimes "${REGIMES:-seed,short}" \
-      --variants "${VARIANTS:-packed,lean,bucket_sdpa,bucket_opensora,lean_whole}" \
-      --variant-limit "${VARIANT_LIMIT:-90}" --deadline-s "${STEP_DEADLINE:-470}" --profile \
-      --probe "${PROBE:-sdpa,sdpa_flash,sdpa_cudnn,sdpa_efficient,fa4}" --out "$R/step.json" ${STEP_ARGS:-}
+    # one process a regime, each with its own limit and deadline, so a slow compile in one
+    # regime cannot take the other's rows; per regime the rows run in this order
+    for RG in ${REGIMES:-seed short}; do
+      t "${STEP_LIMIT:-270}" $PY $B/step/bench_step.py --depth 4 --steps "${STEPS:-5}" --warmup 2 \
+        --regimes "$RG" --variants "${VARIANTS:-packed,lean,bucket_sdpa,bucket_opensora,lean_whole}" \
+        --variant-limit "${VARIANT_LIMIT:-90}" --deadline-s "${STEP_DEADLINE:-205}" --profile \
+        --probe "${PROBE:-sdpa,sdpa_flash,sdpa_cudnn,sdpa_efficient,fa4}" --out "$R/step_$RG.json" \
+        ${STEP_ARGS:-}
+    done
     ;;
   diffusers)
     if [ "$DRY" != 1 ] && ! $PY -c "import diffusers" 2>/dev/null; then

@@ -44,7 +44,8 @@ def test_dry_run_lists_the_documented_commands_and_records_the_tree(tmp_path: Pa
     got = commands(proc.stdout, tmp_path)
     assert [c.split()[1] for c in got] == [
         "benchmarks/serving/bench_serve.py",
-        "benchmarks/step/bench_step.py",
+        "benchmarks/step/bench_step.py",  # seed
+        "benchmarks/step/bench_step.py",  # short
         "benchmarks/diffusers/bench_diffusers_wan.py",
     ]
     doc = (ROOT / "docs" / "benchmarks.md").read_text()
@@ -71,7 +72,8 @@ def test_quick_run_of_the_three_stages_writes_traceable_json(tmp_path: Path) -> 
     pytest.importorskip("diffusers")
     proc = gpu_sh(tmp_path, *STAGES, QUICK="1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    paths = [tmp_path / "serve" / "serve.json", tmp_path / "step" / "step.json",
+    paths = [tmp_path / "serve" / "serve.json", tmp_path / "step" / "step_seed.json",
+             tmp_path / "step" / "step_short.json",
              tmp_path / "diffusers" / "diffusers_wan.json"]  # fmt: skip
     for path in paths:
         doc = json.loads(path.read_text())
