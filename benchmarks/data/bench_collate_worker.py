@@ -3,7 +3,7 @@
 In a worker, PackedCollator allocates its output in shared memory (as default_collate does),
 so handing the batch to the main process skips a second copy. ``old`` patches that out.
 
-    python benchmarks/bench_collate_worker.py --repeats 6    # alternates old/new, prints medians
+    python benchmarks/data/bench_collate_worker.py --repeats 6    # alternates old/new, prints medians
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_collate as bc
-import common
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import packing.data._collate as pc
+from benchmarks import harness
+from benchmarks.data import bench_collate as bc
 
 
 def run(mode: str, budget: int, packs_n: int, passes: int) -> float:
@@ -53,7 +52,7 @@ def run(mode: str, budget: int, packs_n: int, passes: int) -> float:
 
 
 def main() -> None:
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = harness.base_parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=6)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -68,8 +67,8 @@ def main() -> None:
         {"method": m, "median ms/pack": statistics.median(v), "runs": len(v)} for m, v in ms.items()
     ]
     rows[1]["vs old"] = rows[0]["median ms/pack"] / rows[1]["median ms/pack"]
-    print(common.markdown_table(rows, ["method", "median ms/pack", "runs", "vs old"]))
-    common.write_json("collate_worker", args, {"rows": rows, "ms": ms}, device="cpu")
+    print(harness.markdown_table(rows, ["method", "median ms/pack", "runs", "vs old"]))
+    harness.write_json("collate_worker", args, {"rows": rows, "ms": ms}, device="cpu")
 
 
 if __name__ == "__main__":

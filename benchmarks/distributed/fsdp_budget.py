@@ -1,8 +1,8 @@
 """Tokens per GPU under N-way FSDP, with and without activation checkpointing.
 
-    torchrun --nproc-per-node 2 benchmarks/fsdp_budget.py --out results/budget    # ~3 min
-    torchrun --nproc-per-node 2 benchmarks/fsdp_budget.py --smoke --out /tmp/b    # CPU, gloo
-    python benchmarks/fsdp_budget.py --refit results/fsdp_budget_1xh200.json --out /tmp/r
+    torchrun --nproc-per-node 2 benchmarks/distributed/fsdp_budget.py --out results/budget    # ~3 min
+    torchrun --nproc-per-node 2 benchmarks/distributed/fsdp_budget.py --smoke --out /tmp/b    # CPU, gloo
+    python benchmarks/distributed/fsdp_budget.py --refit results/fsdp_budget_1xh200.json --out /tmp/r
                                      # the table again from a run's probes (no GPU)
 
 For each checkpointing mode (``full``, ``none``) the model is sharded with
@@ -36,10 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-from find_token_budget import pack_of
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import harness
+from benchmarks.distributed.find_token_budget import pack_of
 from packing.model import DiT, DiTConfig, param_count
 from packing.train import MemoryModel, Probe, fit_memory_model, probe_peak, shard_model
 
@@ -138,12 +137,12 @@ def refit(path: str, out: str) -> None:
                                 fit["check"], 1024)  # fmt: skip
         fits[ac] = {"model": mm.as_dict(), "probes": fit["probes"], "check": fit["check"]}
     partial = partial_checkpointing(fits, capacity, params, cfg.depth, run["world_size"])
-    print(common.markdown_table(rows, list(rows[0])))
+    print(harness.markdown_table(rows, list(rows[0])))
     if partial:
-        print(common.markdown_table(partial, list(partial[0])))
+        print(harness.markdown_table(partial, list(partial[0])))
     ns = argparse.Namespace(out=str(Path(out) / "fsdp_budget_refit.json"), quick=False,
                             refit=path)  # fmt: skip
-    common.write_json("fsdp_budget", ns, {"rows": rows, "fits": fits, "refit_of": path,
+    harness.write_json("fsdp_budget", ns, {"rows": rows, "fits": fits, "refit_of": path,
                                           "source_machine": run.get("machine"),
                                           "world_size": run["world_size"],
                                           "partial_checkpointing": partial,
@@ -213,12 +212,12 @@ def main() -> None:
             )
     partial = partial_checkpointing(fits, capacity, full_params, depth, world)
     if rank == 0:
-        print(common.markdown_table(rows, list(rows[0])))
+        print(harness.markdown_table(rows, list(rows[0])))
         if partial:
-            print(common.markdown_table(partial, list(partial[0])))
+            print(harness.markdown_table(partial, list(partial[0])))
         ns = argparse.Namespace(**{**vars(args), "out": str(Path(args.out) / "fsdp_budget.json"),
                                    "quick": args.smoke})  # fmt: skip
-        common.write_json("fsdp_budget", ns, {"rows": rows, "fits": fits, "world_size": world,
+        harness.write_json("fsdp_budget", ns, {"rows": rows, "fits": fits, "world_size": world,
                                               "partial_checkpointing": partial,
                                               "capacity_gb": capacity / 1e9,
                                               "model": cfg.__dict__}, device=dev)  # fmt: skip

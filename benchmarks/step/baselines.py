@@ -1,11 +1,14 @@
 """The baselines a skeptic picks, over the reference DiT's own modules (same weights, same math).
 
 * lean per-episode: one episode per micro-step at its exact length, the blocks compiled
-  ``dynamic=True`` (one graph for every block and length), plain SDPA (flash, no mask: one
-  unpadded episode needs none), inputs (noise, timestep, RoPE positions, text) prepared ahead
+  ``dynamic=True`` (one graph for every block and length), attention without a mask (one
+  unpadded episode needs none) through the backend a probe picked on the run's shapes
+  (`benchmarks/attention/backends.py`; SDPA's default dispatch unless another is faster), inputs (noise, timestep, RoPE positions, text) prepared ahead
   as a data loader would. None of the reference path's per-micro-step work (PackedBatch,
   joint layout, masks, host-side RNG) is left in the step.
-* length bucketing as Open-Sora 2.0 does it: episodes go to a few length buckets, each bucket
+* length bucketing as Open-Sora 2.0 does it (``opensora_steps``: more buckets, one bucket a
+  step, a fixed row count per bucket); or with the step's own episodes (``bucket_step``):
+  episodes go to a few length buckets, each bucket
   has its own batch size (``rows * bucket length ~ token target``: about equal time per
   micro-step), a micro-step is a ``(B, L_bucket)`` batch. ``pad``: an episode is padded up to
   its bucket, padded keys masked (a key-padding mask: SDPA ``attn_mask`` or a Flex block mask);
@@ -31,6 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import packing.model._dit as pm
+from benchmarks.attention import backends
+from benchmarks.harness import EpisodeShape
 from packing.data import PackedCollator, Stream
 from packing.data._joint import joint_layout
 from packing.model import DiT
@@ -103,6 +108,7 @@ def _inputs_only(model: DiT, batch: Any, dev: torch.device) -> dict[str, Any]:
 
 # -- attention on (B, H, L, hd) -------------------------------------------------------------------
 def sdpa_flash(q: Tensor, k: Tensor, v: Tensor, mask: Any = None) -> Tensor:
+    """SDPA forced to FLASH: what the runs before issue 37 used (a probe candidate now)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if q.device.type != "cuda":
@@ -143,10 +149,11 @@ def key_padding_block_mask(lengths_B: Tensor, L: int) -> Any:
 Attention = Callable[[Tensor, Tensor, Tensor, Any], Tensor]
 
 ATTENTION_NAMES = {
-    "lean": "sdpa flash (per episode)",
+    "lean": "sdpa default dispatch (per episode)",
     "bucket_sdpa": "sdpa + key-padding mask",
     "bucket_flex": "flex + key-padding block mask",
-    "bucket_crop": "sdpa flash (cropped rows)",
+    "bucket_crop": "sdpa default dispatch (cropped rows)",
+    "bucket_opensora": "sdpa + key-padding mask",
 }
 
 
@@ -193,9 +200,11 @@ def _conditioning(model: DiT, t_B: Tensor, dtype: torch.dtype) -> tuple[Tensor, 
 
 
 def lean_episode_loss(model: DiT, xt_v: Tensor, v_v: Tensor, xt_a: Tensor, v_a: Tensor,
-                      t: Tensor, thw: Tensor, text: Tensor, denom_v: Tensor,
-                      denom_a: Tensor) -> Tensor:  # fmt: skip
-    """One episode, exact length, no mask: the step loss's share of this episode."""
+                      t: Tensor, thw: Tensor, text: Tensor, denom_v: Tensor, denom_a: Tensor,
+                      self_attn: Attention = backends.sdpa,
+                      cross_attn: Attention = backends.sdpa) -> Tensor:  # fmt: skip
+    """One episode, exact length, no mask: the step loss's share of this episode. The
+    attention defaults to SDPA's default dispatch; the bench passes the probe's choice."""
     cfg = model.config
     x_v = model.patch_embed(xt_v)
     x = torch.cat([x_v, model.action_embed(xt_a)])[None]
@@ -203,7 +212,7 @@ def lean_episode_loss(model: DiT, xt_v: Tensor, v_v: Tensor, xt_a: Tensor, v_a: 
     e, e0 = _conditioning(model, t, x.dtype)
     ctx = model.text_mlp(model.text_embed(text))[None]
     for blk in model.blocks:
-        x = block_fn(blk, x, e0, ctx, angles, sdpa_flash, None, sdpa_flash, None)
+        x = block_fn(blk, x, e0, ctx, angles, self_attn, None, cross_attn, None)
     shift, scale = (model.head_modulation + e[:, None]).unbind(1)
     x = model.head_norm(x[0]) * (1 + scale) + shift
     n_v = xt_v.shape[0]
@@ -215,7 +224,8 @@ def lean_episode_loss(model: DiT, xt_v: Tensor, v_v: Tensor, xt_a: Tensor, v_a: 
 def bucket_batch_loss(model: DiT, xt_v: Tensor, v_v: Tensor, xt_a: Tensor, v_a: Tensor,
                       t_B: Tensor, thw_BL3: Tensor, text_BL: Tensor, src_BL: Tensor,
                       gather_N: Tensor, n_v: Tensor, text_keep: Tensor, self_attn: Attention,
-                      self_mask: Any, denom_v: Tensor, denom_a: Tensor) -> Tensor:  # fmt: skip
+                      self_mask: Any, denom_v: Tensor, denom_a: Tensor,
+                      cross_attn: Attention = sdpa_masked) -> Tensor:  # fmt: skip
     """A ``(B, L)`` bucket batch: rows gathered from the flat video + action tokens by
     ``src_BL`` (padding points at a zero row), padded keys masked by ``self_mask``."""
     cfg = model.config
@@ -227,7 +237,7 @@ def bucket_batch_loss(model: DiT, xt_v: Tensor, v_v: Tensor, xt_a: Tensor, v_a: 
     e, e0 = _conditioning(model, t_B, x.dtype)
     ctx = model.text_mlp(model.text_embed(text_BL))
     for blk in model.blocks:
-        x = block_fn(blk, x, e0, ctx, angles, self_attn, self_mask, sdpa_masked, text_keep)
+        x = block_fn(blk, x, e0, ctx, angles, self_attn, self_mask, cross_attn, text_keep)
     shift, scale = (model.head_modulation + e[:, None]).unbind(1)
     x = model.head_norm(x) * (1 + scale[:, None]) + shift[:, None]
     # back to the flat token order: real slots only, video first then actions (``n_v`` is
@@ -273,7 +283,7 @@ class BucketBatch:
     real_tokens: int
     slots: int
     cropped_tokens: int
-    rows_jt: list[tuple[int, int]]  # (joint tokens, text tokens) per row: the useful FLOPs
+    row_shapes: list[EpisodeShape]  # each row's real (video, action, text) tokens: useful FLOPs
     weight: float = 1.0  # 0: a copy that only keeps the ranks' micro-step counts equal
 
 
@@ -377,5 +387,43 @@ def _bucket_batch(items: list[tuple[EpisodeInputs, int]], L: int, text_len: int,
         real_tokens=real_tokens,
         slots=len(eps) * L,
         cropped_tokens=original - real_tokens,
-        rows_jt=[(a + b, e.text.shape[0]) for a, b, e in zip(n_v, n_a, eps, strict=True)],
+        row_shapes=[
+            EpisodeShape(a, b, e.text.shape[0]) for a, b, e in zip(n_v, n_a, eps, strict=True)
+        ],
     )
+
+
+def opensora_steps(inputs: list[EpisodeInputs], bounds: list[int], token_target: int,
+                   text_len: int, dev: torch.device, seed: int) -> tuple[list[BucketBatch], int]:  # fmt: skip
+    """Open-Sora's bucket sampler: one bucket a step. Each episode goes to the bucket above
+    its length (padded, key-masked); every bucket has ONE row count, ``token_target // L``,
+    so a run has at most ``len(bounds)`` shapes; each full batch is one optimizer step, the
+    steps in a seeded shuffled order; a bucket's last partial batch waits for the next epoch
+    (their episode count is returned, not trained)::
+
+        bucket L=192, 3 rows: [e1 e4 e7] [e9 e2 e5] (e8 deferred)   -> 2 steps
+        bucket L=320, 1 row:  [e3] [e6]                             -> 2 steps
+    """
+    import random
+
+    groups: dict[int, list[EpisodeInputs]] = {}
+    for ep in inputs:
+        groups.setdefault(next(b for b in bounds if b >= ep.tokens), []).append(ep)
+    batches, deferred = [], 0
+    for L in sorted(groups):
+        rows = opensora_rows(L, token_target)
+        items = groups[L]
+        full = len(items) // rows * rows
+        deferred += len(items) - full
+        slots = -(-L // PAD_ALIGN) * PAD_ALIGN
+        batches += [
+            _bucket_batch([(ep, ep.tokens) for ep in items[lo : lo + rows]], slots, text_len, dev)
+            for lo in range(0, full, rows)
+        ]
+    random.Random(seed).shuffle(batches)
+    return batches, deferred
+
+
+def opensora_rows(L: int, token_target: int) -> int:
+    """Open-Sora's rows for a bucket: its row count at the token target (padded length)."""
+    return max(1, token_target // (-(-L // PAD_ALIGN) * PAD_ALIGN))

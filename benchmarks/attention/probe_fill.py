@@ -1,6 +1,6 @@
 """Where a half-empty pack's extra Flex time goes (a probe, CUDA only).
 
-    python3 benchmarks/probe_fill.py            # writes $OUT/probe_fill.json (or --out)
+    python3 benchmarks/attention/probe_fill.py            # writes $OUT/probe_fill.json (or --out)
 
 The same short-regime episodes (0.3K-2.5K tokens) at 50% of a 49,152-token budget and packed
 tight, fwd+bwd through `packing.attention._packed` with the Flex backends: per CUDA kernel, the time
@@ -22,10 +22,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import harness
 from packing.attention import fa4_available, frame_causal, packed_attention, prepare_attention
 from packing.data import layout_from_lengths
 
@@ -83,7 +81,7 @@ def main() -> None:
     args = p.parse_args()
     budget, lo, hi = 49152, 320, 2528
     rng = torch.Generator().manual_seed(0)
-    lengths = common.fill_pack(rng, int(budget * args.fill), lo, hi, multiple=TPF)
+    lengths = harness.fill_pack(rng, int(budget * args.fill), lo, hi, multiple=TPF)
     tight = -(-sum(lengths) // 128) * 128
     backends = ["flex"] + (["flex_flash"] if fa4_available() else [])
     rows: list[dict[str, Any]] = []
@@ -98,7 +96,7 @@ def main() -> None:
                 kernel = ""
                 for key, T in (("budget", budget), ("tight", tight)):
                     fn, kernel = step_fn(T, lengths, backend, inner, transposed)
-                    timing[key] = common.time_fn(fn, device="cuda", warmup=3, iters=20).median_ms
+                    timing[key] = harness.time_fn(fn, device="cuda", warmup=3, iters=20).median_ms
                     per[key] = kernels(fn)
                 names = sorted(set(per["budget"]) | set(per["tight"]),
                                key=lambda n: -(per["budget"].get(n, 0) - per["tight"].get(n, 0)))  # fmt: skip
@@ -118,10 +116,8 @@ def main() -> None:
                     print("   ", d, flush=True)
                 rows.append(row)
     cmd = "python3 " + " ".join(sys.argv)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"probe": "fill", "command": cmd, "machine": common.machine_info("cuda"),
-                   "rows": rows}, f, indent=1)  # fmt: skip
+    harness.write_doc(args.out, {"probe": "fill", "command": cmd,
+                                 "machine": harness.machine_info("cuda"), "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":

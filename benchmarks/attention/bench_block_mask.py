@@ -8,8 +8,8 @@ the plain mask_mod a user writes (``doc[q] == doc[kv]``); the library's own mask
 (``document_mask_mod``, which also reads padding) is timed too, and the two BlockMasks are
 checked to describe the same tiles.
 
-    python benchmarks/bench_block_mask.py             # GPU, full sizes (~2 min on H200)
-    python benchmarks/bench_block_mask.py --quick     # tiny, CPU, for CI
+    python benchmarks/attention/bench_block_mask.py             # GPU, full sizes (~2 min on H200)
+    python benchmarks/attention/bench_block_mask.py --quick     # tiny, CPU, for CI
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import harness
 from packing.attention import document_mask_mod, frame_causal, make_block_mask
 
 
@@ -82,7 +81,7 @@ def time_into(r: dict[str, Any], key: str, fn: Any, device: torch.device, **kw: 
     """Median ms of ``fn`` into ``r[key]``; a failure is recorded as ``r[key + " error"]``
     (never hidden: the table says what failed). Returns whether it ran."""
     try:
-        r[key] = common.time_fn(fn, device=device, **kw).median_ms
+        r[key] = harness.time_fn(fn, device=device, **kw).median_ms
         return True
     except Exception as e:
         r[key] = None
@@ -120,7 +119,7 @@ def build_rows(args: Any, device: torch.device, sizes: list[int], docs: list[int
             comp_fn = partial(eager_fn, _compile=True)
             lib_comp_fn = partial(create_block_mask, mod, None, None, T, T, device=device,
                                   _compile=True)  # fmt: skip
-            ours = common.time_fn(ours_fn, device=device, warmup=3, iters=args.iters)
+            ours = harness.time_fn(ours_fn, device=device, warmup=3, iters=args.iters)
             r["ours ms"] = ours.median_ms
             r["ours p90"] = ours.p90_ms
             r["ours syncs"] = None if device.type != "cuda" else not no_sync(ours_fn, device)
@@ -169,7 +168,7 @@ def inner_rows(args: Any, device: torch.device, T: int) -> list[dict]:
         mod = document_mask_mod(doc, inner=inner)
         ours_fn = partial(make_block_mask, doc, inner=inner)
         comp_fn = partial(create_block_mask, mod, None, None, T, T, device=device, _compile=True)
-        ours = common.time_fn(ours_fn, device=device, iters=args.iters)
+        ours = harness.time_fn(ours_fn, device=device, iters=args.iters)
         r: dict[str, Any] = {"device": device.type, "tokens": T, "episodes": k,
                              "mask": "frame_causal_32", "ours ms": ours.median_ms}  # fmt: skip
         r["ours syncs"] = None if device.type != "cuda" else not no_sync(ours_fn, device)
@@ -199,8 +198,8 @@ def count_graphs(
             errors.append(f"step {i}: {type(e).__name__}: {str(e)[:160]}")
             break
         if i == 0:
-            start = common.dynamo_counters()["unique_graphs"]
-    end = common.dynamo_counters()["unique_graphs"]
+            start = harness.dynamo_counters()["unique_graphs"]
+    end = harness.dynamo_counters()["unique_graphs"]
     return {"device": device.type, "case": case, "builder": builder, "steps": len(layouts),
             "graphs after step 0": end - (start or 0), "errors": "; ".join(errors) or None}  # fmt: skip
 
@@ -247,7 +246,7 @@ def recompile_rows(args: Any, device: torch.device, T: int, steps: int) -> list[
 
 
 def main() -> None:
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = harness.base_parser(__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--eager-cap", type=int, default=65536, help="largest T for eager cbm")
     p.add_argument("--compiled-cap", type=int, default=262144)
@@ -283,7 +282,7 @@ def main() -> None:
             continue
         extra += inner_rows(args, dev, rT)
         # written after each part: the first H200 run lost its JSON to a timeout at the end
-        common.write_json("block_mask", args, {"rows": rows, "inner_rows": extra,
+        harness.write_json("block_mask", args, {"rows": rows, "inner_rows": extra,
                                                "recompiles": recompiles}, device=args.device)  # fmt: skip
         if dev.type == "cuda":  # recompiles are a GPU concern (CPU compiles take minutes)
             recompiles += recompile_rows(args, dev, rT, steps)
@@ -293,11 +292,11 @@ def main() -> None:
             "ours cuda_graph same tables", "cbm eager ms", "cbm compiled ms",
             "cbm compiled, library mod ms", "speedup vs compiled", "speedup vs eager",
             "same tiles"]  # fmt: skip
-    print(common.markdown_table(rows + extra, cols))
+    print(harness.markdown_table(rows + extra, cols))
     print()
-    print(common.markdown_table(recompiles, ["device", "case", "builder", "steps",
+    print(harness.markdown_table(recompiles, ["device", "case", "builder", "steps",
                                              "graphs after step 0", "errors"]))  # fmt: skip
-    common.write_json(
+    harness.write_json(
         "block_mask",
         args,
         {"rows": rows, "inner_rows": extra, "recompiles": recompiles},

@@ -2,8 +2,8 @@
 
 Launch one process per GPU::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --regime seed --out results/fsdp
-    torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --smoke --out /tmp/fsdp   # CPU, gloo
+    torchrun --nproc-per-node 2 benchmarks/distributed/bench_fsdp.py --regime seed --out results/fsdp
+    torchrun --nproc-per-node 2 benchmarks/distributed/bench_fsdp.py --smoke --out /tmp/fsdp   # CPU, gloo
 
 The reference DiT at Wan-2.2-5B widths (``--depth``, default 30 blocks), sharded with
 `packing.train._fsdp.shard_model`: ``fully_shard`` per block and root, bf16 parameters, fp32 gradient
@@ -18,7 +18,7 @@ same episodes and initial weights in every variant::
     unpacked_nosync  the same, reduce-scatter only on the last micro-step
                      (set_requires_gradient_sync(False) before: the best unpacked setup)
     lean             one episode per micro-step, sync on the last, through
-                     benchmarks/baselines.py's lean forward (inputs prepared ahead, exact
+                     benchmarks/step/baselines.py's lean forward (inputs prepared ahead, exact
                      length, SDPA flash, the blocks compiled dynamic=True inside the same
                      FSDP + checkpoint wrapping): the strongest per-episode setup
     bucket_sdpa      length bucketing as Open-Sora 2.0 (--buckets frame buckets, a batch per
@@ -41,7 +41,7 @@ same episodes and initial weights in every variant::
 
 Reported per variant (rank 0 prints a markdown table; JSON to --out): s/step (median of the
 timed steps, CUDA events, up to the end-of-step barrier), tokens/s over all GPUs, MFU by model
-FLOPs (6 x block params x tokens + in-episode attention pairs, fwd+bwd; recompute NOT counted;
+FLOPs (`benchmarks/harness/flops.py`, against both named peaks; recompute NOT counted;
 "MFU incl. recompute" adds one more block forward for full checkpointing), first-step time and
 compile estimate (first step minus a timed one), peak memory (max over ranks), per-rank wait at
 the end-of-step barrier (CUDA events), exposed communication from one profiled step (GPU time
@@ -53,7 +53,7 @@ to unpacked_sync, and dynamo graphs compiled after warm-up (recompiles).
 ``--recompile-depth`` blocks (the same compiled block code; full depth would take minutes per
 100 steps) and counts the graphs compiled after the first pack. ``--sweep 1,2,4,8`` trains the
 same episodes in exactly M packs for each M (reduce-scatter on every micro-step) to fit
-``step = a + M * x`` (docs/benchmarks.md §5; benchmarks/fit_microsteps.py re-predicts 4 and
+``step = a + M * x`` (docs/benchmarks.md §5; benchmarks/distributed/fit_microsteps.py re-predicts 4 and
 8 GPUs). ``--time-limit`` skips what would not finish (all ranks agree), so the run ends in time.
 """
 
@@ -74,19 +74,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import baselines as bl
-import common
-from bench_step import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+import packing.model._dit as pm
+from benchmarks import harness
+from benchmarks.attention import backends
+from benchmarks.harness import PEAKS, dit_flops
+from benchmarks.step import baselines as bl
+from benchmarks.step.bench_step import (
     _LIB_ATTENTION,
-    block_params,
+    episode_shape,
     make_episode,
     sdpa_one_episode,
     step_flops,
     to_device,
 )
-
-import packing.model._dit as pm
 from packing.data import PackedBatch, PackedCollator, Stream
 from packing.model import DiT, DiTConfig
 from packing.planning import plan_packs
@@ -102,7 +103,7 @@ VARIANT_NAME = re.compile(
     r"unpacked_sync|unpacked_nosync|lean|bucket_sdpa|bucket_flex|bucket_crop"
     r"|packed(_b\d+)?(_ac\d+|_ops|_attn)?"
 )
-BASELINES = ("lean", "bucket_sdpa", "bucket_flex", "bucket_crop")  # benchmarks/baselines.py
+BASELINES = ("lean", "bucket_sdpa", "bucket_flex", "bucket_crop")  # benchmarks/step/baselines.py
 
 
 # -- episodes and plans ------------------------------------------------------------------------
@@ -214,7 +215,7 @@ def build(args: Any, cfg: DiTConfig, dev: torch.device, kind: str, depth: int | 
 
 
 def _route_through_baselines(model: Any) -> None:
-    """Make the sharded model run `benchmarks/baselines.py`'s forward: each inner Block's
+    """Make the sharded model run `benchmarks/step/baselines.py`'s forward: each inner Block's
     ``forward`` becomes `bl.block_forward` (so FSDP's per-block hooks, the checkpoint wrapper
     and the compiled wrapper still run around it), the baseline losses call the wrapped
     blocks, and ``model(...)`` (the root's hooks: embeddings and head gathered) runs the loss
@@ -230,14 +231,28 @@ def _route_through_baselines(model: Any) -> None:
     model.forward = lambda loss_fn, *args: loss_fn(model, *args)
 
 
+def accumulate(net: Any, last: bool, keep_unsharded: bool) -> None:
+    """Before a micro-step: reduce-scatter only on the ``last`` one; with ``keep_unsharded``
+    the parameters also stay gathered between the accumulation micro-steps (no reshard after
+    forward, none after backward until the last), so a baseline does not all-gather every
+    block again each micro-step (FSDP2's default), at the memory of one unsharded copy."""
+    net.set_requires_gradient_sync(last)
+    if keep_unsharded:
+        net.set_reshard_after_forward(False)
+        net.set_reshard_after_backward(last)
+
+
 def train_step(model: Any, opt: Any, mbs: list[PackedBatch], step: int, dev: torch.device,
-               sync_every: bool) -> torch.Tensor:  # fmt: skip
+               sync_every: bool, keep_unsharded: bool = False) -> torch.Tensor:  # fmt: skip
     """One optimizer step over this rank's micro-batches; the global loss stays on device."""
     norms = {s: LossNormalizer.for_step([b.layout(s) for b in mbs], "token", device=dev)
              for s in ("latents", "action")}  # fmt: skip
     total = torch.zeros((), device=dev, dtype=torch.float32)
     for i, mb in enumerate(mbs):
-        model.set_requires_gradient_sync(sync_every or i == len(mbs) - 1)
+        if sync_every:
+            model.set_requires_gradient_sync(True)
+        else:
+            accumulate(model, i == len(mbs) - 1, keep_unsharded and len(mbs) > 1)
         batch = to_device(mb, dev)
         batch.extras["seed"], batch.extras["step"] = 0, step
         out = model(batch)
@@ -302,10 +317,10 @@ def count_syncs(model: Any, opt: Any, mb: PackedBatch, step: int, dev: torch.dev
 def start_timing(dev: torch.device) -> int:
     """After the warm-up: peak memory from here, and the graph count recompiles are taken
     against."""
-    common.sync(dev)
+    harness.sync(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    return int(common.dynamo_counters()["unique_graphs"])
+    return int(harness.dynamo_counters()["unique_graphs"])
 
 
 def end_of_step(
@@ -320,14 +335,14 @@ def end_of_step(
     if s >= warmup:
         marks.append((start, done, after))
         return None
-    common.sync(dev)
+    harness.sync(dev)
     return time.perf_counter() - t0 if s == 0 else None
 
 
 def timing_summary(dev: torch.device, marks: list, g0: int) -> tuple[int, list[float], list[float]]:
     """(graphs compiled since the warm-up, step ms, barrier-wait ms) of the timed steps."""
-    common.sync(dev)
-    recompiles = common.dynamo_counters()["unique_graphs"] - g0
+    harness.sync(dev)
+    recompiles = harness.dynamo_counters()["unique_graphs"] - g0
     step_ms = [Clock.ms(a, c) for a, _, c in marks]
     wait_ms = [Clock.ms(b, c) for _, b, c in marks]
     return recompiles, step_ms, wait_ms
@@ -415,21 +430,14 @@ def variant_budget(kind: str, args: Any) -> int:
 
 def recompute_flops(cfg: DiTConfig, eps: list[dict], checkpointing: str,
                     blocks: int | None = None) -> float:  # fmt: skip
-    """FLOPs the checkpointing recompute adds: one more forward of each checkpointed block
-    (1/3 of the dense fwd+bwd, 1/3.5 of the attention's), its dense part only for
-    'attention' (the attention outputs are kept); 0 for 'none' and 'ops'."""
+    """FLOPs the checkpointing recompute adds: one more forward of each checkpointed block,
+    its dense part only for 'attention' (the attention outputs are kept); 0 for 'none' and
+    'ops'."""
     if checkpointing not in ("full", "attention"):
         return 0.0
-    attention = 1.0 if checkpointing == "full" else 0.0
-    n = cfg.depth if blocks is None else blocks
-    tpf = cfg.tokens_per_frame
-    total = 0.0
-    for ep in eps:
-        j = ep["latents"].shape[0] * tpf + ep["action"].shape[0]
-        n_text = ep["text"].shape[0]
-        total += n * (2.0 * block_params(cfg) * j
-                      + attention * 4.0 * (j * j + j * n_text) * cfg.head_dim * cfg.heads)  # fmt: skip
-    return total
+    again = dit_flops(cfg, [episode_shape(cfg, ep) for ep in eps], backward=False,
+                      blocks=cfg.depth if blocks is None else blocks, outside_blocks=False)  # fmt: skip
+    return again.model if checkpointing == "full" else again.dense
 
 
 # -- one variant -------------------------------------------------------------------------------
@@ -443,6 +451,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         return run_baseline(kind, args, model, opt, mcfg, dev, data, build_s)
     unpacked = kind.startswith("unpacked")
     sync_every = kind == "unpacked_sync" or sweep_m is not None
+    keep = args.keep_unsharded and kind == "unpacked_nosync"  # packed: its own default
     n_steps = args.warmup + args.steps
     if unpacked:
         col = PackedCollator([*mcfg.streams(), Stream("text")], pad_to_multiple=1)
@@ -465,7 +474,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
             g0 = start_timing(dev)
         t0 = time.perf_counter()
         a = clock.mark()
-        losses.append(train_step(model, opt, plans[s], s, dev, sync_every))
+        losses.append(train_step(model, opt, plans[s], s, dev, sync_every, keep))
         first_s = end_of_step(clock, dev, s, args.warmup, t0, a, marks) or first_s
     recompiles, step_ms, wait_ms = timing_summary(dev, marks, g0)
     peak = torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0
@@ -479,9 +488,9 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            train_step(model, opt, plans[-1], n_steps, dev, sync_every)
+            train_step(model, opt, plans[-1], n_steps, dev, sync_every, keep)
             barrier_on(dev)
-            common.sync(dev)
+            harness.sync(dev)
         try:
             prof_row.update(exposed_comm(prof))  # keeps the host-sync count above
         except Exception as e:  # a reporting failure must not cost the variant's row
@@ -500,7 +509,7 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
         "tokens": float(
             sum(e["latents"].shape[0] * tpf + e["action"].shape[0] for eps in timed for e in eps)
         ),
-        "flops": sum(step_flops(mcfg, eps) for eps in timed),
+        "flops": sum(step_flops(mcfg, eps).model for eps in timed),
         "recompute_flops": sum(
             recompute_flops(mcfg, eps, variant_checkpointing(kind, args), checkpoint_count(kind))
             for eps in timed
@@ -517,11 +526,14 @@ def run_variant(kind: str, args: Any, cfg: DiTConfig, dev: torch.device, data: E
     rflops = sum(r["recompute_flops"] for r in ranks) / max(args.steps, 1)
     row = {
         "variant": kind if sweep_m is None else f"packed M={sweep_m}",
-        "attention": "sdpa flash (per episode)" if unpacked else attention_name(mcfg, dev),
+        "attention": "sdpa default dispatch (per episode)"
+        if unpacked
+        else attention_name(mcfg, dev),
+        "reshard every micro-step": unpacked and not keep,
         "budget": budget,
         **shared,
-        "MFU": mfu(ranks, args.steps, shared["s/step"], world),
-        "MFU incl. recompute": mfu(ranks, args.steps, shared["s/step"], world, extra=rflops),
+        **mfu(ranks, args.steps, shared["s/step"], world),
+        **mfu(ranks, args.steps, shared["s/step"], world, extra=rflops, label=" incl. recompute"),
         "exposed comm ms (per rank)": [
             round(r.get("exposed_comm_ms", float("nan")), 1) for r in ranks
         ],
@@ -554,24 +566,26 @@ def shared_fields(ranks: list[dict[str, float]], steps: int, first_s: float,
 
 
 def mfu(ranks: list[dict[str, float]], steps: int, step_s: float, world: int,
-        extra: float = 0.0, scale: float = 1.0) -> float:  # fmt: skip
-    """Model FLOPs per step (the ranks' sum, ``scale``d, plus ``extra``) over the GPUs' peak."""
+        extra: float = 0.0, scale: float = 1.0, label: str = "") -> dict[str, float]:  # fmt: skip
+    """Model FLOPs per step (the ranks' sum, ``scale``d, plus ``extra``) over the GPUs' peak,
+    one field per named peak (``MFU of measured 790``, ``MFU of datasheet 989``)."""
     flops = sum(r["flops"] for r in ranks) / max(steps, 1) * scale + extra
-    return flops / step_s / (common.H200_BF16_PEAK_TFLOPS * 1e12 * world)
+    return {f"MFU{label} of {name}": flops / step_s / (peak * 1e12 * world)
+            for name, peak in PEAKS.items()}  # fmt: skip
 
 
 def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev: torch.device,
                  data: Episodes, build_s: float) -> dict[str, Any]:  # fmt: skip
     """The lean per-episode loop (gradient sync on the last micro-step only) or length
     bucketing (one micro-step per bucket batch, sync on the last), over this rank's own
-    episodes, through the sharded model (benchmarks/baselines.py, as in bench_step)."""
+    episodes, through the sharded model (benchmarks/step/baselines.py, as in bench_step)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     n_steps = args.warmup + args.steps
     tpf = cfg.tokens_per_frame + 1  # joint tokens a frame: video + one action
     lo, hi = REGIMES[args.regime] if not args.smoke else (2, 6)
     mode = "crop" if kind == "bucket_crop" else "pad"
     bounds = bl.bounds_for(mode, lo * tpf, hi * tpf, args.buckets, tpf)
-    attn = {"bucket_flex": bl.flex_masked, "bucket_crop": bl.sdpa_flash}.get(kind, bl.sdpa_masked)
+    attn = {"bucket_flex": bl.flex_masked, "bucket_crop": backends.sdpa}.get(kind, bl.sdpa_masked)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # FSDP's param dtype
     steps, plans = [], []
     for s in range(n_steps):
@@ -617,7 +631,7 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
                     da: Any) -> torch.Tensor:  # fmt: skip
         total = torch.zeros((), device=dev)
         for i, m in enumerate(micro):
-            net.set_requires_gradient_sync(i == len(micro) - 1)
+            accumulate(net, i == len(micro) - 1, args.keep_unsharded and len(micro) > 1)
             loss = net(*m, dv, da) * weights[i]
             loss.backward()
             total += loss.detach().float() / world
@@ -655,7 +669,7 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0,
         "tokens": float(sum(x.tokens for inputs in steps[args.warmup :] for x in inputs))
         if kind != "bucket_crop" else float(sum(b.real_tokens for b in flat)),
-        "flops": sum(step_flops(cfg, eps) for eps in trained),
+        "flops": sum(step_flops(cfg, eps).model for eps in trained),
         "micro_steps": (sum(len(x) for x in steps[args.warmup :]) if kind == "lean"
                         else ran) / max(args.steps, 1),
         "slots": float(sum(b.slots for b in flat)),
@@ -677,9 +691,10 @@ def run_baseline(kind: str, args: Any, model: Any, opt: Any, cfg: DiTConfig, dev
     row: dict[str, Any] = {
         "variant": kind,
         "attention": bl.ATTENTION_NAMES[kind],
+        "reshard every micro-step": not args.keep_unsharded,
         "budget": args.pack_budget if kind != "lean" else None,
         **shared,
-        "MFU": mfu(ranks, args.steps, shared["s/step"], world, scale=kept),
+        **mfu(ranks, args.steps, shared["s/step"], world, scale=kept),
         "recompiles after warm-up": recompiles,
         "losses": [float(x) for x in step_losses.tolist()],
     }  # fmt: skip
@@ -724,10 +739,10 @@ def recompile_check(args: Any, cfg: DiTConfig, dev: torch.device) -> dict[str, A
             tok += f * mcfg.tokens_per_frame
         train_step(model, opt, [col(eps)], s, dev, False)
         if g0 is None:
-            common.sync(dev)
-            g0 = common.dynamo_counters()["unique_graphs"]
-    common.sync(dev)
-    n = common.dynamo_counters()["unique_graphs"] - (g0 or 0)
+            harness.sync(dev)
+            g0 = harness.dynamo_counters()["unique_graphs"]
+    harness.sync(dev)
+    n = harness.dynamo_counters()["unique_graphs"] - (g0 or 0)
     del model, opt
     pm.packed_attention = _LIB_ATTENTION
     return {"recompile check": f"{args.recompile_packs} random packs at depth "
@@ -736,8 +751,8 @@ def recompile_check(args: Any, cfg: DiTConfig, dev: torch.device) -> dict[str, A
 
 
 COLUMNS = ["variant", "attention", "micro-steps", "budget", "s/step", "tokens/s",
-           "vs unpacked_sync", "vs best unpacked", "vs lean", "vs best bucketing", "MFU",
-           "padding fraction", "cropped fraction", "MFU incl. recompute", "first step s",
+           "vs unpacked_sync", "vs best unpacked", "vs lean", "vs best bucketing", "MFU of measured 790",
+           "padding fraction", "cropped fraction", "MFU incl. recompute of measured 790", "first step s",
            "compile s (est.)", "peak GB", "wait % of step", "exposed comm ms (per rank)",
            "loss rel diff (step 0)", "loss rel diff (max)", "recompiles after warm-up",
            "host syncs per micro-step", "seconds", "error"]  # fmt: skip
@@ -752,6 +767,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pack-budget", type=int, default=None, help="tokens (default per regime)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--buckets", type=int, default=4, help="length buckets of bucket_*")
+    p.add_argument(
+        "--keep-unsharded",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="accumulating baselines (unpacked_nosync, lean, bucket_*) keep the "
+        "parameters gathered between micro-steps (reshard_after_forward=False)",
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--warm-pass", action=argparse.BooleanOptionalAction, default=True,
                    help="baselines: every micro-batch once before the steps, untimed, so no "
@@ -837,14 +859,14 @@ def main() -> None:
     def save(partial: bool) -> None:
         if rank == 0:
             ns = argparse.Namespace(**{**vars(args), "out": str(path), "quick": args.smoke})
-            common.write_json("fsdp", ns, {"rows": rows, "world_size": world, **extra,
+            harness.write_json("fsdp", ns, {"rows": rows, "world_size": world, **extra,
                                            "model": cfg.__dict__}, device=dev,
                               partial=partial)  # fmt: skip
 
     def abort() -> None:  # a watchdog thread: a stuck compile must not eat the device call
         say(f"hard limit {args.hard_limit:.0f} s reached: saving the rows that finished")
         if rank == 0:
-            print(common.markdown_table(rows, COLUMNS), flush=True)
+            print(harness.markdown_table(rows, COLUMNS), flush=True)
         extra["aborted"] = f"hard limit {args.hard_limit} s"
         save(partial=True)
         os._exit(124)
@@ -926,7 +948,7 @@ def main() -> None:
     extra["total_seconds"] = time.perf_counter() - t_start
     watchdog.cancel()
     if rank == 0:
-        print(common.markdown_table(rows, COLUMNS))
+        print(harness.markdown_table(rows, COLUMNS))
     save(partial=False)
     dist.barrier()
     dist.destroy_process_group()

@@ -7,9 +7,9 @@ fitted, its peak memory, and the step time at that size. This answers "how many 
 GPU?" for your model: use it for ``token_budget`` (leave headroom: a fragmenting allocator or
 a longer text can add a few GB; ``--headroom`` subtracts a fraction).
 
-    python benchmarks/find_token_budget.py --preset wan_2_2_5b --depth 30
-    python benchmarks/find_token_budget.py --preset wan_1_3b --depth 30 --episode-frames 240
-    python benchmarks/find_token_budget.py --quick      # tiny model on CPU, for CI
+    python benchmarks/distributed/find_token_budget.py --preset wan_2_2_5b --depth 30
+    python benchmarks/distributed/find_token_budget.py --preset wan_1_3b --depth 30 --episode-frames 240
+    python benchmarks/distributed/find_token_budget.py --quick      # tiny model on CPU, for CI
 
 Your own model: copy ``try_budget`` and replace the DiT with your model and its batch.
 """
@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import harness
 from packing.data import PackedCollator, Stream
 from packing.model import DiT, DiTConfig, param_count, text_tokens
 
@@ -74,7 +73,7 @@ def try_budget(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: DiTConfi
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        common.sync(dev)
+        harness.sync(dev)
     except torch.OutOfMemoryError:
         out = loss = None  # free the partial graph before the next try
         opt.zero_grad(set_to_none=True)
@@ -89,7 +88,7 @@ def try_budget(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: DiTConfi
 
 
 def main() -> None:
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = harness.base_parser(__doc__.splitlines()[0])
     p.add_argument("--preset", default="wan_2_2_5b", choices=["wan_1_3b", "wan_2_2_5b", "tiny"])
     p.add_argument("--depth", type=int, default=30)
     p.add_argument("--episode-frames", type=int, default=240, help="frames per episode (32 tok)")
@@ -147,8 +146,8 @@ def main() -> None:
             "smallest OOM": min((t["tokens"] for t in tries if not t["fits"]), default=None),
         }
     ]
-    print(common.markdown_table(rows, list(rows[0])))
-    common.write_json(f"token_budget_{args.preset}_d{args.depth}", args,
+    print(harness.markdown_table(rows, list(rows[0])))
+    harness.write_json(f"token_budget_{args.preset}_d{args.depth}", args,
                       {"rows": rows, "tries": tries, "model": cfg.__dict__}, device=dev)  # fmt: skip
 
 

@@ -17,8 +17,8 @@ The seed and short length distributions of bench_step (episodes of 144-336 / 10-
 Reported per row: packs, episodes per step (mean, min, max), mean fill, the lowest fill but
 the epoch's last pack, and the fraction of packs >= 97% full.
 
-    python benchmarks/bench_step_fill.py              # ~10 s
-    python benchmarks/bench_step_fill.py --quick
+    python benchmarks/step/bench_step_fill.py              # ~10 s
+    python benchmarks/step/bench_step_fill.py --quick
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import harness
 from packing.planning import PackedBatchSampler, compose_steps, pack_fill
 
 TOKENS_PER_FRAME = 33  # 32 video tokens (4 x 8 grid) + 1 action
@@ -69,7 +68,7 @@ def fixed_count(lengths: np.ndarray, k: int, rng: np.random.Generator) -> tuple[
 
 
 def main() -> None:
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = harness.base_parser(__doc__.splitlines()[0])
     p.add_argument("--episodes", type=int, default=20_000, help="episodes in the epoch")
     p.add_argument("--seconds-per-token", type=float, default=1 / 135_000,
                    help="cost model: a lean 4-block loop's ~135K tokens/s")  # fmt: skip
@@ -105,8 +104,8 @@ def main() -> None:
             print(r, flush=True)
     cols = ["regime", "step defined by", "token budget", "packs", "episodes/step",
             "eps min-max", "fill mean", "fill min (but last)", "packs >= 97%"]  # fmt: skip
-    print(common.markdown_table(rows, cols))
-    common.write_json("step_fill", args, {"rows": rows, "episodes": n})
+    print(harness.markdown_table(rows, cols))
+    harness.write_json("step_fill", args, {"rows": rows, "episodes": n})
 
 
 if __name__ == "__main__":

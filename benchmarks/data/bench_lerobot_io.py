@@ -11,14 +11,13 @@ MB/s compares work done; lerobot returns the float16 latents as float32 (twice t
 on a LeRobotDataset) its first load converts the parquet files into datasets' Arrow cache.
 "first pass s" is the warm-up pass; with ``cache_dir`` it includes building our Arrow cache.
 
-    HF_HUB_OFFLINE=1 python benchmarks/bench_lerobot_io.py            # ~1 min on 1 core
-    HF_HUB_OFFLINE=1 python benchmarks/bench_lerobot_io.py --episodes 64 --passes 5
+    HF_HUB_OFFLINE=1 python benchmarks/data/bench_lerobot_io.py            # ~1 min on 1 core
+    HF_HUB_OFFLINE=1 python benchmarks/data/bench_lerobot_io.py --episodes 64 --passes 5
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -34,9 +33,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-import common  # the benchmarks/ folder is on sys.path as the script's own
-
+from benchmarks import harness
 from packing.datasets import LeRobotEpisodes
 
 LATENT = (48, 8, 16)
@@ -253,8 +252,6 @@ def main() -> None:
         "benchmark": "lerobot_io",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine(),
-        "git_commit": common._git_commit(),
-        "packing_src_sha1": common._source_hash(),
         "config": {
             "episodes": n,
             "frames": sum(lengths),
@@ -268,8 +265,7 @@ def main() -> None:
         "decode_counts": by_root._reader.decode_counts,
         "table_markdown": table,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2))
+    harness.write_doc(args.out, record)
     print(f"\nwrote {args.out}")
     cache_tmp.cleanup()
     if tmp is not None:

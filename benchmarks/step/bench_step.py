@@ -11,7 +11,7 @@ optimizer step consumes the same set of episodes in every variant:
   mask: one unpadded episode needs none) -- the strongest unpacked setup.
 * ``lean``: one episode per micro-step, exact length, SDPA flash, one compiled block function
   (``dynamic=True``) over the same modules, inputs prepared ahead, none of the reference
-  path's per-micro-step host work (benchmarks/baselines.py).
+  path's per-micro-step host work (benchmarks/step/baselines.py).
 * ``bucket_sdpa`` / ``bucket_flex`` / ``bucket_crop``: length bucketing as Open-Sora 2.0 does
   it (``--buckets`` frame buckets, a batch size per bucket for about equal micro-step tokens,
   rows padded with a key-padding mask through SDPA or Flex, or cropped to the bucket below);
@@ -26,8 +26,9 @@ optimizer step consumes the same set of episodes in every variant:
   not in the default list).
 
 Reported: step time (median over timed steps, CUDA events), real tokens/s, ratio vs the
-unpacked baseline, peak memory, MFU (useful FLOPs: 6 * block params * tokens + in-episode
-attention pairs, over the measured 790 TFLOP/s bf16 peak), and graphs compiled after warm-up
+unpacked baseline, peak memory, MFU (model FLOPs of the real tokens from
+`benchmarks/harness/flops.py`, against the measured 790 and the datasheet 989 TFLOP/s, each
+field named by its peak), and graphs compiled after warm-up
 (recompiles). Packs are drawn at random each step.
 
 Every step's loss is recorded (on the device, read after the timed loop) and compared with the
@@ -35,8 +36,8 @@ unpacked variant's on the same episodes ("loss rel diff"). A non-finite loss mar
 an error: in session 2 a packed row was timed on NaN weights (a varlen padding bug since
 fixed), and its GEMMs ran 20% faster than on real data.
 
-    python benchmarks/bench_step.py                 # H200 (~6 min)
-    python benchmarks/bench_step.py --quick         # tiny model on CPU, for CI
+    python benchmarks/step/bench_step.py                 # H200 (~6 min)
+    python benchmarks/step/bench_step.py --quick         # tiny model on CPU, for CI
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import baselines as bl
-import common
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import packing.model._dit as pm
+from benchmarks import harness
+from benchmarks.attention import backends
+from benchmarks.harness import ZERO, EpisodeShape, Flops, dit_flops, mfu
+from benchmarks.step import baselines as bl
 from packing.data import PackedBatch, PackedCollator, Stream
 from packing.model import DiT, DiTConfig, text_tokens
 from packing.train import StepProfiler
@@ -124,38 +126,34 @@ _LIB_ATTENTION = pm.packed_attention
 
 
 def sdpa_one_episode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
-    """(T, H, D) of ONE unpadded episode: no mask is needed, so SDPA picks flash."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None])  # fmt: skip
+    """(T, H, D) of ONE unpadded episode: no mask is needed; SDPA's default dispatch (forcing
+    FLASH ran 1.88x slower than the default on a 7K-token episode of the H200)."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                       v.transpose(0, 1)[None])  # fmt: skip
     return o[0].transpose(0, 1)
 
 
 # -- FLOPs ------------------------------------------------------------------------------------
-def block_params(cfg: DiTConfig) -> int:
-    d, f = cfg.dim, cfg.ffn_dim
-    return 3 * d * d + d * d + d * d + 2 * d * d + d * d + 2 * d * f  # qkv,out,q,kv,out,ffn
+def episode_shape(cfg: DiTConfig, ep: dict[str, Any]) -> EpisodeShape:
+    """The token counts `harness.flops.dit_flops` needs, from one episode's tensors."""
+    return EpisodeShape(
+        ep["latents"].shape[0] * cfg.tokens_per_frame, ep["action"].shape[0], ep["text"].shape[0]
+    )
 
 
-def step_flops(cfg: DiTConfig, episodes: list[dict[str, Any]]) -> float:
+def step_flops(cfg: DiTConfig, episodes: list[dict[str, Any]]) -> Flops:
     """Useful fwd+bwd FLOPs of one optimizer step over these (unpadded) episodes."""
-    tpf = cfg.tokens_per_frame
-    return lengths_flops(
-        cfg, [(ep["latents"].shape[0] * tpf + ep["action"].shape[0], ep["text"].shape[0])
-              for ep in episodes],
-    )  # fmt: skip
+    return dit_flops(cfg, [episode_shape(cfg, ep) for ep in episodes])
 
 
-def lengths_flops(cfg: DiTConfig, joint_and_text: list[tuple[int, int]]) -> float:
-    """Useful fwd+bwd FLOPs of episodes of (joint tokens, text tokens)."""
-    total = 0.0
-    for j, n_text in joint_and_text:
-        dense = 6.0 * block_params(cfg) * j
-        attn = 3.5 * 4.0 * (j * j + j * n_text) * cfg.head_dim * cfg.heads
-        total += cfg.depth * (dense + attn)
-    return total
+def mfu_fields(flops: Flops, seconds: float) -> dict[str, float]:
+    """The MFU columns every row reports: against both peaks, named, plus the hardware
+    count's achieved TFLOP/s (attention at 3.5x) beside the model count's."""
+    return {
+        **mfu(flops, seconds),
+        "model TFLOP/s": flops.model / seconds / 1e12 if seconds > 0 else 0.0,
+        "hardware TFLOP/s": flops.hardware / seconds / 1e12 if seconds > 0 else 0.0,
+    }
 
 
 # -- one variant ---------------------------------------------------------------------------
@@ -245,7 +243,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
             if dev.type == "cuda" and kind != "cudagraphs":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            g0 = common.dynamo_counters()["unique_graphs"]
+            g0 = harness.dynamo_counters()["unique_graphs"]
         denom = {"latents": float(sum(e["latents"].shape[0] * tpf for e in eps)),
                  "action": float(sum(e["action"].shape[0] for e in eps))}  # fmt: skip
         started = _timer(dev)
@@ -285,9 +283,9 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
     losses = torch.stack(step_losses).tolist()
     timed = steps_eps[args.warmup :]
     tok = [sum(e["latents"].shape[0] * tpf + e["action"].shape[0] for e in eps) for eps in timed]
-    t = common.summarize(times)
+    t = harness.summarize(times)
     ms_total = sum(times)
-    flops = sum(step_flops(mcfg, eps) for eps in timed)
+    flops = sum((step_flops(mcfg, eps) for eps in timed), ZERO)
     micro = sum(len(p) for p in plans[args.warmup :]) / max(len(timed), 1)
     resolved = None
     try:
@@ -298,7 +296,7 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
         resolved = f"? {type(e).__name__}"
     return {
         "variant": name,
-        "attention": "sdpa flash (per episode)" if kind == "unpacked" else resolved,
+        "attention": "sdpa default dispatch (per episode)" if kind == "unpacked" else resolved,
         "compiled": compiled,
         "steps timed": len(times),
         "micro-steps/step": micro,
@@ -306,19 +304,102 @@ def run_variant(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[
         "p10-p90 ms": f"{t.p10_ms:.0f}-{t.p90_ms:.0f}",
         "tokens/s": sum(tok) / (ms_total * 1e-3),
         "peak GB": peak / 1e9,
-        "MFU": flops / (ms_total * 1e-3) / (common.H200_BF16_PEAK_TFLOPS * 1e12),
-        "recompiles after warm-up": common.dynamo_counters()["unique_graphs"] - (g0 or 0),
+        **mfu_fields(flops, ms_total * 1e-3),
+        "recompiles after warm-up": harness.dynamo_counters()["unique_graphs"] - (g0 or 0),
         "losses": losses,
         "timing": t.as_dict(),
         "profile": profile,
     }
 
 
+def opensora_pool(args: Any, cfg: DiTConfig, bounds: list[int]) -> list[dict[str, Any]]:
+    """Fresh episodes of the regime's lengths, enough for ``warmup + steps`` full bucket
+    batches (Open-Sora trains a bucket's batch only once it is full; the rest waits)."""
+    tpf = cfg.tokens_per_frame + ACTIONS_PER_FRAME
+    rng = torch.Generator().manual_seed(args.seed + 7)
+    prng = random.Random(args.seed + 7)
+    counts: dict[int, int] = {}
+    pool: list[dict[str, Any]] = []
+    need = args.warmup + args.steps
+    while len(pool) < 4000:
+        full = sum(c // bl.opensora_rows(L, args.budget) for L, c in counts.items())
+        if full >= need:
+            break
+        f = prng.randint(args.fmin, args.fmax)
+        L = next(b for b in bounds if b >= f * tpf)
+        counts[L] = counts.get(L, 0) + 1
+        pool.append(make_episode(10_000 + len(pool), f, cfg, rng))
+    return pool
+
+
+_PROBES: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def probe_attention(kind: str, args: Any, cfg: DiTConfig, prepared: list[Any], plans: list[Any],
+                    dev: torch.device) -> dict[str, Any]:  # fmt: skip
+    """The self- and cross-attention this baseline runs: the fastest candidate on its own
+    shapes (`benchmarks/attention/backends.py`), probed once per regime and kind of shape;
+    ``--probe none`` keeps SDPA's default dispatch. Every timing goes into the row's JSON."""
+    h, hd = cfg.heads, cfg.head_dim
+    on_gpu = dev.type == "cuda"
+    wanted = args.probe.split(",") if args.probe not in ("none", "") else ["sdpa"]
+    if not on_gpu:
+        wanted = ["sdpa"]  # the CPU smoke: one candidate, the probe's code still runs
+    masked_self = kind in ("bucket_sdpa", "bucket_opensora")
+    if kind == "lean":
+        lengths = [x.tokens for inputs in prepared for x in inputs]
+        text = max(x.text.shape[0] for inputs in prepared for x in inputs)
+        picks = backends.representative(lengths, 2)
+        self_shapes = [(1, h, n, n, hd) for n in picks]
+        cross_shapes = [(1, h, n, text, hd) for n in picks]
+    else:
+        flat = sorted((b for p in plans for b in p), key=lambda b: b.L)
+        picks = [flat[len(flat) // 2], flat[-1]] if len(flat) > 1 else flat
+        self_shapes = [(b.slots // b.L, h, b.L, b.L, hd) for b in picks]
+        cross_shapes = [(b.slots // b.L, h, b.L, cfg.text_len, hd) for b in picks]
+    key = (args.regime, kind if masked_self else "unmasked" if kind != "bucket_flex" else "flex",
+           tuple(self_shapes))  # fmt: skip
+    if key in _PROBES:
+        return _PROBES[key]
+    pool_self = backends.masked() if masked_self else backends.unmasked()
+    if kind == "bucket_sdpa":  # the SDPA row: SDPA's backends only (Flex has its own row)
+        pool_self.pop("flex")
+    self_c = {n: f for n, f in pool_self.items() if n in wanted or n == "sdpa"}
+    cross_c = {n: f for n, f in backends.masked().items() if n in wanted and n != "flex"}
+    cross_c.setdefault("sdpa", backends.sdpa)
+
+    def key_mask(shape: tuple[int, ...], name: str) -> Any:
+        b, _, _, lk, _ = shape
+        n = max(1, lk * 9 // 10) if lk > 1 else 1  # 10% padding in every row
+        lengths = torch.full((b,), n, device=dev)
+        if name == "flex":
+            return bl.key_padding_block_mask(lengths, lk)
+        return (torch.arange(lk, device=dev)[None] < lengths[:, None])[:, None, None]
+
+    def text_mask(shape: tuple[int, ...], name: str) -> Any:
+        b, _, _, lk, _ = shape
+        keep = torch.zeros(b, 1, 1, lk, dtype=torch.bool, device=dev)
+        keep[..., : min(lk, 31)] = True  # ~31 text tokens an episode, the rest padding
+        return keep
+
+    out: dict[str, Any] = {}
+    if kind == "bucket_flex":
+        out["self"] = {"role": "self", "chosen": "flex", "note": "the Flex row: not probed"}
+    else:
+        out["self"] = backends.choose("self", self_shapes, self_c, device=dev,
+                                      make_mask=key_mask if masked_self else None)  # fmt: skip
+    out["cross"] = backends.choose("cross", cross_shapes, cross_c, device=dev,
+                                   make_mask=None if kind == "lean" else text_mask)  # fmt: skip
+    _PROBES[key] = out
+    return out
+
+
 def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict[str, Any]]],
                  dev: torch.device, state: dict[str, torch.Tensor]) -> dict[str, Any]:  # fmt: skip
-    """The lean per-episode loop or length bucketing (benchmarks/baselines.py) on the same
-    steps, weights and per-episode noise as `run_variant`; inputs prepared before the timed
-    loop (a data loader's work)."""
+    """The lean per-episode loop or length bucketing (benchmarks/step/baselines.py) on the
+    same steps, weights and per-episode noise as `run_variant` (``bucket_opensora``: its own
+    pool of episodes, one bucket a step); inputs prepared before the timed loop (a data
+    loader's work); attention probed on the run's shapes (`probe_attention`)."""
     kind = name.split(":")[0]
     # No dynamo reset: the baselines' compiled block is their own function (not Block.forward),
     # so its graphs carry over between the baseline variants and regimes of one run.
@@ -338,30 +419,46 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
         lean = torch.compile(bl.lean_episode_loss, dynamic=True)
     tpf = cfg.tokens_per_frame + ACTIONS_PER_FRAME
     mode = "crop" if kind == "bucket_crop" else "pad"
-    bounds = bl.bounds_for(mode, args.fmin * tpf, args.fmax * tpf, args.buckets, tpf)
-    attn = {"bucket_flex": bl.flex_masked, "bucket_crop": bl.sdpa_flash}.get(kind, bl.sdpa_masked)
-    prepared, plans = [], []
-    for s, eps in enumerate(steps_eps):
-        inputs = bl.prepare_episodes(model, eps, s, dev)
-        prepared.append(inputs)
-        if kind != "lean":
-            plans.append(bl.bucket_step(inputs, bounds, args.budget, mode, cfg.text_len, dev))
+    n_buckets = args.opensora_buckets if kind == "bucket_opensora" else args.buckets
+    bounds = bl.bounds_for(mode, args.fmin * tpf, args.fmax * tpf, n_buckets, tpf)
+    prepared: list[Any] = []
+    plans: list[Any] = []
+    deferred = None
+    if kind == "bucket_opensora":
+        pool = bl.prepare_episodes(model, opensora_pool(args, cfg, bounds), 0, dev)
+        batches, deferred = bl.opensora_steps(pool, bounds, args.budget, cfg.text_len, dev,
+                                              args.seed)  # fmt: skip
+        plans = [[b] for b in batches[: args.warmup + args.steps]]
+        prepared = [[] for _ in plans]
+    else:
+        for s, eps in enumerate(steps_eps):
+            inputs = bl.prepare_episodes(model, eps, s, dev)
+            prepared.append(inputs)
+            if kind != "lean":
+                plans.append(bl.bucket_step(inputs, bounds, args.budget, mode, cfg.text_len, dev))
+    probe = probe_attention(kind, args, cfg, prepared, plans, dev)
+    chosen_self, chosen_cross = probe["self"]["chosen"], probe["cross"]["chosen"]
+    self_fn = (backends.unmasked() | backends.masked())[chosen_self]
+    cross_fn = backends.masked()[chosen_cross]
 
     def micro_step(item: Any, dv: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
         """One micro-step's forward and backward; its share of the step loss (detached)."""
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             if kind == "lean":
                 x = item
-                loss = lean(model, x.xt_v, x.v_v, x.xt_a, x.v_a, x.t, x.thw, x.text, dv, da)
+                loss = lean(model, x.xt_v, x.v_v, x.xt_a, x.v_a, x.t, x.thw, x.text, dv, da,
+                            self_fn, cross_fn)  # fmt: skip
             else:
                 mask = (bl.key_padding_block_mask(item.lengths_B, item.L)
-                        if kind == "bucket_flex" else _key_padding(item, dev))  # fmt: skip
-                loss = bucket(model, *item.args, attn, mask, dv, da)
+                        if chosen_self == "flex" else _key_padding(item, dev))  # fmt: skip
+                if kind == "bucket_crop":
+                    mask = None  # cropped rows are exact: no padding to mask
+                loss = bucket(model, *item.args, self_fn, mask, dv, da, cross_fn)
         loss.backward()
         return loss.detach().float()
 
     started = time.monotonic()
-    graphs0 = common.dynamo_counters()["unique_graphs"]
+    graphs0 = harness.dynamo_counters()["unique_graphs"]
     if compiled:
         # Dynamic shapes still compile more than one graph: dynamo specialises a batch of one
         # row (its 0/1 rule), inductor guards on a length's divisibility by 8 and on size
@@ -374,7 +471,7 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
             for item in inputs if kind == "lean" else plans[s]:
                 micro_step(item, one, one)
             opt.zero_grad(set_to_none=True)
-    graphs = common.dynamo_counters()["unique_graphs"] - graphs0
+    graphs = harness.dynamo_counters()["unique_graphs"] - graphs0
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -391,7 +488,7 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
             if dev.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            g0 = common.dynamo_counters()["unique_graphs"]
+            g0 = harness.dynamo_counters()["unique_graphs"]
         # the step's denominators: the tokens trained on (cropped tokens are not)
         if kind == "lean":
             n_v = sum(x.xt_v.shape[0] for x in inputs)
@@ -401,16 +498,31 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
             n_a = sum(b.args[2].shape[0] for b in plans[s])
         dv = torch.tensor(float(n_v), device=dev)
         da = torch.tensor(float(n_a), device=dev)
-        started = _timer(dev)
+        clock = _timer(dev)
         step_loss = torch.zeros((), device=dev)
         for item in inputs if kind == "lean" else plans[s]:
             step_loss += micro_step(item, dv, da)
         step_losses.append(step_loss)
-        finish_step(opt, dev, started, s >= args.warmup, times)
+        finish_step(opt, dev, clock, s >= args.warmup, times)
     times = _elapsed(dev, times)
     if len(times) < 2:
         raise RuntimeError(f"{cut or 'no timed steps'}: {len(times)} timed, too few to report")
     peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
+    profile = None
+    if args.profile and kind == "lean":
+        # As the packed step is profiled: one extra, untimed step under StepProfiler, the
+        # per-micro-step records of every episode and the kernel table of the longest one.
+        last = prepared[-1]
+        longest = max(range(len(last)), key=lambda i: last[i].tokens)
+        prof = StepProfiler(enabled=True, kernel_step=longest, device=dev)
+        one = torch.ones((), device=dev)
+        for x in last:
+            with prof.micro_step(tokens=x.tokens, padded_tokens=x.tokens, documents=1):
+                micro_step(x, one, one)
+        opt.zero_grad(set_to_none=True)
+        profile = prof.as_dict()
+        if prof.kernel_table is not None:
+            print(f"\n{name}\n{prof.kernel_table.markdown()}\n", flush=True)
     ran = slice(args.warmup, args.warmup + len(times))  # the timed steps (fewer if cut)
     timed = steps_eps[ran]
     tpf_v = cfg.tokens_per_frame
@@ -418,7 +530,9 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
     ms_total = sum(times)
     row: dict[str, Any] = {
         "variant": name,
-        "attention": BASELINE_ATTENTION[kind],
+        "attention": f"self {chosen_self}, cross {chosen_cross} (probed)",
+        "attention probe": probe,
+        "profile": profile,
         "compiled": compiled,
         "steps timed": len(times),
         "micro-steps/step": (
@@ -430,21 +544,26 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
         "compile s": compile_s,
         "graphs": graphs,
         "cut": cut,
-        "step ms": common.summarize(times).median_ms,
+        "step ms": harness.summarize(times).median_ms,
         "p10-p90 ms": "{:.0f}-{:.0f}".format(*_p10_p90(times)),
         "peak GB": peak / 1e9,
-        "recompiles after warm-up": common.dynamo_counters()["unique_graphs"] - (g0 or 0),
+        "recompiles after warm-up": harness.dynamo_counters()["unique_graphs"] - (g0 or 0),
         "losses": torch.stack(step_losses).tolist(),
-        "timing": common.summarize(times).as_dict(),
+        "timing": harness.summarize(times).as_dict(),
     }
-    if kind == "bucket_crop":  # tokens/s and MFU count what was trained on, not what was cut
-        rows_jt = [jt for p in plans[ran] for b in p for jt in b.rows_jt]
-        row["tokens/s"] = sum(j for j, _ in rows_jt) / (ms_total * 1e-3)
-        flops = lengths_flops(cfg, rows_jt)
+    if kind == "bucket_opensora":
+        row["deferred episodes"] = deferred  # a bucket's partial batch waits for the next epoch
+        row["episodes/step"] = sum(len(b.row_shapes) for p in plans[ran] for b in p) / len(times)
+    if kind in ("bucket_crop", "bucket_opensora"):
+        # tokens/s and MFU count what was trained on: cropped tokens are not, and Open-Sora's
+        # steps are its own pool's batches, not the shared steps' episodes
+        shapes = [sh for p in plans[ran] for b in p for sh in b.row_shapes]
+        row["tokens/s"] = sum(sh.joint for sh in shapes) / (ms_total * 1e-3)
+        flops = dit_flops(cfg, shapes)
     else:
         row["tokens/s"] = sum(tok) / (ms_total * 1e-3)
-        flops = sum(step_flops(cfg, eps) for eps in timed)
-    row["MFU"] = flops / (ms_total * 1e-3) / (common.H200_BF16_PEAK_TFLOPS * 1e12)
+        flops = sum((step_flops(cfg, eps) for eps in timed), ZERO)
+    row.update(mfu_fields(flops, ms_total * 1e-3))
     if kind != "lean":
         flat = [b for p in plans[ran] for b in p]
         real = sum(b.real_tokens for b in flat)
@@ -458,8 +577,6 @@ def run_baseline(name: str, args: Any, cfg: DiTConfig, steps_eps: list[list[dict
 
 
 _COMPILED_BLOCK: Any = None
-
-BASELINE_ATTENTION = bl.ATTENTION_NAMES
 
 
 def _forget_compiled_block() -> None:
@@ -506,7 +623,7 @@ def _elapsed(dev: torch.device, times: list[Any]) -> list[float]:
 
 
 def _p10_p90(times: list[float]) -> tuple[float, float]:
-    t = common.summarize(times)
+    t = harness.summarize(times)
     return t.p10_ms, t.p90_ms
 
 
@@ -549,8 +666,8 @@ def run_fill_axis(args: Any, cfg: DiTConfig, regime: tuple[int, int, int, int], 
         times = _elapsed(dev, times)
         real = [sum(e["latents"].shape[0] * tpf for e in eps) for eps in eps_list[args.warmup :]]
         rows.append({"fill target": f, "fill": sum(real) / (len(real) * budget),
-                     "step ms": common.summarize(times).median_ms,
-                     "timing": common.summarize(times).as_dict()})  # fmt: skip
+                     "step ms": harness.summarize(times).median_ms,
+                     "timing": harness.summarize(times).as_dict()})  # fmt: skip
     full = max(rows, key=lambda r: r["fill target"])
     for r in rows:
         r["ms / (fill x full ms)"] = r["step ms"] / (r["fill"] / full["fill"] * full["step ms"])
@@ -568,6 +685,7 @@ def variant_row(
             "bucket_sdpa",
             "bucket_flex",
             "bucket_crop",
+            "bucket_opensora",
         ):
             row = run_baseline(name, args, cfg, steps_eps, dev, state)
         else:
@@ -579,13 +697,13 @@ def variant_row(
         # NaN weights run at another speed (data-dependent GEMM power): not a valid timing.
         row["error"] = f"non-finite loss from step {bad[0]} on: timings not valid"
     row["regime"] = regime
-    row["episodes/step"] = sum(len(e) for e in steps_eps) / len(steps_eps)
+    row.setdefault("episodes/step", sum(len(e) for e in steps_eps) / len(steps_eps))
     print({k: v for k, v in row.items() if k not in ("timing", "profile", "losses")}, flush=True)
     return row
 
 
 def main() -> None:
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = harness.base_parser(__doc__.splitlines()[0])
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per variant")
     p.add_argument("--warmup", type=int, default=3)
@@ -601,7 +719,29 @@ def main() -> None:
     p.add_argument("--variant-limit", type=float, default=0.0,
                    help="seconds a baseline variant may run (compile included); past it the "
                    "variant stops at a step boundary and reports the steps it timed")  # fmt: skip
-    p.add_argument("--profile", action="store_true", help="packing.train._profile kernel tables")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="kernel tables (packing.train.StepProfiler) of packed and lean steps",
+    )
+    p.add_argument(
+        "--probe",
+        default="sdpa,sdpa_flash,sdpa_cudnn,sdpa_efficient,flex,fa4",
+        help="attention candidates the baselines probe on their shapes ('none': "
+        "SDPA's default dispatch)",
+    )
+    p.add_argument(
+        "--opensora-buckets",
+        type=int,
+        default=8,
+        help="length buckets of bucket_opensora (Open-Sora's sampler)",
+    )
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=0.0,
+        help="start no variant past this many seconds (the JSON has what finished)",
+    )
     args = p.parse_args()
     dev = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -625,29 +765,32 @@ def main() -> None:
     del ref
     rows: list[dict[str, Any]] = []
     variants = {
-        "unpacked": "unpacked: 1 episode/micro-step, SDPA flash, compiled dynamic",
+        "unpacked": "unpacked: 1 episode/micro-step, SDPA default dispatch, compiled dynamic",
         "packed": "packed: backend auto, compiled",
         "packed_flex": "packed: backend flex (Triton), compiled",
         "padded": "padded: pad to longest, compiled",
         "per_token": "per_token: packed auto, timestep MLP per token (mistake)",
         "eager": "eager: packed auto, no compile",
         "cudagraphs": "cudagraphs: packed auto, compiled, CUDA graphs (reduce-overhead)",
-        "lean": "lean: 1 episode/micro-step, exact length, SDPA flash, blocks compiled dynamic",
+        "lean": "lean: 1 episode/micro-step, exact length, probed attention, blocks compiled dynamic",
         "lean_whole": "lean_whole: lean, the whole episode loss compiled dynamic (one graph)",
         "bucket_sdpa": "bucket_sdpa: length buckets, batch per bucket, padded, SDPA key mask",
         "bucket_flex": "bucket_flex: length buckets, batch per bucket, padded, Flex key mask",
         "bucket_crop": "bucket_crop: length buckets, batch per bucket, cropped (Open-Sora)",
+        "bucket_opensora": "bucket_opensora: Open-Sora's sampler, more buckets, one bucket a step",
     }
     fill_rows: list[dict[str, Any]] = []
     model_info = cfg.__dict__ | {"attention": None}
 
     def checkpoint() -> None:  # the first H200 step run was cut before its only write
-        common.write_json("step", args, {"rows": rows, "fill_axis": fill_rows,
+        harness.write_json("step", args, {"rows": rows, "fill_axis": fill_rows,
                           "model": model_info}, device=dev, partial=True)  # fmt: skip
 
+    t_start = time.monotonic()
     for rname in args.regimes.split(","):
         budget, fmin, fmax, max_docs = regimes[rname]
         args.budget, args.max_docs, args.fmin, args.fmax = budget, max_docs, fmin, fmax
+        args.regime = rname
         steps_eps = random_packs(args, cfg, budget, fmin, fmax, max_docs, args.warmup + args.steps)
         for v in args.variants.split(","):
             if v == "fill":
@@ -662,6 +805,11 @@ def main() -> None:
                 checkpoint()
                 continue
             name = variants[v]
+            if args.deadline_s and time.monotonic() - t_start > args.deadline_s:
+                rows.append({"variant": name, "regime": rname,
+                             "error": f"not run: past the {args.deadline_s:g} s deadline"})  # fmt: skip
+                checkpoint()
+                continue
             print(f"== {rname} {v} {time.strftime('%H:%M:%S')}", flush=True)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -692,20 +840,21 @@ def main() -> None:
             r["best baseline"] = best[r["regime"]]["variant"].split(":")[0]
         # the same episodes and weights; padded rows also train on their zero frames (a cost
         # model of a padded batch) and cropped rows on fewer, so their loss differs by design
-        comparable = not r["variant"].startswith(("padded", "bucket_crop"))
+        # (Open-Sora's steps are other batches of other episodes)
+        comparable = not r["variant"].startswith(("padded", "bucket_crop", "bucket_opensora"))
         if b and comparable and len(r["losses"]) == len(b["losses"]):
             r["loss rel diff"] = max(
                 abs(x - y) / abs(y) for x, y in zip(r["losses"], b["losses"], strict=True)
             )
     cols = ["regime", "variant", "attention", "episodes/step", "micro-steps/step", "step ms",
             "p10-p90 ms", "tokens/s", "vs unpacked", "vs lean", "vs best baseline",
-            "loss rel diff", "MFU", "padding fraction", "cropped fraction", "shapes", "peak GB",
+            "loss rel diff", "MFU of measured 790", "MFU of datasheet 989", "padding fraction", "cropped fraction", "shapes", "peak GB",
             "recompiles after warm-up", "steps timed", "compile s", "graphs", "cut", "error"]  # fmt: skip
-    print(common.markdown_table(rows, cols))
+    print(harness.markdown_table(rows, cols))
     if fill_rows:
-        print(common.markdown_table(fill_rows, ["regime", "fill target", "fill", "step ms",
+        print(harness.markdown_table(fill_rows, ["regime", "fill target", "fill", "step ms",
                                                 "ms / (fill x full ms)", "error"]))  # fmt: skip
-    common.write_json("step", args, {"rows": rows, "fill_axis": fill_rows, "model": model_info},
+    harness.write_json("step", args, {"rows": rows, "fill_axis": fill_rows, "model": model_info},
                       device=dev)  # fmt: skip
 
 

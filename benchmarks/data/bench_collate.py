@@ -20,8 +20,8 @@ Sizes: ``small`` (K ~ 6 episodes of 18-42 latent frames, budget 8K tokens: 2 MB 
 ``seed`` (4.6K-10.7K-token episodes, budget 64K: ~25 MB bf16, ~50 MB fp32), ``short``
 (0.3K-2.5K tokens, budget 48K); bf16 and fp32 latents; 1 thread and the default threads.
 
-    python benchmarks/bench_collate.py            # full sizes (~3 min on 2 cores)
-    python benchmarks/bench_collate.py --quick    # tiny, for CI
+    python benchmarks/data/bench_collate.py            # full sizes (~3 min on 2 cores)
+    python benchmarks/data/bench_collate.py --quick    # tiny, for CI
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import harness
 from packing.data import PackedCollator, Stream
 
 TOKENS_PER_FRAME = 32  # a 48x8x16 latent frame with 2x2 patches -> grid (4, 8)
@@ -49,7 +48,7 @@ ACTION_DIM = 14
 def make_episodes(
     rng: torch.Generator, budget: int, lo_tokens: int, hi_tokens: int, dtype: torch.dtype
 ) -> list[dict[str, Any]]:
-    lengths = common.fill_pack(rng, budget, lo_tokens, hi_tokens, multiple=TOKENS_PER_FRAME)
+    lengths = harness.fill_pack(rng, budget, lo_tokens, hi_tokens, multiple=TOKENS_PER_FRAME)
     eps = []
     for i, n in enumerate(lengths):
         f = n // TOKENS_PER_FRAME
@@ -129,13 +128,13 @@ def memcpy_gbs(mb: int = 64, iters: int = 20) -> float:
     """The machine's bare copy bandwidth (GB/s of payload: bytes read once, written once)."""
     src = torch.ones(mb * 2**20, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    t = common.time_host(lambda: dst.copy_(src), warmup=3, iters=iters)
+    t = harness.time_host(lambda: dst.copy_(src), warmup=3, iters=iters)
     return src.numel() / (t.median_ms * 1e-3) / 1e9
 
 
 def time_interleaved(
     methods: dict[str, Any], packs: list[Any], iters: int, warmup: int = 3
-) -> dict[str, common.Timing]:
+) -> dict[str, harness.Timing]:
     """Each method once per round, in turn, rotating the pack: a burst of load from a
     neighbour hits every method alike, so ratios stay meaningful on a shared machine.
 
@@ -161,11 +160,11 @@ def time_interleaved(
             if i >= warmup:
                 samples[m].append(dt)
                 faults[m] += f1 - f0
-    return {m: (common.summarize(v), faults[m] / max(iters, 1)) for m, v in samples.items()}
+    return {m: (harness.summarize(v), faults[m] / max(iters, 1)) for m, v in samples.items()}
 
 
 def main() -> None:
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = harness.base_parser(__doc__.splitlines()[0])
     p.add_argument("--packs", type=int, default=8, help="distinct packs per regime (rotated)")
     p.add_argument("--iters", type=int, default=40)
     p.add_argument(
@@ -207,8 +206,8 @@ def main() -> None:
         )
     cols = ["threads", "regime", "dtype", "method", "episodes/pack", "MB/pack", "ms",
             "p10-p90 ms", "GB/s", "vs bare copy", "vs naive", "page faults/call"]  # fmt: skip
-    print(common.markdown_table(rows + dl_rows, cols))
-    common.write_json(
+    print(harness.markdown_table(rows + dl_rows, cols))
+    harness.write_json(
         "collate",
         args,
         {"rows": rows + dl_rows, "threads": threads, "memcpy_gb_per_s": copy_gbs},

@@ -1,6 +1,6 @@
 """Fit §6's per-micro-step cost from bench_fsdp.py runs and re-predict 4 and 8 GPUs.
 
-    python benchmarks/fit_microsteps.py SWEEP.json REGIME.json [--out fit.json]
+    python benchmarks/distributed/fit_microsteps.py SWEEP.json REGIME.json [--out fit.json]
 
 SWEEP.json: ``bench_fsdp.py --sweep 1,2,4,8`` (the same episodes in exactly M packs, gradient
 reduce-scatter on every micro-step): least squares of ``step = a + M * x`` gives ``x``, what a
@@ -23,8 +23,10 @@ import random
 import sys
 from pathlib import Path
 
-import common  # the benchmarks/ folder is on sys.path as the script's own
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import harness
 
 REGIMES = {"seed": (144, 336), "short": (10, 79)}
 
@@ -65,8 +67,7 @@ def main() -> None:
     c_g = (pk["s/step"] - pk["micro-steps"] * x) / e
     print(f"fit over M = {[m for m, _ in pts]}: step = {a0:.3f} s + M x {x:.3f} s")
     print(f"{regime}, {w} GPUs: c = {c:.3f} s/episode, g = {c / c_g:.2f}")
-    out = {"command": " ".join(["python", *sys.argv]), "git_commit": common._git_commit(),
-           "packing_src_sha1": common._source_hash(), "inputs": [args.sweep, args.regime_run],
+    out = {"command": " ".join(["python", *sys.argv]), "inputs": [args.sweep, args.regime_run],
            "a": a0, "x": x, "points": pts, "c": c, "g": c / c_g, "predictions": []}  # fmt: skip
     print("| GPUs | x model | unpacked_sync s | packed s | packed gain |\n|---|---|---|---|---|")
     for n in (2, 4, 8):
@@ -76,7 +77,7 @@ def main() -> None:
             out["predictions"].append({"gpus": n, "x": name, "unpacked": tu, "packed": tp})
             print(f"| {n} | {name} ({xn:.3f} s) | {tu:.2f} | {tp:.2f} | {tu / tp:.2f}x |")
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        harness.write_doc(args.out, out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Planner benchmark: episodes/s and pack efficiency, against naive greedy and padding.
 
-    python benchmarks/bench_planner.py                            # 10K, 100K, 1M (~5 min, 1 core)
-    python benchmarks/bench_planner.py --sizes 10000,100000       # quick look
+    python benchmarks/data/bench_planner.py                            # 10K, 100K, 1M (~5 min, 1 core)
+    python benchmarks/data/bench_planner.py --sizes 10000,100000       # quick look
 
 Pinned to one CPU core. Fixed seeds; one warm-up call per algorithm; the median, p90 and best
 of ``--repeats`` timed calls of ``plan_packs`` (validation, packing and the CSR plan included).
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -33,9 +32,11 @@ import torch
 from packing.planning import _plan as plan_module
 from packing.planning import frames_to_tokens, plan_packs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import common  # the benchmarks/ folder is on sys.path as the script's own
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from reference import best_fit_lookahead_reference
+
+from benchmarks import harness
 
 ALGORITHMS = ["lookahead", "lookahead (before)", "bfd", "ffd", "next_fit"]
 
@@ -219,8 +220,6 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
-        "git_commit": common._git_commit(),
-        "packing_src_sha1": common._source_hash(),
         "cores_used": 1,
         "python": platform.python_version(),
         "numpy": np.__version__,
@@ -229,8 +228,7 @@ def main() -> None:
         "sweep": sweep,
         "replan": replan,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    harness.write_doc(args.out, result)
     print(f"\nwrote {args.out}  ({result['machine']}, numpy {np.__version__}, {result['date']})")
 
 

@@ -26,8 +26,8 @@ Masks: ``document`` (doc-only), ``frame_causal`` (32 tokens/frame), ``cross`` (v
 -> the episode's 64-512 text tokens). ``aligned`` rows start every episode at a multiple of
 128 (pad tokens between episodes) to show what tile alignment buys.
 
-    python benchmarks/bench_attention.py --fills 0.5,0.75,1.0   # H200, ~4 min
-    python benchmarks/bench_attention.py --quick               # tiny, CPU, for CI
+    python benchmarks/attention/bench_attention.py --fills 0.5,0.75,1.0   # H200, ~4 min
+    python benchmarks/attention/bench_attention.py --quick               # tiny, CPU, for CI
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks import harness
+from benchmarks.harness import pair_flops
 from packing.attention import (
     document_mask_mod,
     fa4_available,
@@ -116,7 +116,8 @@ class Case:
     def flops(self, mask: str, backward: bool) -> float:
         kv = self.text_lengths if mask == "cross" else None
         p = pairs(self.lengths, mask, kv)
-        return 4.0 * sum(p) * self.dim * self.heads * (3.5 if backward else 1.0)
+        # the hardware count (bwd = 2.5x fwd), as FlashAttention's papers report kernels
+        return pair_flops(sum(p), heads=self.heads, head_dim=self.dim, backward=backward)
 
 
 def _req(*ts: torch.Tensor) -> list[torch.Tensor]:
@@ -423,7 +424,7 @@ def methods_for(case: Case, mask: str, quick: bool) -> list[tuple[str, Callable[
 
 
 def main() -> None:
-    p = common.base_parser(__doc__.splitlines()[0])
+    p = harness.base_parser(__doc__.splitlines()[0])
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
@@ -455,7 +456,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for rname in args.regimes.split(","):
         budget, lo, hi = regimes[rname]
-        lengths = common.fill_pack(rng, budget - 128, lo, hi, multiple=TPF)
+        lengths = harness.fill_pack(rng, budget - 128, lo, hi, multiple=TPF)
         case = Case(f"{rname}: {len(lengths)} eps, {sum(lengths) / 1e3:.1f}K tok", lengths,
                     budget, args.heads, args.dim, dev, dtype, rng, text=True)  # fmt: skip
         print(f"\n## {case.name} (lengths {lengths})", flush=True)
@@ -499,11 +500,11 @@ def main() -> None:
                             for i, (a, b) in enumerate(zip(got_g, ref_grads, strict=True))
                         )
                     for bwd in (False, True):
-                        t = common.time_fn(run_fn(fn, call_ins, bwd), device=dev, warmup=2,
+                        t = harness.time_fn(run_fn(fn, call_ins, bwd), device=dev, warmup=2,
                                            iters=args.iters)  # fmt: skip
                         key = "fwd+bwd" if bwd else "fwd"
                         row[f"{key} ms"] = t.median_ms
-                        row[f"{key} TFLOP/s"] = common.tflops(case.flops(mask, bwd), t.median_ms)
+                        row[f"{key} TFLOP/s"] = harness.tflops(case.flops(mask, bwd), t.median_ms)
                         row[f"{key} timing"] = t.as_dict()
                 except Exception as e:  # a failing kernel is a row with its error, not a crash
                     row = {"regime": rname, "mask": mask, "method": label,
@@ -523,30 +524,30 @@ def main() -> None:
                 print({k: v for k, v in row.items() if "timing" not in k}, flush=True)
             rows += own_tensor_rows(case, mask, ref, ref_grads, g_out, rname, args.iters)
             rows += paired_rows(built, rname, mask, dev, args.paired)
-            common.write_json("attention", args, {"rows": rows, "fa4": fa4_available()},
+            harness.write_json("attention", args, {"rows": rows, "fa4": fa4_available()},
                               device=dev, partial=True)  # fmt: skip
     if args.fills:
         fills = [float(f) for f in args.fills.split(",")]
         for rname in args.regimes.split(","):
             rows += fill_rows(regimes[rname], rname, fills, args, dev, dtype, rng)
-            common.write_json("attention", args, {"rows": rows, "fa4": fa4_available()},
+            harness.write_json("attention", args, {"rows": rows, "fa4": fa4_available()},
                               device=dev, partial=True)  # fmt: skip
     summarize(rows)
     cols = ["regime", "mask", "method", "kernel", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms",
             "fwd+bwd TFLOP/s", "vs per-episode", "max err", "grad cosine"]  # fmt: skip
     print()
-    print(common.markdown_table([r for r in rows if "fill" not in r and "paired" not in r], cols))
+    print(harness.markdown_table([r for r in rows if "fill" not in r and "paired" not in r], cols))
     if any("paired" in r for r in rows):
         print()
-        print(common.markdown_table([r for r in rows if "paired" in r],
+        print(harness.markdown_table([r for r in rows if "paired" in r],
                                     ["regime", "mask", "method", "a ms", "b ms", "a vs b",
                                      "p10-p90"]))  # fmt: skip
     fill_cols = ["regime", "mask", "backend", "kernel", "fill", "episodes", "budget",
                  "budget ms", "tight budget", "tight ms", "vs tight", "error"]  # fmt: skip
     if any("fill" in r for r in rows):
         print()
-        print(common.markdown_table([r for r in rows if "fill" in r], fill_cols))
-    common.write_json("attention", args, {"rows": rows, "fa4": fa4_available(),
+        print(harness.markdown_table([r for r in rows if "fill" in r], fill_cols))
+    harness.write_json("attention", args, {"rows": rows, "fa4": fa4_available(),
                                           "flops_convention": "fwd 4*pairs*D*H; bwd 2.5x fwd"},
                       device=dev)  # fmt: skip
     if not fa4_available():
@@ -582,10 +583,10 @@ def own_tensor_rows(case: Case, mask: str, ref: torch.Tensor, ref_grads: list[to
             row["grad cosine"] = min(cosine(a, b, real, case, mask, i)
                                      for i, (a, b) in enumerate(zip(got_g, ref_grads, strict=True)))  # fmt: skip
             for bwd in (False, True):
-                t = common.time_fn(pe.run(bwd, g_out), device=case.device, warmup=2, iters=iters)
+                t = harness.time_fn(pe.run(bwd, g_out), device=case.device, warmup=2, iters=iters)
                 key = "fwd+bwd" if bwd else "fwd"
                 row[f"{key} ms"] = t.median_ms
-                row[f"{key} TFLOP/s"] = common.tflops(case.flops(mask, bwd), t.median_ms)
+                row[f"{key} TFLOP/s"] = harness.tflops(case.flops(mask, bwd), t.median_ms)
                 row[f"{key} timing"] = t.as_dict()
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -605,7 +606,7 @@ def paired_rows(built: dict[str, tuple[Callable[..., torch.Tensor], list[torch.T
         if pairs <= 0 or a_label not in built or b_label not in built:
             continue
         (fa, ia), (fb, ib) = built[a_label], built[b_label]
-        res = common.time_paired(run_fn(fa, ia, True), run_fn(fb, ib, True), device=dev,
+        res = harness.time_paired(run_fn(fa, ia, True), run_fn(fb, ib, True), device=dev,
                                  iters=pairs)  # fmt: skip
         row = {"regime": rname, "mask": mask, "method": f"{a_label} vs {b_label}, paired",
                "paired": res, "a ms": res["a median ms"], "b ms": res["b median ms"],
@@ -629,7 +630,7 @@ def fill_rows(regime: tuple[int, int, int], rname: str, fills: list[float], args
     if dev.type != "cuda":
         backends = ["auto"]
     for fill in fills:
-        lengths = common.fill_pack(rng, int(budget * fill) - (128 if fill >= 1 else 0), lo, hi,
+        lengths = harness.fill_pack(rng, int(budget * fill) - (128 if fill >= 1 else 0), lo, hi,
                                    multiple=TPF)  # fmt: skip
         tight = -(-sum(lengths) // 128) * 128
         for mask in ("document", "frame_causal"):
@@ -645,7 +646,7 @@ def fill_rows(regime: tuple[int, int, int], rname: str, fills: list[float], args
                         q, k, v = (torch.randn(b, args.heads, args.dim, generator=rng)
                                    .to(dev, dtype) for _ in range(3))  # fmt: skip
                         fn = lambda q, k, v, m=m: packed_attention(q, k, v, m)  # noqa: E731
-                        t = common.time_fn(run_fn(fn, [q, k, v], True), device=dev, warmup=2,
+                        t = harness.time_fn(run_fn(fn, [q, k, v], True), device=dev, warmup=2,
                                            iters=args.iters)  # fmt: skip
                         row[f"{key} ms"] = t.median_ms
                         row["kernel"] = f"{m.backend}/{m.kernel}"
