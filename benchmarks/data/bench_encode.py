@@ -35,10 +35,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-import common
-
+from benchmarks import harness as common
 from packing.encode import EncodeConfig, encode_dataset
 from packing.encode._source import TOLERANCE_S, Source
 from packing.encode._vae import load_vae

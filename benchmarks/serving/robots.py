@@ -31,9 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import base_parser, markdown_table, summarize, write_json
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.harness import base_parser, markdown_table, summarize, write_json
 from packing.model import DiT, DiTConfig
 from packing.serve import (
     DiTAdapter,
