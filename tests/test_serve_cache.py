@@ -327,16 +327,21 @@ def test_cuda_graph_cached_engine_equals_uncached_and_makes_no_sync():
 def test_a_request_removed_by_any_path_frees_its_pages_zeroed():
     model = _model()
     engine = Engine(model, _cached(pages=4, page_frames=2))
-    engine.submit(Request(context=_frames(3), frames=1, actions=2, session="arm", steps=3))
+    rid = engine.submit(Request(context=_frames(3), frames=1, actions=2, session="arm", steps=3))
     engine.step()
     pt = engine.pool.page_tokens
     engine.pool.k[:, : 2 * pt] = float("nan")  # its 2 pages: as a failed request's could be
-    engine._members, engine._left = [], True  # removed without cancel (e.g. a failed request)
+    assert engine._drop(rid)  # how cancel and the non-finite quarantine remove a member
     r = Request(context=_frames(1, 1), frames=1, actions=2, steps=3)  # 1 page; NaN pages masked
     engine.submit(r)
     (got,) = engine.run()
     assert "arm" not in engine.pages.entries and len(engine.pages.free) == 4
     assert _rel(got, _alone(model, r)) <= 1e-5
+    pool = engine.pages  # after a failed model call: entries whose request is gone are swept
+    pool.claim("gone", [b"x"], owner=41)
+    pool.claim("here", [b"y"], owner=42)
+    pool.sweep({42})
+    assert list(pool.entries) == ["here"]
 
 
 def test_the_benchmark_flop_count_matches_flop_counter_mode():

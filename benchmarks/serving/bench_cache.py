@@ -30,9 +30,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import base_parser, markdown_table, write_json
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.harness import base_parser, markdown_table, write_json
 from packing.model import DiT, DiTConfig
 from packing.model._dit import text_tokens
 from packing.serve import (

@@ -139,6 +139,7 @@ class _Entry:
     pages: list[int] = field(default_factory=list)
     running: bool = False
     ended: bool = False
+    owner: int = -1  # the request that claimed it last
 
 
 class PagePool:
@@ -159,8 +160,9 @@ class PagePool:
         self.mismatches = 0  # claims whose cached frames differed from the request's
         self.released: list[int] = []  # freed since take_released()
 
-    def claim(self, key: Key, hashes: list[bytes]) -> tuple[list[int], int]:
-        """(the pages of ``key``'s frames, how many frames are reused)."""
+    def claim(self, key: Key, hashes: list[bytes], owner: int) -> tuple[list[int], int]:
+        """(the pages of ``key``'s frames, how many frames are reused), for request
+        ``owner``; a request that claims again (rejoining after a failed call) reuses all."""
         e = self.entries.setdefault(key, _Entry())
         self.entries.move_to_end(key)
         reuse = 0
@@ -175,19 +177,20 @@ class PagePool:
         if len(e.pages) < need:
             self._make_room(need - len(e.pages), keep=key)
             e.pages += [self.free.pop() for _ in range(need - len(e.pages))]
-        e.hashes, e.running, e.ended = list(hashes), True, False
+        e.hashes, e.running, e.ended, e.owner = list(hashes), True, False, owner
         return list(e.pages), reuse
 
-    def sweep(self, live: set[Key]) -> None:
-        """Drop every running entry whose request is no longer in the pack (``live``): a
-        request removed by any path (cancelled, failed) leaves no pages held."""
-        for key in [k for k, e in self.entries.items() if e.running and k not in live]:
+    def sweep(self, live: set[int]) -> None:
+        """Drop every running entry whose request is not in ``live`` (request ids): a
+        request that left by any path (a failed model call) leaves no pages held."""
+        for key in [k for k, e in self.entries.items() if e.running and e.owner not in live]:
             self._drop(key)
 
-    def release(self, key: Key, keep: bool) -> None:
-        """The request of ``key`` left the pack; ``keep``: its session may send more."""
+    def release(self, key: Key, owner: int, keep: bool) -> None:
+        """Request ``owner`` of ``key`` left the pack; ``keep``: its session may send more
+        (a later chunk of the session that claimed since is left alone)."""
         e = self.entries.get(key)
-        if e is None:
+        if e is None or e.owner != owner:
             return
         e.running = False
         if not keep or e.ended:

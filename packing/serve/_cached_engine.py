@@ -29,7 +29,7 @@ from packing.serve._cache import CachedShape, Key, PagePool, frame_hashes, pages
 from packing.serve._cached_step import DevicePool, PrefillBlock, cached_step, prefill_step
 from packing.serve._engine import Engine, EngineConfig, _Member
 from packing.serve._pack import PackShape
-from packing.serve._request import Request, Result
+from packing.serve._request import Request
 from packing.serve._step import Buffers, GraphedStep
 
 __all__ = ["CachedEngine"]
@@ -61,11 +61,14 @@ class CachedEngine(Engine):
                 "cached; build the model with frame_causal=True or pass context_cache=None"
             )
         super().__init__(model, config, device=device)
+        shapes = self.shapes
         self.shapes = [
             CachedShape(frames=s.frames, actions=s.actions, requests=s.requests,
                         pool_pages=cc.pages, page_frames=cc.page_frames)
             for s in self.shapes
         ]  # fmt: skip
+        # The buffers `Engine` allocated, under the cached shapes (same sizes, same order).
+        self._buffers = {c: self._buffers[s] for c, s in zip(self.shapes, shapes, strict=True)}
         tpf = model.config.tokens_per_frame
         tail = max([s.frames * tpf + s.actions for s in self.shapes] + [cc.pass_sizes[-1] * tpf])
         self.cache = cc
@@ -80,15 +83,7 @@ class CachedEngine(Engine):
         return {**self.cache_stats, "mismatches": self.pages.mismatches,
                 "evictions": self.pages.evicted}  # fmt: skip
 
-    # -- the public calls it changes --------------------------------------------------------
-    def cancel(self, request_id: int) -> bool:
-        """`Engine.cancel`; a cancelled member's pages (its session's) are freed too."""
-        member = next((m for m in self._members if m.rid == request_id), None)
-        dropped = super().cancel(request_id)
-        if dropped and member is not None:
-            self.pages.release(member.key, keep=False)
-        return dropped
-
+    # -- the public call it changes, and where a request leaves -----------------------------
     def end_session(self, session: str) -> None:
         """Free ``session``'s pages (when its request in the pack, if any, leaves)."""
         super().end_session(session)
@@ -110,23 +105,43 @@ class CachedEngine(Engine):
                 "cache a shape's frames are the generated ones); add a larger shape"
             )
 
+    def _drop(self, rid: int) -> bool:
+        """A member leaves (finished, cancelled, non-finite): a finished chunk of a session
+        keeps its pages for the next; any other frees them."""
+        m = next((m for m in self._members if m.rid == rid), None)
+        dropped = super()._drop(rid)
+        if dropped and isinstance(m, _CachedMember):
+            done = m.step >= m.request.steps and m.request.session is not None
+            self.pages.release(m.key, m.rid, keep=done)
+        return dropped
+
+    def _nonfinite(self, m: _Member, step: int) -> None:
+        super()._nonfinite(m, step)  # a finished one's pages were kept: free them now
+        if isinstance(m, _CachedMember):
+            self.pages.release(m.key, m.rid, keep=False)
+
+    def _isolate(self, members: list, err: Exception) -> None:
+        super()._isolate(members, err)  # the requests it failed are in no pack now
+        self.pages.sweep({m.rid for m in self._members})
+
     def _member(self, rid: int, request: Request) -> _CachedMember:
+        m = super()._member(rid, request)  # its tokens: generated ones only (no context)
         key: Key = request.session if request.session is not None else rid
-        return _CachedMember(rid, request, admitted=self.clock, key=key,
-                             hashes=frame_hashes(request))  # fmt: skip
+        return _CachedMember(**vars(m), key=key, hashes=frame_hashes(request))
 
     def _recompose(self, shape: PackShape, staying: list, joining: list) -> None:
         """`Engine._recompose` (the generated tokens), then the pages: the joining requests
         claim theirs, the page tables are loaded, the frames not cached are prefilled."""
         super()._recompose(shape, staying, joining)
-        self.pages.sweep({m.key for m in self._members[: len(staying)]})
         prefill: list[tuple[int, _CachedMember, int]] = []
         for k, m in enumerate(self._members):
             if k >= len(staying):
-                m.pages, reuse = self.pages.claim(m.key, m.hashes)
+                rejoins = m.saved is not None  # after a failed call: its pages are still held
+                m.pages, reuse = self.pages.claim(m.key, m.hashes, m.rid)
                 prefill.append((k, m, reuse))
-                self.cache_stats["reused_frames"] += reuse
-                self.cache_stats["prefilled_frames"] += len(m.hashes) - reuse
+                if not rejoins:
+                    self.cache_stats["reused_frames"] += reuse
+                    self.cache_stats["prefilled_frames"] += len(m.hashes) - reuse
         P, pf = self.cache.pages, self.cache.page_frames
         page_doc = torch.full((P,), -1, dtype=torch.int64)
         page_frame, page_fill = torch.zeros(P, dtype=torch.int64), torch.zeros(P, dtype=torch.int64)
@@ -204,9 +219,3 @@ class CachedEngine(Engine):
     def _inner(self) -> InnerMask:  # frame-causal (the constructor refused other models)
         assert self.inner is not None
         return self.inner
-
-    def _result(self, m: _Member) -> Result:
-        assert isinstance(m, _CachedMember)
-        out = super()._result(m)
-        self.pages.release(m.key, keep=m.request.session is not None)
-        return out
