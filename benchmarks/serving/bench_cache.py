@@ -218,8 +218,13 @@ def closed_loop(engine: Engine, robots: list[list[Request]], dev: torch.device) 
 
     for rb in range(len(robots)):
         submit(rb)
-    while engine.active or engine.waiting:
-        done = engine.step()
+    while True:
+        # On CUDA a finished request comes back once its last non-finite flag reached the
+        # host, a step or two later; when nothing runs, run() waits for those still on the way.
+        busy = engine.active or engine.waiting
+        done = engine.step() if busy else engine.run()
+        if not busy and not done:
+            break
         mark = clock.mark()
         for res in done:
             rb, i = owner[res.request_id]
