@@ -112,7 +112,7 @@ def test_errors_name_the_key_and_the_fix() -> None:
     ds = make_rows(ORDER)
     with pytest.raises(KeyError, match=r"unknown key 'actions'.*'latents'"):
         HFEpisodes(ds, ["actions"])
-    with pytest.raises(KeyError, match="unknown column 'ep'"):
+    with pytest.raises(KeyError, match="episode_column='ep' is not a column"):
         HFEpisodes(ds, ["action"], episode_column="ep")
     with pytest.raises(ValueError, match="per-episode value"):
         HFEpisodes(ds, ["task"])
