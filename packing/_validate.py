@@ -27,6 +27,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_doc_ids",
+    "check_dtype",
     "check_finite",
     "check_int",
     "check_int_tuple",
@@ -141,6 +142,17 @@ def check_int_tuple(
     if length is not None and len(items) != length:
         raise ValueError(f"{name}={value!r} must hold {length} ints, got {len(items)}")
     return tuple(check_int(f"{name}[{i}]", v, min=min) for i, v in enumerate(items))
+
+
+def check_dtype(name: str, value: Any, *, optional: bool = False) -> torch.dtype | None:
+    """A floating ``torch.dtype`` (None too when ``optional``): ``'bf16'`` or ``'bfloat16'``
+    is refused, naming the accepted values, before torch reads it as a device string."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        accepted = "torch.bfloat16, torch.float16 or torch.float32" + (" or None" if optional else "")
+        raise TypeError(f"{name}={value!r} must be a floating torch.dtype; pass {accepted}")
+    return value
 
 
 def check_doc_ids(name: str, value: Any) -> torch.Tensor:
