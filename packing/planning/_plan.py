@@ -161,10 +161,14 @@ class PackPlan:
         tokens = cum[off[1:]] - cum[off[:-1]]
         if (tokens > budget).any():
             p = int(np.flatnonzero(tokens > budget)[0])
-            raise ValueError(f"PackPlan pack {p} holds {int(tokens[p])} tokens > token_budget={budget}")
+            raise ValueError(
+                f"PackPlan pack {p} holds {int(tokens[p])} tokens > token_budget={budget}"
+            )
         if max_docs is not None and (np.diff(off) > max_docs).any():
             p = int(np.flatnonzero(np.diff(off) > max_docs)[0])
-            raise ValueError(f"PackPlan pack {p} holds {int(np.diff(off)[p])} items > max_docs={max_docs}")
+            raise ValueError(
+                f"PackPlan pack {p} holds {int(np.diff(off)[p])} items > max_docs={max_docs}"
+            )
 
     def __len__(self) -> int:
         return len(self.offsets_P1) - 1
