@@ -422,7 +422,7 @@ def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
         num_replicas = dist.get_world_size() if live else 1
     if rank is None:
         rank = dist.get_rank() if live else 0
-    num_replicas = check_int("num_replicas", num_replicas, min=1, hint="data-parallel ranks")
+    num_replicas = check_int("num_replicas", num_replicas, min=1, max=2**20, hint="data-parallel ranks")
     rank = check_int("rank", rank, min=0)
     if not 0 <= rank < num_replicas:
         raise ValueError(f"rank={rank} is outside [0, num_replicas={num_replicas})")

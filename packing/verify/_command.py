@@ -138,7 +138,7 @@ class VerifyConfig:
         )
         check_int("seed", self.seed, min=0, max=2**63 - 1)
         check_real("lr", self.lr, above=0.0)
-        check_real("adam_eps", self.adam_eps, above=0.0)
+        check_real("adam_eps", self.adam_eps, min=0.0)
         for flag in ("dataset", "model", "reference"):
             if getattr(self, flag) is not None and not isinstance(getattr(self, flag), str):
                 raise TypeError(f"{flag}={getattr(self, flag)!r} must be a string or None")
