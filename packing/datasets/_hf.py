@@ -85,7 +85,7 @@ def _reordered(dataset: Any) -> bool:
     indices = getattr(dataset, "_indices", None)  # datasets' row mapping, None if identity
     if indices is None:
         return False
-    rows = np.asarray(indices.column(0).to_numpy())
+    rows = np.asarray(indices.column(0).to_numpy()).astype(np.int64)  # uint64: diff wraps
     return bool((np.diff(rows) < 0).any())
 
 
