@@ -49,7 +49,7 @@ def test_fill_packs_min_fill_true_is_refused() -> None:
 def test_shard_model_param_dtype_string_is_refused_by_packing() -> None:
     from packing.train import shard_model
 
-    with pytest.raises(TypeError, match="param_dtype='bf16'.*torch.bfloat16"):
+    with pytest.raises(TypeError, match=r"param_dtype='bf16'.*torch.bfloat16"):
         shard_model(torch.nn.Linear(2, 2), param_dtype="bf16")  # type: ignore[arg-type]
 
 
@@ -57,9 +57,13 @@ def test_hf_shuffled_without_frame_index_gap_none_task_and_empty() -> None:
     datasets = pytest.importorskip("datasets")
     from packing.datasets import HFEpisodes
 
-    rows = {"episode_index": [0, 0, 0, 1, 1], "x": [0.0, 1, 2, 3, 4], "task": ["a"] * 3 + [None] * 2}
+    rows = {
+        "episode_index": [0, 0, 0, 1, 1],
+        "x": [0.0, 1, 2, 3, 4],
+        "task": ["a"] * 3 + [None] * 2,
+    }
     ds = datasets.Dataset.from_dict(rows)
-    with pytest.raises(ValueError, match="reordered.*frame_column"):
+    with pytest.raises(ValueError, match=r"reordered.*frame_column"):
         HFEpisodes(ds.shuffle(seed=1), ["x"])
     with pytest.raises(KeyError, match="frame_column='frame_idx' is not a column"):
         HFEpisodes(ds, ["x"], frame_column="frame_idx")

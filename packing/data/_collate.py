@@ -90,7 +90,7 @@ class Stream:
                 f"tokens_per_step={self.tokens_per_step}"
             )
         if self.step_shape is not None:
-            dims = tuple(self.step_shape)
+            dims = tuple(check_sequence(where + "step_shape", self.step_shape))
             if not all(isinstance(s, int | np.integer) and not isinstance(s, bool) for s in dims):
                 raise TypeError(
                     f"stream {self.name!r}: step_shape={self.step_shape!r} must hold ints "

@@ -383,7 +383,9 @@ def layout_from_lengths(
     cached template joined by one ``np.concatenate`` (a memcpy); doc ids are one ``np.repeat``.
     """
     if not (
-        all(type(x) is int and x > 0 for x in lengths)
+        type(lengths) is list
+        and type(steps) is list
+        and all(type(x) is int and x > 0 for x in lengths)
         and all(type(x) is int and x > 0 for x in steps)
         and type(padded) is int
         and type(tokens_per_step) is int

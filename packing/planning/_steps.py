@@ -71,6 +71,11 @@ def step_token_budget(
         raise ValueError("pass exactly one of episodes_per_step= or step_seconds=")
     mean = float(lengths_N.mean())
     seconds_per_pair = check_real("seconds_per_pair", seconds_per_pair, min=0.0)
+    if episodes_per_step is not None and (seconds_per_token is not None or seconds_per_pair):
+        raise ValueError(
+            "seconds_per_token= and seconds_per_pair= are the cost model of step_seconds=; "
+            "with episodes_per_step= they would be ignored: drop them"
+        )
     if episodes_per_step is not None:
         episodes_per_step = check_real(
             "episodes_per_step", episodes_per_step, above=0.0, hint="episodes in a step, e.g. 16"
@@ -299,6 +304,17 @@ def compose_steps(
         )
     lengths_N = as_lengths(lengths)
     _check_fill(min_fill)
+    multiple = positive_int("multiple", multiple, "tokens, e.g. 128")
+    if token_budget is not None and (seconds_per_token is not None or seconds_per_pair != 0.0):
+        raise ValueError(
+            "seconds_per_token= and seconds_per_pair= are the cost model of step_seconds=; "
+            "with token_budget= they would be ignored: drop them"
+        )
+    if token_budget is not None and multiple != 128:
+        raise ValueError(
+            "multiple= rounds a budget made from episodes_per_step= or "
+            "step_seconds=; with token_budget= it would be ignored: drop it"
+        )
     if token_budget is None:
         token_budget = step_token_budget(
             lengths_N,

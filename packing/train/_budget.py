@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from packing._validate import check_int, check_real
+from packing._validate import check_int
 
 __all__ = ["ACCUM_BYTES", "MemoryModel", "Probe", "fit_memory_model", "probe_peak"]
 

@@ -17,6 +17,7 @@ the same steps up to the packs.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,8 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-
-import os
 
 from packing._validate import (
     check_bool,

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from packing._validate import check_real
 from packing.verify._leak import LeakReport
 
 __all__ = [
@@ -103,6 +104,10 @@ class Tolerances:
     param_rel: float | None = None
 
     def __post_init__(self) -> None:
+        check_real("loss_rel", self.loss_rel, min=0.0)
+        for name in ("grad_rel", "grad_cos", "param_rel"):
+            if getattr(self, name) is not None:
+                check_real(name, getattr(self, name), min=0.0)
         if self.grad_rel is None and self.grad_cos is None:
             raise ValueError("gate gradients by grad_rel or grad_cos (or both)")
 
