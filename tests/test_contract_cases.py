@@ -113,3 +113,80 @@ def test_budget_presets_match_param_count() -> None:
 def test_threads_above_the_cores_exit_2_before_torch_hangs() -> None:
     out = _cli("verify", "--threads", "100000")
     assert out.returncode == 2 and "--threads 100000 must be in [1," in out.stderr
+
+
+def _report(failures: list[str], worst_rel: float, scale: float) -> object:
+    from packing.verify import Tolerances, VerifyReport
+
+    tol = Tolerances(loss_rel=1e-6, grad_rel=1e-5, param_rel=1e-5)
+    return VerifyReport(
+        config={"lr": 1e-4}, tolerances=tol, steps=[object()] * 3, grads=[], param_rel=1e-8,
+        param_worst="blocks.0.norm.bias", param_worst_rel=worst_rel, episodes=12, tokens=100,
+        padded_tokens_unpacked=120, padded_tokens_packed=110, packs=3, pack_sizes=[4, 4, 4],
+        leak=None, failures=failures, param_worst_scale=scale,
+    )  # fmt: skip
+
+
+def test_verify_fail_says_what_to_try_next() -> None:
+    verdict = _report(["loss differs at step 0"], 1e-6, 1.0)._verdict()  # type: ignore[attr-defined]
+    assert (
+        verdict.startswith("FAIL: loss differs") and "docs/verify.md#what-verify-catches" in verdict
+    )
+
+
+def test_near_zero_note_only_when_the_tensor_is_near_zero_and_the_run_passed() -> None:
+    near = _report([], 2e-5, 3e-4)._worst_tensor_note()  # type: ignore[attr-defined]
+    assert "expected" in near and "3.00e-04" in near  # 3 steps x lr 1e-4: started at 0
+    big = _report([], 2e-5, 0.5)._worst_tensor_note()  # type: ignore[attr-defined]
+    assert "expected" not in big and "max|b| is 5.00e-01" in big
+    failed = _report(["gradients differ"], 2e-5, 3e-4)._worst_tensor_note()  # type: ignore[attr-defined]
+    assert "expected" not in failed  # a real failure's worst tensor is never excused
+
+
+def _lerobot_copy(tmp_path, feature: str, spec: dict) -> object:  # type: ignore[no-untyped-def]
+    import json
+    import shutil
+
+    from packing.datasets import default_dataset_root
+
+    root = tmp_path / "ds"
+    shutil.copytree(default_dataset_root(), root)
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info["features"][feature] = spec
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    return root
+
+
+def test_lerobot_int8_declared_for_float_data_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from packing.datasets import LeRobotEpisodes
+
+    root = _lerobot_copy(tmp_path, "action", {"dtype": "int8", "shape": [14], "names": None})
+    with pytest.raises(
+        ValueError, match=r"stored as torch.float32 but meta/info.json declares torch.int8"
+    ):
+        LeRobotEpisodes(root, ["action"])[0]
+
+
+def test_lerobot_missing_parquet_column_names_the_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from packing.datasets import LeRobotEpisodes
+
+    root = _lerobot_copy(tmp_path, "extra", {"dtype": "float32", "shape": [2], "names": None})
+    with pytest.raises(KeyError, match=r"file-000.parquet has no column 'extra'"):
+        LeRobotEpisodes(root, ["extra"])
+
+
+def test_pack_plan_built_by_hand_is_checked() -> None:
+    import numpy as np
+
+    from packing.planning import PackPlan
+
+    def plan(items: list[int]) -> PackPlan:
+        return PackPlan(
+            items_N=np.array(items), offsets_P1=np.array([0, len(items)]),
+            item_lengths=np.array([3, 4, 5]), token_budget=8,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="item 0 more than once"):
+        plan([0, 0])
+    with pytest.raises(ValueError, match="9 tokens > token_budget=8"):
+        plan([1, 2])
