@@ -37,7 +37,7 @@ class Probe:
         check_int("tokens", self.tokens, min=1)
         check_int("params", self.params, min=1)
         check_int("world", self.world, min=1, hint="ranks")
-        check_real("peak_bytes", self.peak_bytes, above=0, hint="bytes")
+        check_real("peak_bytes", self.peak_bytes, min=0, hint="bytes (0 on a CPU smoke run)")
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,9 @@ class MemoryModel:
     accum_bytes: float = ACCUM_BYTES
 
     def __post_init__(self) -> None:
-        check_real("fixed", self.fixed, hint="bytes; a fit may make it negative")
-        for name in ("per_token", "per_token_block", "state_bytes", "accum_bytes"):
+        for name in ("fixed", "per_token", "per_token_block"):  # fitted: any sign
+            check_real(name, getattr(self, name), hint="bytes, a least-squares fit")
+        for name in ("state_bytes", "accum_bytes"):
             check_real(name, getattr(self, name), min=0, hint="bytes")
 
     def peak(
