@@ -154,6 +154,12 @@ def _memory() -> Any:
     return MemoryModel(fixed=1e9, per_token=1e5, per_token_block=1e3)
 
 
+def _grid_layout() -> Any:
+    from packing.data import layout_from_lengths
+
+    return layout_from_lengths([4, 2], [2, 1], 8, tokens_per_step=2)
+
+
 def _ctx() -> torch.Tensor:
     return torch.zeros(1, 4, 2, 2)
 
@@ -165,6 +171,7 @@ Base = Callable[[], tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
 def _base() -> dict[str, Base]:
     import packing.attention as A
     import packing.data as D
+    import packing.integrations.diffusers as F
     import packing.model as M
     import packing.planning as P
     import packing.serve as S
@@ -232,6 +239,14 @@ def _base() -> dict[str, Base]:
         # verify
         "packing.VerifyConfig": lambda: (V.VerifyConfig, (), {}),
         "packing.verify.Tolerances": lambda: (V.Tolerances, (), {"loss_rel": 1e-6, "grad_rel": 1e-5}),
+        # the diffusers integration's functions that need no transformer
+        "packing.integrations.diffusers.per_token_timesteps": lambda: (
+            F.per_token_timesteps, (torch.tensor([700.0, 300.0]), _grid_layout()), {}),
+        "packing.integrations.diffusers.patchify": lambda: (F.patchify, (torch.zeros(2, 4, 4, 4), (2, 2)), {}),
+        "packing.integrations.diffusers.unpatchify": lambda: (
+            F.unpatchify, (torch.zeros(8, 16), (2, 2), (2, 2)), {}),
+        "packing.integrations.diffusers.pack_text_embeddings": lambda: (
+            F.pack_text_embeddings, ([torch.zeros(3, 8), torch.zeros(2, 8)],), {}),
         # serve (the serve/faults branches own their validation)
         "packing.serve.PackShape": lambda: (S.PackShape, (), {"frames": 2, "actions": 2, "requests": 1}),
         "packing.serve.VideoShape": lambda: (S.VideoShape, (), {"frames": 2, "text": 4, "requests": 1}),
@@ -336,8 +351,7 @@ NOT_CALLED.update({  # the diffusers integration: every entry needs a diffusers 
         "PackedAdapter.packed_forward", "PackedAdapter.run_blocks", "PackedLTX",
         "PackedLTX.rope_rows", "PackedLTX.packed_forward", "PackedWan", "PackedWan.rope_rows",
         "PackedWan.packed_forward", "ServedWan", "ServedWan.velocity", "install", "FamilyParts",
-        "drop_masked_rows", "pack_text_embeddings", "patchify", "per_token_timesteps",
-        "unpatchify",
+        "drop_masked_rows",
     ]
 })  # fmt: skip
 
