@@ -179,8 +179,16 @@ def check_doc_ids(name: str, value: Any) -> torch.Tensor:
     return value
 
 
-def check_finite(where: str, key: str, value: torch.Tensor) -> None:
-    """Raise a ValueError naming ``where`` (an episode), ``key`` and the first non-finite entry.
+def check_finite(
+    where: str,
+    key: str,
+    value: torch.Tensor,
+    *,
+    fix: str = "fix or drop this episode's data (a NaN or inf would make the loss NaN, not the "
+    "model)",
+) -> None:
+    """Raise a ValueError naming ``where`` (an episode, a request), ``key``, the first
+    non-finite entry and ``fix``.
 
     Integer tensors are always finite; floats are checked with one reduction."""
     import torch
@@ -193,6 +201,5 @@ def check_finite(where: str, key: str, value: torch.Tensor) -> None:
         index = tuple(int(i) for i in np.unravel_index(flat, tuple(value.shape)))
         raise ValueError(
             f"{where} {key!r} holds {value.reshape(-1)[flat].item()} at index {index} (first of "
-            f"{int(bad.sum())} non-finite values); fix or drop this episode's data (a NaN or inf "
-            "would make the loss NaN, not the model)"
+            f"{int(bad.sum())} non-finite values); {fix}"
         )

@@ -83,9 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distributed_options(v)
     _add_model_and_data_options(v)
     _add_optimizer_and_output_options(v)
-    from packing import _budget_command
+    from packing import _budget_command, _serve_command
 
     _budget_command.add_parser(sub)
+    _serve_command.add_parser(sub)
+    from packing import _encode_command
+
+    _encode_command.add_parser(sub)
     return parser
 
 
@@ -279,10 +283,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "verify":
         args.given = given_flags(_subparser(parser, "verify"), argv[argv.index("verify") + 1 :])
     try:
+        if hasattr(args, "run_command"):  # a command whose module gives its run (packing serve)
+            return int(args.run_command(args))
         if args.command == "budget":
             from packing import _budget_command
 
             return _budget_command.run(args)
+        if args.command == "encode":
+            from packing import _encode_command
+
+            return _encode_command.run(args)
         return _verify(args)
     except Exception as e:  # the contract: 2 bad input or environment, 3 a crash
         tb = getattr(args, "traceback", False)

@@ -11,10 +11,14 @@
 # Two virtualenvs, with the Python of .python-version (found through pyenv), one per end of the
 # range pyproject.toml declares (docs/compatibility.md):
 #   .venv         oldest: constraints.txt (torch 2.11, numpy 2.0, lerobot 0.6.1), extras
-#                 lerobot,hf,dev,diffusers,plot; `verify`, lint, mypy and `test-slow` run here
+#                 lerobot,hf,dev,diffusers,plot,serve; `verify`, lint, mypy and `test-slow` run here
 #   .venv-newest  newest: constraints-newest.txt (torch 2.15, numpy 2.5), extras
-#                 hf,dev,diffusers,plot; no lerobot (0.6.1 needs torch < 2.12), so the tests
+#                 hf,dev,diffusers,plot,serve; no lerobot (0.6.1 needs torch < 2.12), so the tests
 #                 that need lerobot's writer skip there, saying so
+# and a third, for the robot's side of the policy server:
+#   .venv-openpi  the unmodified openpi-client 0.1.2 (numpy < 2, so a venv of its own, as a robot
+#                 computer has), which tests/test_serve_openpi.py runs as real clients; its
+#                 python is exported as PACKING_OPENPI_PYTHON (PACKING_VENV_OPENPI moves it)
 # Each is made on first use and redone when pyproject.toml, its constraints file or this script
 # change. PACKING_VENV and PACKING_VENV_NEWEST move them.
 set -euo pipefail
@@ -65,8 +69,29 @@ setup() {
 
 venv=${PACKING_VENV:-$root/.venv}
 venv_newest=${PACKING_VENV_NEWEST:-$root/.venv-newest}
-setup_oldest() { setup "$venv" constraints.txt lerobot,hf,dev,diffusers,plot; }
-setup_newest() { setup "$venv_newest" constraints-newest.txt hf,dev,diffusers,plot; }
+venv_openpi=${PACKING_VENV_OPENPI:-$root/.venv-openpi}
+setup_oldest() { setup "$venv" constraints.txt lerobot,hf,dev,diffusers,plot,serve; }
+setup_newest() { setup "$venv_newest" constraints-newest.txt hf,dev,diffusers,plot,serve; }
+
+# The robot's venv: openpi-client as published (0.1.2 imports typing_extensions without
+# declaring it, so that is installed beside it), remade when this script changes.
+OPENPI_PINS="openpi-client==0.1.2 numpy==1.26.4 websockets==17.4 msgpack==1.2.4 typing_extensions==4.16.0"
+setup_openpi() {
+  local stamp_want
+  stamp_want=$(echo "$OPENPI_PINS" | cat - scripts/dev.sh | sha256sum | cut -c1-16)
+  if ! [ -x "$venv_openpi/bin/python" ] || [ "$(cat "$venv_openpi/.packing-stamp" 2>/dev/null)" != "$stamp_want" ]; then
+    if [ -f "$venv_openpi/pyvenv.cfg" ]; then rm -rf "$venv_openpi"; fi
+    "$(find_python)" -m venv "$venv_openpi"
+    # shellcheck disable=SC2086  # the pins are words
+    if ! "$venv_openpi/bin/python" -m pip install $OPENPI_PINS >"$venv_openpi/install.log" 2>&1; then
+      tail -n 20 "$venv_openpi/install.log" >&2
+      echo "error: installing openpi-client into $venv_openpi failed" >&2
+      exit 1
+    fi
+    echo "$stamp_want" > "$venv_openpi/.packing-stamp"
+  fi
+  export PACKING_OPENPI_PYTHON="$venv_openpi/bin/python"
+}
 
 # suite VENV [pytest options]: the suite but `slow` on one end of the range, headed by the
 # versions it runs (the suite's own closing line follows).
@@ -92,6 +117,7 @@ case "$cmd" in
     # Lint and types once (they do not depend on torch's version); the suite on both ends,
     # the second even when the first fails, so one run shows both.
     setup_oldest
+    setup_openpi
     "$venv/bin/ruff" check packing tests benchmarks
     "$venv/bin/ruff" format --check packing tests benchmarks
     "$venv/bin/mypy" packing
@@ -103,10 +129,12 @@ case "$cmd" in
     ;;
   test-oldest)
     setup_oldest
+    setup_openpi
     suite "$venv" constraints.txt "$@"
     ;;
   test-newest)
     setup_newest
+    setup_openpi
     suite "$venv_newest" constraints-newest.txt "$@"
     ;;
   test-slow)

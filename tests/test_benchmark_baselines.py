@@ -1,4 +1,4 @@
-"""The baselines' own logic (benchmarks/baselines.py, merge_step_runs.py, bench_diffusers_wan's
+"""The baselines' own logic (benchmarks/step/baselines.py, the attention probe, bench_diffusers_wan's
 checkpointing switch): what a skeptic's row is compared on must itself be right."""
 
 from __future__ import annotations
@@ -9,11 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import baselines as bl
-import merge_step_runs
-from bench_step import ACTIONS_PER_FRAME, make_episode
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.step import baselines as bl
+from benchmarks.step.bench_step import ACTIONS_PER_FRAME, make_episode
 from packing.model import DiT, DiTConfig
 
 CPU = torch.device("cpu")
@@ -50,41 +48,9 @@ def test_cropped_bucket_rows_are_exact_and_count_what_they_cut():
     assert sum(b.cropped_tokens for b in batches) > 0
 
 
-def _run(rows: list[tuple[str, str, float]]) -> dict:
-    return {"rows": [{"regime": r, "variant": f"{k}: ...", "tokens/s": t} for r, k, t in rows]}
-
-
-def test_merge_reads_each_row_against_the_lean_loop_of_its_own_run():
-    a = _run([("seed", "lean", 100.0), ("seed", "bucket_sdpa", 90.0)])
-    b = _run([("seed", "lean", 110.0), ("seed", "packed", 132.0)])
-    rows = {(r["run"], r["kind"]): r for r in merge_step_runs.merge([a, b])}
-    assert rows[(1, "packed")]["vs lean"] == pytest.approx(1.2)
-    assert rows[(0, "bucket_sdpa")]["vs lean"] == pytest.approx(0.9)
-    # the best baseline is the lean loop of run 1 (110), directly and through the anchors
-    assert rows[(1, "packed")]["vs best baseline"] == pytest.approx(1.2)
-    assert rows[(1, "packed")]["vs best baseline (anchored)"] == pytest.approx(1.2)
-    assert rows[(1, "lean")]["lean vs run 0 lean"] == pytest.approx(1.1)
-
-
-def test_merge_gives_no_anchored_ratio_when_a_baseline_run_has_no_lean_row():
-    a = _run([("short", "bucket_sdpa", 106.0)])  # its lean row was cut
-    b = _run([("short", "lean", 48.0), ("short", "packed", 120.0)])
-    rows = {(r["run"], r["kind"]): r for r in merge_step_runs.merge([a, b])}
-    packed = rows[(1, "packed")]
-    assert packed["best baseline"] == "bucket_sdpa"
-    assert packed["vs best baseline"] == pytest.approx(120 / 106)
-    assert "vs best baseline (anchored)" not in packed  # not the lean-only 2.5
-
-
-def test_errored_rows_are_left_out_of_the_merge():
-    a = _run([("seed", "lean", 100.0)])
-    a["rows"].append({"regime": "seed", "variant": "bucket_flex: ...", "error": "cut"})
-    assert [r["kind"] for r in merge_step_runs.merge([a])] == ["lean"]
-
-
 def test_diffusers_checkpointing_switch_per_regime():
     pytest.importorskip("diffusers")
-    import bench_diffusers_wan as wan
+    from benchmarks.diffusers import bench_diffusers_wan as wan
 
     per = "seed=both,short=packed"
     assert wan.checkpointed(per, "seed", "unpacked") and wan.checkpointed(per, "seed", "packed")
@@ -94,3 +60,54 @@ def test_diffusers_checkpointing_switch_per_regime():
     assert not wan.checkpointed("none", "seed", "packed")
     with pytest.raises(ValueError, match="--checkpointing 'sometimes'"):
         wan.checkpointed("seed=sometimes", "seed", "packed")
+
+
+def test_attention_probe_picks_the_fastest_candidate_that_is_right():
+    # A candidate that is wrong (zeros) or raises is never chosen, whatever its speed; of the
+    # right ones the fastest wins; every timing and error is recorded for the JSON.
+    import time
+
+    from benchmarks.attention import backends
+
+    def wrong(q, k, v, mask=None):
+        return q * 0.0
+
+    def broken(q, k, v, mask=None):
+        raise RuntimeError("no kernel for this shape")
+
+    def slow(q, k, v, mask=None):
+        time.sleep(0.02)
+        return backends.sdpa(q, k, v, mask)
+
+    probe = backends.choose(
+        "self", [(1, 2, 24, 24, 8), (1, 2, 40, 40, 8)],
+        {"slow": slow, "sdpa": backends.sdpa, "wrong": wrong, "broken": broken},
+        device="cpu", iters=3,
+    )  # fmt: skip
+    assert probe["chosen"] == "sdpa"
+    assert set(probe["ms"]) == {"slow", "sdpa"} and set(probe["ms"]["sdpa"]) == {
+        "1x2x24x24x8",
+        "1x2x40x40x8",
+    }
+    assert "differs from SDPA's default" in probe["errors"]["wrong"]
+    assert "no kernel" in probe["errors"]["broken"]
+    assert probe["total ms"]["slow"] > probe["total ms"]["sdpa"]
+    with pytest.raises(RuntimeError, match="no self attention candidate ran"):
+        backends.choose("self", [(1, 1, 8, 8, 4)], {"broken": broken}, device="cpu")
+
+
+def test_opensora_sampler_has_one_row_count_a_bucket_and_defers_partial_batches():
+    frames = [4, 4, 4, 5, 5, 6, 7, 8, 8, 8, 8, 4, 6, 7]
+    cfg, inputs, tpf = _inputs(frames)
+    bounds = bl.bounds_for("pad", 4 * tpf, 8 * tpf, 4, tpf)
+    target = 3 * 8 * tpf
+    batches, deferred = bl.opensora_steps(inputs, bounds, target, cfg.text_len, CPU, seed=0)
+    per_bucket: dict[int, set[int]] = {}
+    for b in batches:
+        rows = b.slots // b.L
+        per_bucket.setdefault(b.L, set()).add(rows)
+        assert rows == bl.opensora_rows(b.L, target) and b.cropped_tokens == 0
+    assert all(len(r) == 1 for r in per_bucket.values())  # one shape a bucket: static
+    assert len(per_bucket) <= len(bounds)
+    trained = sum(b.slots // b.L for b in batches)
+    assert trained + deferred == len(frames) and deferred > 0 and trained > 0

@@ -26,7 +26,7 @@ BLOCK_S = 120  # per block: the slowest (the diffusers loop) takes ~5 s on an id
 MAX_SKIPS = 4  # a skip is for a pretrained download or a GPU only; more means rewrite blocks
 SKIP = re.compile(r"<!--\s*skip:\s*(\S.*?)\s*-->")
 INDEX = ROOT / "docs" / "index.md"
-FOLDERS = ("data", "attention", "planning", "train", "datasets", "model", "verify")
+FOLDERS = ("data", "attention", "planning", "train", "datasets", "encode", "model", "verify")
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,7 @@ def torchrun(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedPro
         "PYTHONPATH": str(ROOT),
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={port}", str(ROOT / "benchmarks" / script), *args]  # fmt: skip
+           f"--master_port={port}", str(ROOT / "benchmarks" / "distributed" / script), *args]  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
@@ -210,7 +210,7 @@ def test_bench_fsdp_smoke_agrees_across_variants_and_fits_the_sweep(tmp_path):
     assert rows["packed M=1"]["micro-steps"] == 1 and rows["packed M=2"]["micro-steps"] == 2
     assert rows["unpacked_sync"]["micro-steps"] == 4  # the smoke run's 4 episodes per GPU
     fit = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fit_microsteps.py"),
+        [sys.executable, str(ROOT / "benchmarks" / "distributed" / "fit_microsteps.py"),
          str(tmp_path / "bench_fsdp_seed_smoke.json"), str(tmp_path / "bench_fsdp_seed_smoke.json")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -273,3 +273,89 @@ def test_model_with_a_static_max_docs_matches_without() -> None:
     for s in ("latents", "action"):
         assert torch.isfinite(outs[1][s]).all()
         torch.testing.assert_close(outs[1][s], outs[0][s], rtol=1e-2, atol=1e-3)
+
+
+# -- packing.serve: no step waits for the device, and a NaN stays with its request --------------
+def _serve_model(cls: type | None = None) -> Any:
+    from packing.model import DiT, DiTConfig
+
+    torch.manual_seed(0)
+    cfg = DiTConfig.tiny(latent_channels=8, latent_hw=(4, 8), action_dim=6, attention="sdpa")
+    return (cls or DiT)(cfg).eval().to(DEV)
+
+
+def _serve_request(i: int, steps: int = 3) -> Any:
+    from packing.serve import Request
+
+    ctx = torch.randn(i % 3, 8, 4, 8, generator=torch.Generator().manual_seed(i))
+    return Request(context=ctx, frames=1, actions=3, seed=i, steps=steps)
+
+
+def _host_never_waited(fn: Any) -> bool:
+    """Queue ~1 s of GPU sleep, run ``fn`` on the host, and tell whether the stream was still
+    busy when it returned: False if ``fn`` waited for the device in any way, a sync or a
+    "non-blocking" copy from pageable memory (which waits for the stream first, and which
+    ``set_sync_debug_mode`` does not see)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # cycles: about a second on an H200
+    fn()
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    return busy
+
+
+def test_the_wait_check_sees_a_pageable_non_blocking_copy() -> None:
+    host = torch.randn(1 << 16)
+    assert not _host_never_waited(lambda: host.to(DEV, non_blocking=True))  # the control
+    assert _host_never_waited(lambda: host.pin_memory().to(DEV, non_blocking=True))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_steps_and_admissions_never_wait_for_the_device(graphs: bool) -> None:
+    from packing.serve import Engine, EngineConfig, PackShape
+
+    shape = PackShape(frames=12, actions=16, requests=4)
+    config = EngineConfig(shapes=(shape,), cuda_graphs=graphs, max_steps=4, attention="sdpa")
+    engine, out = Engine(_serve_model(), config), list[Any]()
+    for checked in (False, True):  # the same arrivals twice: the first captures the graph and
+        for i in range(6):  # fills the pinned-memory cache, the second is checked
+            engine.submit(_serve_request(i, steps=2 + i % 3))  # admission at every step
+            if not checked:
+                out.extend(engine.step())
+                continue
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                assert _host_never_waited(lambda: out.extend(engine.step())), f"step {i} waited"
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        out.extend(engine.run())
+    assert sorted(r.request_id for r in out) == list(range(12))
+    assert all(r.error is None for r in out)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_nan_velocity_on_cuda_fails_only_its_request(graphs: bool) -> None:
+    from packing.model import DiT
+    from packing.serve import Engine, EngineConfig, PackShape
+
+    class NaNSlot2(DiT):  # captured once under graphs: slot 2 is NaN at every call
+        def velocity(self, tokens, t_R, row_J, pack):  # type: ignore[override]
+            out = super().velocity(tokens, t_R, row_J, pack)
+            hit = (row_J[pack.latents_dest_T] == 2)[:, None]
+            out["latents"] = torch.where(hit, float("nan"), out["latents"])
+            return out
+
+    shape = PackShape(frames=12, actions=16, requests=4)
+    cfg = dict(shapes=(shape,), max_steps=4, attention="sdpa")
+    engine = Engine(_serve_model(NaNSlot2), EngineConfig(cuda_graphs=graphs, **cfg))
+    reqs = [_serve_request(i, steps=3) for i in range(3)]  # the last one, in slot 2, fails
+    ids = [engine.submit(r) for r in reqs]
+    got = {r.request_id: r for r in engine.run()}
+    assert sorted(got) == ids
+    assert got[ids[2]].error is not None and "non-finite state at step 1" in got[ids[2]].error
+    for i in (0, 1):
+        alone = Engine(_serve_model(), EngineConfig(**cfg))
+        alone.submit(reqs[i])
+        (want,) = alone.run()
+        assert got[ids[i]].error is None
+        torch.testing.assert_close(got[ids[i]].latents, want.latents, rtol=1e-4, atol=1e-5)

@@ -26,6 +26,7 @@ LAYERS = (
     "planning",
     "train",
     "datasets",
+    "encode",
     "model",
     "verify",
     "serve",

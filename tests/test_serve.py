@@ -262,3 +262,27 @@ def test_cuda_graph_engine_equals_eager_and_makes_no_sync():
         results[graphs] = {r.request_id: r for r in out}
     for rid, r in results[True].items():
         torch.testing.assert_close(r.latents, results[False][rid].latents, rtol=1e-5, atol=1e-5)
+
+
+def test_cancel_drops_a_waiting_or_running_request_and_the_rest_equal_alone():
+    shape = PackShape(frames=6, actions=8, requests=2)
+    reqs = [Request(context=torch.randn(1, 8, 4, 8), frames=1, actions=2, seed=i, steps=3)
+            for i in range(3)]  # fmt: skip
+    engine = Engine(_model(), EngineConfig(shapes=(shape,), max_steps=4))
+    a, b, c = (engine.submit(r) for r in reqs)
+    engine.step()  # a and b run, c waits
+    assert engine.cancel(b) and engine.cancel(c) and not engine.cancel(c)
+    assert not engine.cancel(99)
+    results = engine.run()
+    assert [r.request_id for r in results] == [a]
+    alone = Engine(_model(), EngineConfig(shapes=(shape,), max_steps=4))
+    alone.submit(reqs[0])
+    (want,) = alone.run()
+    torch.testing.assert_close(results[0].latents, want.latents, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0].action, want.action, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="request_id"):
+        engine.cancel(1.5)
+    with pytest.raises(TypeError, match="session"):
+        engine.end_session(3)
+    with pytest.raises(TypeError, match=r"Request\.session"):
+        Request(context=torch.zeros(0, 8, 4, 8), frames=1, actions=1, session=7)

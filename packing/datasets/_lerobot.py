@@ -48,6 +48,7 @@ from torch.utils.data import Dataset
 from packing._lazy import require
 from packing._validate import check_bool, check_finite, check_sequence, is_int
 from packing.datasets._arrow import plan_columns, table_to_episode
+from packing.datasets._latent import ENCODE_STAGING, latent_count, latent_rows, latent_spec
 from packing.datasets._parquet_pages import ColumnChunks, Unsupported, fixed_shape
 
 __all__ = ["LeRobotEpisodes", "episode_lengths"]
@@ -66,13 +67,21 @@ _EPISODE_COLUMNS = [
 def _check_root(root: Path) -> None:
     """Fail before anything (lerobot included) can create directories or reach the network."""
     info = root / "meta" / "info.json"
+    if not info.is_file() and (root / ENCODE_STAGING / "manifest.json").is_file():
+        raise FileNotFoundError(
+            f"{root} is an unfinished packing encode (no meta/info.json yet; "
+            f"{root / ENCODE_STAGING} holds its manifest): run the same packing encode "
+            "command again to finish it"
+        )
     if not info.is_file():
         what = "does not exist" if not root.exists() else f"has no {info.relative_to(root)}"
         raise FileNotFoundError(
             f"{root} {what}: expected a local LeRobot v3 dataset root containing "
-            "meta/info.json, meta/episodes/ and data/. LeRobotEpisodes reads local files only; "
-            "download the dataset first (e.g. huggingface-cli download --repo-type dataset "
-            "<repo_id> --local-dir <root>) or pass a LeRobotDataset instance"
+            "meta/info.json, meta/episodes/ and data/ (LeRobotEpisodes reads local files or a "
+            "LeRobotDataset instance, and never downloads). A hub dataset is downloaded first "
+            "(huggingface-cli download --repo-type dataset <repo_id> --local-dir <root>); its "
+            "camera videos are then encoded to latents with packing encode <root> "
+            "<latent root> --vae <path> (docs/encode.md): pass <latent root>"
         )
 
 
@@ -537,6 +546,22 @@ class LeRobotEpisodes(Dataset):
             for name, col, invert in self._plan
             if not invert
         }
+        # Latent features (packing encode) hold L latent frames on F video-frame rows:
+        # {name: (temporal_compression, padded)}; each episode's F must encode exactly.
+        self._latents = {
+            name: spec
+            for name, col, _ in self._plan
+            if (spec := latent_spec(self.features[col], col)) is not None
+        }
+        for name, (tc, pad) in self._latents.items():
+            for ep, n in zip(self.episode_ids, self.lengths, strict=True):
+                try:
+                    latent_count(int(n), tc, pad=pad)
+                except ValueError as e:
+                    raise ValueError(
+                        f"episode {ep} of {where}: latent feature {name!r}: {e}, but the "
+                        "dataset says it was encoded without padding; re-encode it"
+                    ) from None
         # Declared per-frame shape; a (1,) feature is served as (F,), like lerobot's scalars.
         self._shapes = {
             name: ()
@@ -585,8 +610,9 @@ class LeRobotEpisodes(Dataset):
         if dtype == "video":
             raise ValueError(
                 f"feature {key!r} is stored as video; LeRobotEpisodes serves numeric features. "
-                "Pre-encode the frames to latents and store them as a numeric feature (e.g. "
-                "'latents': {'dtype': 'float16', 'shape': (48, 8, 16)}), then request that key"
+                f"Encode the videos to latents with packing encode {self.root} <latent root> "
+                f"--vae <path> --cameras {key} (docs/encode.md), then read <latent root> and "
+                f"request {key + '.latent'!r}"
             )
         try:
             numeric = np.dtype(dtype).kind in "biuf"
@@ -643,6 +669,8 @@ class LeRobotEpisodes(Dataset):
         if order is not None:  # rows out of time order: serve the frames by frame_index
             for name in self._shapes:
                 item[name] = item[name][order]
+        for name, (tc, pad) in self._latents.items():  # F rows -> the L latent frames
+            item[name] = item[name][torch.from_numpy(latent_rows(length, tc, pad=pad))]
         if self.check_finite:
             for name in self._shapes:
                 check_finite(f"episode {ep}", name, item[name])
@@ -703,10 +731,21 @@ class LeRobotEpisodes(Dataset):
         ``latent_hw`` is the dataset's own: the last two dims of feature ``latent_key``'s
         declared shape (``(48, 8, 16)`` -> ``(8, 16)``). A ``latent_hw=`` that disagrees with
         it is refused (it would plan another number of tokens than the items hold); without
-        the feature, ``latent_hw`` must be given."""
+        the feature, ``latent_hw`` must be given. For a latent feature of ``packing encode``
+        (F video-frame rows, L latent frames) the tokens count its L latent frames, the
+        frames its items hold, so ``temporal_compression`` is the dataset's and not given."""
         from packing.planning._plan import frames_to_tokens
 
         feature = self.features.get(latent_key)
+        frames = self.lengths
+        spec = None if feature is None else latent_spec(feature, latent_key)
+        if spec is not None:
+            if frames_to_tokens_kwargs.get("temporal_compression", 1) != 1:
+                raise ValueError(
+                    f"feature {latent_key!r} already holds latent frames (temporal compression "
+                    f"{spec[0]}, from meta/info.json); drop temporal_compression="
+                )
+            frames = np.array([latent_count(int(n), spec[0], pad=spec[1]) for n in frames])
         shape = None if feature is None else tuple(feature["shape"])
         given = frames_to_tokens_kwargs.get("latent_hw")
         if shape is not None and len(shape) >= 2:
@@ -724,7 +763,7 @@ class LeRobotEpisodes(Dataset):
                 f"shape to read latent_hw from (features: {sorted(self.features)}); pass "
                 "latent_hw=(H, W) or latent_key=<your latents feature>"
             )
-        return np.asarray(frames_to_tokens(self.lengths, **frames_to_tokens_kwargs), dtype=np.int64)
+        return np.asarray(frames_to_tokens(frames, **frames_to_tokens_kwargs), dtype=np.int64)
 
 
 def _tasks_from_parquet(root: Path) -> list[str]:

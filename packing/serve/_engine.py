@@ -17,19 +17,20 @@ replayed; admission copies the new composition into the captured buffers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-from packing._validate import check_int
+from packing._validate import check_bool, check_choice, check_int
 from packing.attention._masks import frame_causal
-from packing.attention._packed import Backend, _resolve
+from packing.attention._packed import _BACKENDS, Backend, _resolve
 from packing.model._dit import DiT
 from packing.serve._batching import ContinuousBatcher
+from packing.serve._device import allocate, pinned
 from packing.serve._pack import HostPack, PackShape, build_pack
-from packing.serve._request import Request, Result
-from packing.serve._schedulers import FlowScheduler
+from packing.serve._request import Request, Result, host_copy
+from packing.serve._schedulers import FlowScheduler, check_scheduler
 from packing.serve._step import Buffers, GraphedStep, run_step
 
 __all__ = ["Engine", "EngineConfig"]
@@ -56,6 +57,11 @@ class EngineConfig:
         object.__setattr__(
             self, "max_steps", check_int("EngineConfig.max_steps", self.max_steps, min=1)
         )
+        check_scheduler("EngineConfig.scheduler", self.scheduler)
+        object.__setattr__(
+            self, "cuda_graphs", check_bool("EngineConfig.cuda_graphs", self.cuda_graphs)
+        )
+        check_choice("EngineConfig.attention", self.attention, _BACKENDS)
 
 
 @dataclass
@@ -66,6 +72,8 @@ class _Member:
     step: int = 0
     video_start: int = 0
     action_start: int = 0
+    fresh: tuple[Tensor, Tensor] | None = None  # host tokens (clean context, noise) to join
+    saved: tuple[Tensor, ...] | None = None  # its state (x_v, vp_v, x_a, vp_a) to rejoin
 
 
 class Engine(ContinuousBatcher[Request, PackShape]):
@@ -97,12 +105,17 @@ class Engine(ContinuousBatcher[Request, PackShape]):
             )
         self.shapes = sorted(config.shapes, key=lambda s: (s.frames, s.actions, s.requests))
         self.scheduler, self.max_steps = config.scheduler, config.max_steps
-        self._buffers: dict[PackShape, Buffers] = {}
+        self._buffers = allocate(
+            self.shapes,
+            lambda s, dev: Buffers(s, model, max_steps=config.max_steps, device=dev),
+            self.device,
+            "EngineConfig.max_steps",
+        )
         self._graphs: dict[PackShape, GraphedStep] = {}
         self._start()
 
     # -- internals --------------------------------------------------------------------------
-    def _check(self, r: Request) -> None:
+    def _check(self, r: Request) -> Request:
         if not isinstance(r, Request):
             raise TypeError(f"submit takes a packing.serve.Request, got {type(r).__name__}")
         cfg = self.model.config
@@ -124,9 +137,15 @@ class Engine(ContinuousBatcher[Request, PackShape]):
                 f"more than the largest PackShape (frames={s.frames}, actions={s.actions}); "
                 "add a larger shape or drop context frames (keep_frames=)"
             )
+        return replace(r, context=host_copy(r.context))  # re-checked (finite) as copied
 
-    def _member(self, rid: int, request: Request) -> _Member:
-        return _Member(rid, request, admitted=self.clock)
+    def _member(self, rid: int, r: Request) -> _Member:
+        """The request's host work at admission: its tokens, clean context then noise."""
+        cfg = self.model.config
+        lat, act = r.noise((cfg.latent_channels, *cfg.latent_hw), cfg.action_dim)
+        ctx = r.context[list(r.kept)].float()
+        tokens = self.model.patchify(torch.cat([ctx, lat]))
+        return _Member(rid, r, admitted=self.clock, fresh=(tokens, act))
 
     def _recompose(self, shape: PackShape, staying: list[_Member], joining: list[_Member]) -> None:
         """Lay the members out in ``shape``; the ``staying`` ones carry their state over."""
@@ -134,12 +153,8 @@ class Engine(ContinuousBatcher[Request, PackShape]):
         cfg = self.model.config
         host = build_pack([m.request for m in members], shape, grid=cfg.grid,
                           text_len=cfg.text_len)  # fmt: skip
-        old = self._buffers.get(self._shape) if self._shape is not None else None
-        new = self._buffers.get(shape)
-        if new is None:
-            new = self._buffers[shape] = Buffers(
-                shape, self.model, max_steps=self.config.max_steps, device=self.device
-            )
+        old = self._buffers[self._shape] if self._shape is not None else None
+        new = self._buffers[shape]
         take_v, take_a = self._take(members[:kept], host, new)
         fresh_v, fresh_a, rows_v, rows_a = self._fresh(members[kept:], host, kept)
         dev = self.device
@@ -147,8 +162,10 @@ class Engine(ContinuousBatcher[Request, PackShape]):
             ((new.x_v, new.vp_v), (old.x_v, old.vp_v) if old else (None, None), take_v, fresh_v, rows_v),
             ((new.x_a, new.vp_a), (old.x_a, old.vp_a) if old else (None, None), take_a, fresh_a, rows_a),
         ):  # fmt: skip
-            _carry(x, vp, ox, ovp, take.to(dev, non_blocking=True))
-            x.index_copy_(0, rows.to(dev, non_blocking=True), fresh.to(dev, non_blocking=True))
+            _carry(x, vp, ox, ovp, pinned(take, dev).to(dev, non_blocking=True))
+            x.index_copy_(0, pinned(rows, dev).to(dev, non_blocking=True),
+                          pinned(fresh, dev).to(dev, non_blocking=True))  # fmt: skip
+        self._rejoin(members[kept:], host, kept, new)
         new.load(host, *self._tables(members, shape.requests))
         for k, m in enumerate(members):
             m.video_start, m.action_start = host.video_start[k], host.action_start[k]
@@ -173,9 +190,8 @@ class Engine(ContinuousBatcher[Request, PackShape]):
     def _fresh(
         self, joining: list[_Member], host: HostPack, first: int
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The joining requests' tokens (clean context, then noise) and their rows."""
+        """The new requests' tokens (clean context, then noise: ``_member``) and their rows."""
         cfg, tpf = self.model.config, self.model.config.tokens_per_frame
-        frame = (cfg.latent_channels, *cfg.latent_hw)
         vs, as_, rv, ra = (
             [torch.zeros(0, cfg.patch_features)],
             [torch.zeros(0, cfg.action_dim)],
@@ -183,17 +199,41 @@ class Engine(ContinuousBatcher[Request, PackShape]):
             [],
         )
         for k, m in enumerate(joining, start=first):
+            if m.fresh is None:  # rejoins from its saved state (`_rejoin`)
+                continue
             r = m.request
-            lat, act = r.noise(frame, cfg.action_dim)
-            ctx = r.context[list(r.kept)].float().cpu()
-            vs.append(self.model.patchify(torch.cat([ctx, lat])))
-            as_.append(act)
+            vs.append(m.fresh[0])
+            as_.append(m.fresh[1])
+            m.fresh = None
             v0, a0 = host.video_start[k], host.action_start[k]
             rv.append(torch.arange(v0, v0 + (len(r.kept) + r.frames) * tpf))
             ra.append(torch.arange(a0, a0 + r.actions))
         rows_v = torch.cat(rv) if rv else torch.zeros(0, dtype=torch.int64)
         rows_a = torch.cat(ra) if ra else torch.zeros(0, dtype=torch.int64)
         return torch.cat(vs), torch.cat(as_), rows_v, rows_a
+
+    def _rejoin(self, joining: list[_Member], host: HostPack, first: int, b: Buffers) -> None:
+        """Write back the saved state of the members that rejoin (after a failed call)."""
+        tpf = self.model.config.tokens_per_frame
+        for k, m in enumerate(joining, start=first):
+            if m.saved is None:
+                continue
+            r, (xv, vpv, xa, vpa) = m.request, m.saved
+            v0, a0 = host.video_start[k], host.action_start[k]
+            nv = (len(r.kept) + r.frames) * tpf
+            for x, src, lo, n in ((b.x_v, xv, v0, nv), (b.vp_v, vpv, v0, nv),
+                                  (b.x_a, xa, a0, r.actions), (b.vp_a, vpa, a0, r.actions)):  # fmt: skip
+                x[lo : lo + n] = src
+
+    def _save(self, m: _Member) -> None:
+        b, r = self._buffers[self._shape], m.request  # type: ignore[index]
+        nv = (len(r.kept) + r.frames) * self.model.config.tokens_per_frame
+        v, a = slice(m.video_start, m.video_start + nv), slice(m.action_start,
+                                                               m.action_start + r.actions)  # fmt: skip
+        m.saved = (b.x_v[v].clone(), b.vp_v[v].clone(), b.x_a[a].clone(), b.vp_a[a].clone())
+
+    def _flags(self, shape: PackShape) -> Tensor:
+        return self._buffers[shape].bad_K
 
     def _run(self, shape: PackShape) -> None:
         b = self._buffers[shape]

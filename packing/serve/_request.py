@@ -20,9 +20,36 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from packing._validate import check_int, is_int
+from packing._validate import check_finite, check_int, is_int
 
-__all__ = ["Request", "Result"]
+__all__ = ["Request", "Result", "check_seed", "check_tensor_finite", "host_copy"]
+
+# `torch.Generator.manual_seed` takes [-2**63, 2**64 - 1] and maps a negative seed s to
+# 2**64 + s (so -1 and 2**64 - 1 give one noise): a request's seed is in [0, 2**64 - 1].
+SEED_MAX = 2**64 - 1
+
+
+def check_seed(name: str, seed: object) -> int:
+    """A seed ``torch.Generator.manual_seed`` takes, each value its own noise."""
+    return check_int(name, seed, min=0, max=SEED_MAX, hint="the generator's 64-bit seed")
+
+
+def check_tensor_finite(where: str, key: str, value: Tensor) -> None:
+    """A request's tensor holds no NaN or inf: one would reach every other request of its
+    pack through attention (a masked-out NaN still gives 0 * NaN = NaN)."""
+    check_finite(where, key, value, fix=(
+        "a request's NaN or inf would reach every other request packed with it (0 * NaN in "
+        "attention); fix the encoder's output or drop the frame"
+    ))  # fmt: skip
+
+
+def host_copy(value: Tensor) -> Tensor:
+    """A contiguous CPU copy of ``value``, detached (no autograd history, no grad), that the
+    caller can no longer change: the engine reads a request's tensors only after ``submit``
+    returns, while a robot loop may refill its frame buffer the moment it has submitted."""
+    out = torch.empty(value.shape, dtype=value.dtype)
+    out.copy_(value.detach())
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,8 +57,12 @@ class Request:
     """One chunk to generate. ``context`` is ``(F_c, C, H, W)`` clean latent frames (``F_c``
     may be 0), ``frames``/``actions`` the latent frames and action steps to generate,
     ``steps`` the denoising steps, ``seed`` keys the initial noise (a CPU generator, so the
-    same request gives the same noise on any device and in any pack). ``keep_frames``: the
-    context frames to attend to, ascending (``None``: all)."""
+    same request gives the same noise on any device and in any pack; in [0, 2**64 - 1]).
+    ``context`` must be finite (a NaN or inf is refused here, naming its index). ``keep_frames``: the
+    context frames to attend to, ascending (``None``: all). ``session`` names the robot episode
+    this chunk belongs to (a policy server sets it per connection and episode): an engine that
+    caches context keeps a session's cached frames for its next chunk until
+    ``engine.end_session(session)``; ``None``: a request of its own."""
 
     context: Tensor
     frames: int
@@ -40,6 +71,7 @@ class Request:
     seed: int = 0
     steps: int = 10
     keep_frames: tuple[int, ...] | None = None
+    session: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.context, Tensor) or self.context.dim() != 4:
@@ -50,11 +82,17 @@ class Request:
             )
         if not self.context.is_floating_point():
             raise TypeError(f"Request.context must be floating point, got {self.context.dtype}")
-        for name, low in (("frames", 0), ("actions", 1), ("steps", 1), ("seed", None)):
+        check_tensor_finite("Request", "context", self.context)
+        for name, low in (("frames", 0), ("actions", 1), ("steps", 1)):
             v = check_int(f"Request.{name}", getattr(self, name), min=low)
             object.__setattr__(self, name, v)  # numpy ints welcome, stored as int
+        object.__setattr__(self, "seed", check_seed("Request.seed", self.seed))
         if not isinstance(self.task, str):
             raise TypeError(f"Request.task must be a str, got {type(self.task).__name__}")
+        if self.session is not None and not isinstance(self.session, str):
+            raise TypeError(
+                f"Request.session must be a str or None, got {type(self.session).__name__}"
+            )
         if self.keep_frames is not None:
             keep = tuple(self.keep_frames)
             f_c = self.context.shape[0]
@@ -83,10 +121,13 @@ class Request:
 @dataclass(frozen=True)
 class Result:
     """A finished request: ``latents`` ``(frames, C, H, W)`` and ``action`` ``(actions, A)``
-    in fp32 on the engine's device; ``admitted``/``finished`` are engine step numbers."""
+    in fp32 on the engine's device; ``admitted``/``finished`` are engine step numbers.
+    ``error``: ``None`` for a good result; otherwise why this request failed (its latents and
+    action are then empty and must not be used), while the other requests go on."""
 
     request_id: int
     latents: Tensor
     action: Tensor
     admitted: int
     finished: int
+    error: str | None = None

@@ -28,7 +28,7 @@ from typing import Literal
 
 from packing._validate import check_int, check_real
 
-__all__ = ["FlowScheduler", "reference_sample"]
+__all__ = ["FlowScheduler", "check_scheduler", "reference_sample"]
 
 Solver = Literal["euler", "multistep2"]
 
@@ -75,6 +75,16 @@ class FlowScheduler:
                 r = h[i] / h[i - 1]
                 out.append((h[i] * (1.0 + r / 2.0), -h[i] * r / 2.0))
         return out
+
+
+def check_scheduler(name: str, value: object) -> FlowScheduler:
+    """``value`` if it is a `FlowScheduler`: a solver's name alone is not one."""
+    if not isinstance(value, FlowScheduler):
+        raise TypeError(
+            f"{name}={value!r} must be a FlowScheduler, got {type(value).__name__}; pass "
+            "FlowScheduler(solver='euler') or FlowScheduler(solver='multistep2', shift=5.0)"
+        )
+    return value
 
 
 def reference_sample(

@@ -1,174 +1,313 @@
-"""A minimal policy server: environment processes send requests over local sockets to ONE
-engine, which packs whatever is waiting into its next model call.
+"""The policy server: robots speak openpi's websocket protocol, one continuous batcher packs them.
 
 ::
 
-    env 0 --\\                      +--------------------------------+
-    env 1 ---+-- 127.0.0.1:port --> | PolicyServer: queue -> Engine  | one model call per step
-    env 2 --/   (one socket each)   |  over every pending request    |
-                                    +--------------------------------+
+    robot 0 --\\    ws://host:port                +------------------------------------+
+    robot 1 ---+-- (openpi-client, or           --| asyncio: handshake (key, limits),    |
+    robot 2 --/    packing.serve.PolicyClient)    | decode + validate, adapter, await    |
+                                                  +----------------+-------------------+
+                                                                   | Job (thread-safe future)
+                                                    EngineLoop per engine: submit, step, reply
 
-Wire format (no pickle: a server must not unpickle what a socket sends): a message is an
-8-byte big-endian length, a JSON header, then the raw bytes of the arrays the header lists
-(``{"arrays": [{"name", "dtype", "shape"}], ...}``, float32, C order). A request carries
-``context`` and the `Request` fields; a reply carries ``latents`` and ``action``.
+A connection is one robot: it gets the server's metadata on connect, then sends an
+observation and waits for its reply, so its requests stay in order; ``"episode": "start"`` /
+``"end"`` in an observation (or alone) start and end its episode, the engine's session
+(`Request.session` is ``"<connection>/<episode>"``), which also ends when it disconnects.
+With several engines (one per GPU) a robot sticks to the least-loaded one at connect.
 
-Bounded by design: `PolicyServer.serve` returns after ``max_requests`` replies or
-``timeout_s`` seconds, and binds 127.0.0.1 only.
+Safe by default (`ServerConfig`): binds 127.0.0.1; any other address needs an API key
+(``Authorization: Api-Key <key>``, compared in constant time); message size, connections and
+queued requests are bounded and checked before anything is allocated; a bad message gets one
+line back (a text frame: openpi-client raises it) and the server goes on; tracebacks stay in
+the log. SIGINT/SIGTERM (`serve_forever`) or `stop` closes the listener at once, lets the
+requests in flight finish and answers them, then closes the connections.
 """
 
 from __future__ import annotations
 
-import json
-import queue
-import socket
-import struct
+import asyncio
+import contextlib
+import hmac
+import http
+import itertools
+import logging
+import signal
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
+from packing.serve._adapter import Adapter, DiTAdapter, episode_control
+from packing.serve._config import ServerConfig
 from packing.serve._engine import Engine
-from packing.serve._request import Request
+from packing.serve._stats import summary
+from packing.serve._wire import WireError, decode, encode
+from packing.serve._worker import EngineLoop, Job, Outcome, _one_line
 
-__all__ = ["PolicyClient", "PolicyServer"]
+__all__ = ["PolicyServer"]
 
-_FIELDS = ("frames", "actions", "task", "seed", "steps", "keep_frames")
-
-
-def send_message(
-    sock: socket.socket, header: dict[str, Any], arrays: dict[str, np.ndarray]
-) -> None:
-    """One message: length, JSON header (with the arrays' names, dtypes, shapes), bytes."""
-    parts = [np.ascontiguousarray(a, dtype=np.float32) for a in arrays.values()]
-    meta = [{"name": n, "shape": list(a.shape)} for n, a in zip(arrays, parts, strict=True)]
-    head = json.dumps({**header, "arrays": meta}).encode()
-    body = b"".join(a.tobytes() for a in parts)
-    sock.sendall(struct.pack(">II", len(head), len(body)) + head + body)
+log = logging.getLogger("packing.serve")
 
 
-def recv_message(sock: socket.socket) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
-    """The next message, or None when the peer closed the connection."""
-    raw = _recv_exact(sock, 8)
-    if raw is None:
-        return None
-    n_head, n_body = struct.unpack(">II", raw)
-    head = json.loads(_recv_exact(sock, n_head) or b"{}")
-    body = _recv_exact(sock, n_body) if n_body else b""
-    if body is None:
-        raise ConnectionError("the peer closed the connection in the middle of a message")
-    arrays, offset = {}, 0
-    for meta in head.pop("arrays", []):
-        n = int(np.prod(meta["shape"], dtype=np.int64)) * 4
-        arrays[meta["name"]] = np.frombuffer(body[offset : offset + n], np.float32).reshape(
-            meta["shape"]
-        )
-        offset += n
-    return head, arrays
+def _websockets() -> Any:
+    try:
+        from websockets.asyncio import server
+    except ImportError as e:  # the one lazy boundary for the optional extra
+        raise ImportError(
+            "the policy server needs websockets and msgpack: pip install 'packing[serve]'"
+        ) from e
+    return server
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
+@dataclass
+class _Robot:
+    """One connection: which engine it sticks to and its current episode (session)."""
 
+    id: int
+    loop: EngineLoop
+    episode: int = 0
+    used: bool = False  # the current session has had a request (so there is one to end)
 
-class PolicyClient:
-    """An environment's side: ``PolicyClient(address).act(context, frames=..., ...)`` returns
-    ``(latents, action)`` as numpy arrays. Numpy only: an environment needs no torch."""
+    @property
+    def session(self) -> str:
+        return f"{self.id}/{self.episode}"
 
-    def __init__(self, address: tuple[str, int], timeout_s: float = 60.0) -> None:
-        self.sock = socket.create_connection(address, timeout=timeout_s)
-
-    def act(self, context: np.ndarray, **fields: Any) -> tuple[np.ndarray, np.ndarray]:
-        unknown = set(fields) - set(_FIELDS)
-        if unknown:
-            raise ValueError(f"PolicyClient.act: unknown fields {sorted(unknown)}; use {_FIELDS}")
-        send_message(self.sock, {"fields": fields}, {"context": context})
-        reply = recv_message(self.sock)
-        if reply is None:
-            raise ConnectionError("the policy server closed the connection")
-        head, arrays = reply
-        if "error" in head:
-            raise ValueError(f"the policy server rejected the request: {head['error']}")
-        return arrays["latents"], arrays["action"]
-
-    def close(self) -> None:
-        self.sock.close()
+    def next_episode(self) -> None:
+        """End the current session if it had a request (the next request starts a new one)."""
+        if self.used:
+            self.loop.end_session(self.session)
+            self.episode, self.used = self.episode + 1, False
 
 
 class PolicyServer:
-    """Serve an `Engine` on ``127.0.0.1`` (``port=0``: any free port, see ``address``)."""
+    """``PolicyServer(engine_or_engines, adapter=None, config=ServerConfig())``.
 
-    def __init__(self, engine: Engine, port: int = 0) -> None:
-        self.engine = engine
-        self.listener = socket.create_server(("127.0.0.1", port))
-        self.address: tuple[str, int] = self.listener.getsockname()[:2]
-        self._inbox: queue.Queue[tuple[socket.socket, dict[str, Any], dict[str, np.ndarray]]]
-        self._inbox = queue.Queue()
-        self.steps_with: list[int] = []  # requests in each model call (what packing bought)
+    ``engines``: one `Engine`/`VideoEngine`, or one per GPU (a robot sticks to one);
+    ``adapter``: observations to requests and results to replies (default `DiTAdapter()`
+    for `Engine`s; a `VideoEngine` needs e.g. `WanAdapter`). ``serve_forever()`` runs until
+    SIGINT/SIGTERM; ``with server.running() as (host, port):`` runs it on a thread.
+    """
 
-    def serve(self, max_requests: int, timeout_s: float = 120.0) -> int:
-        """Answer ``max_requests`` requests (or stop after ``timeout_s``); returns how many."""
-        threading.Thread(target=self._accept, daemon=True).start()
-        owner: dict[int, socket.socket] = {}
-        answered, deadline = 0, time.monotonic() + timeout_s
-        while answered < max_requests and time.monotonic() < deadline:
-            self._take_requests(owner, block=not (self.engine.active or self.engine.waiting))
-            if not (self.engine.active or self.engine.waiting):
-                continue
-            results = self.engine.step()
-            self.steps_with.append(len(self.engine.last_pack))
-            for r in results:
-                arrays = {"latents": r.latents.cpu().numpy(), "action": r.action.cpu().numpy()}
-                send_message(owner.pop(r.request_id), {"request_id": r.request_id}, arrays)
-                answered += 1
-        self.listener.close()
-        return answered
+    def __init__(
+        self, engines: Any, adapter: Adapter | None = None, config: ServerConfig | None = None
+    ) -> None:
+        self.config = config if config is not None else ServerConfig()
+        if not isinstance(self.config, ServerConfig):
+            raise TypeError(f"config must be a ServerConfig, got {type(self.config).__name__}")
+        listed = list(engines) if isinstance(engines, Sequence) else [engines]
+        if not listed:
+            raise ValueError("PolicyServer needs at least one engine")
+        for e in listed:
+            if not all(hasattr(e, n) for n in ("submit", "step", "cancel", "end_session")):
+                raise TypeError(f"{type(e).__name__} is not an engine (Engine or VideoEngine)")
+        if adapter is None:
+            if not all(isinstance(e, Engine) for e in listed):
+                raise ValueError("a VideoEngine needs an adapter: pass adapter=WanAdapter(...)")
+            adapter = DiTAdapter()
+        if not (hasattr(adapter, "request") and hasattr(adapter, "reply")):
+            raise TypeError(f"adapter {type(adapter).__name__} needs request() and reply()")
+        try:  # every robot gets it on connect: a value msgpack cannot send fails here, once
+            encode(self.config.metadata)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"ServerConfig.metadata cannot be sent: {e}") from None
+        self.adapter = adapter
+        self.engines = listed
+        self.loops = [EngineLoop(e, name=f"engine {i}", max_queue=self.config.max_queue)
+                      for i, e in enumerate(listed)]  # fmt: skip
+        self.address: tuple[str, int] | None = None
+        self._ids = itertools.count()
+        self._open = 0
+        self._draining = False
+        self._ready = threading.Event()
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._started = time.monotonic()
 
-    def _take_requests(self, owner: dict[int, socket.socket], block: bool) -> None:
-        """Submit everything that arrived; wait a little for the first one when idle."""
+    # -- running it -------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Serve until SIGINT or SIGTERM, then drain and close (the listener first)."""
+        asyncio.run(self._main(signals=True))
+
+    @contextmanager
+    def running(self, timeout_s: float = 30.0) -> Iterator[tuple[str, int]]:
+        """Serve on a background thread; yields ``(host, port)``; drains and stops on exit."""
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                asyncio.run(self._main(signals=False))
+            except BaseException as e:
+                errors.append(e)
+                self._ready.set()
+
+        thread = threading.Thread(target=run, name="packing-server", daemon=True)
+        thread.start()
+        if not self._ready.wait(timeout_s) or errors:
+            raise RuntimeError(f"the server did not start: {errors[0] if errors else 'timeout'}")
+        assert self.address is not None
         try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
-        except queue.Empty:
+            yield self.address
+        finally:
+            self.stop()
+            thread.join(self.config.drain_s + 15)
+
+    def stop(self) -> None:
+        """Drain and stop (thread-safe; what SIGINT/SIGTERM do)."""
+        if self._aloop is not None and self._stopping is not None:
+            with contextlib.suppress(RuntimeError):  # already stopped
+                self._aloop.call_soon_threadsafe(self._stopping.set)
+
+    def summary(self) -> dict[str, Any]:
+        """Requests answered and failed, requests/s, latency p50/p99, requests per model call
+        and pack fill, queue length, connections (what the periodic log line prints)."""
+        return summary(self.loops, time.monotonic() - self._started, self._open)
+
+    async def _main(self, signals: bool) -> None:
+        ws = _websockets()
+        cfg = self.config
+        self._aloop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        for loop in self.loops:
+            loop.start()
+        try:
+            server = await ws.serve(
+                self._handle, cfg.host, cfg.port, process_request=self._process_request,
+                max_size=cfg.max_message_bytes, max_queue=2, compression=None,
+                open_timeout=cfg.handshake_timeout_s, ping_interval=20, ping_timeout=20,
+                close_timeout=2,
+            )  # fmt: skip
+            self.address = server.sockets[0].getsockname()[:2]
+            if signals:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    self._aloop.add_signal_handler(sig, self._stopping.set)
+            log.info("serving on ws://%s:%d (%d engines)", *self.address, len(self.loops))
+            self._ready.set()
+            ticker = asyncio.create_task(self._summaries())
+            await self._stopping.wait()
+            ticker.cancel()
+            await self._drain(server)
+        finally:
+            for loop in self.loops:
+                loop.stop()
+        log.info("stopped: %s", self.summary())
+
+    async def _drain(self, server: Any) -> None:
+        """Stop accepting, let the requests in flight finish and be sent, then close."""
+        self._draining = True
+        server.server.close()  # the listening sockets: no new connection from here on
+        give_up = time.monotonic() + self.config.drain_s
+        while any(loop.outstanding for loop in self.loops) and time.monotonic() < give_up:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last replies leave their handlers
+        server.close(close_connections=True, reason="server shutting down")
+        await server.wait_closed()
+
+    async def _summaries(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.summary_every_s)
+            log.info("summary: %s", self.summary())
+
+    # -- one connection ---------------------------------------------------------------------
+    def _process_request(self, connection: Any, request: Any) -> Any:
+        """The handshake: /healthz, the API key, the connection limit (before any frame)."""
+        if request.path == "/healthz":
+            if self._draining:
+                return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "draining\n")
+            return connection.respond(http.HTTPStatus.OK, "OK\n")
+        key = self.config.api_key
+        if key is not None:
+            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(got, f"Api-Key {key}".encode()):
+                log.warning("refused %s: missing or wrong API key", connection.remote_address)
+                return connection.respond(http.HTTPStatus.UNAUTHORIZED, "missing or wrong API "
+                                          "key: send 'Authorization: Api-Key <key>'\n")  # fmt: skip
+        unavailable = http.HTTPStatus.SERVICE_UNAVAILABLE
+        if self._draining:
+            return connection.respond(unavailable, "busy: shutting down\n")
+        if self._open >= (n := self.config.max_connections):
+            return connection.respond(
+                unavailable, f"busy: {n} connections open (max_connections)\n"
+            )
+        return None
+
+    async def _handle(self, ws: Any) -> None:
+        if self._open >= self.config.max_connections:  # two handshakes raced for the last slot
+            await ws.close(1013, "too many connections")
             return
-        while True:
-            conn, head, arrays = item
-            try:
-                fields = dict(head.get("fields", {}))
-                if fields.get("keep_frames") is not None:
-                    fields["keep_frames"] = tuple(fields["keep_frames"])
-                req = Request(context=torch.from_numpy(arrays["context"].copy()), **fields)
-                owner[self.engine.submit(req)] = conn
-            except (ValueError, TypeError, KeyError) as e:
-                send_message(conn, {"error": str(e)}, {})
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:  # the listener was closed: serve() is done
-                return
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
-
-    def _read(self, conn: socket.socket) -> None:
-        """One thread per client: its messages go to the engine's inbox in order."""
-        with conn:
+        self._open += 1
+        loop = min(self.loops, key=lambda e: (e.connections, e.outstanding))
+        loop.connections += 1
+        robot = _Robot(next(self._ids), loop)
+        log.info("robot %d connected from %s (%s)", robot.id, ws.remote_address, loop.name)
+        closed = asyncio.ensure_future(ws.wait_closed())
+        try:
+            await ws.send(encode(self.config.metadata))
             while True:
-                try:
-                    msg = recv_message(conn)
-                except OSError:
-                    return
-                if msg is None:
-                    return
-                self._inbox.put((conn, *msg))
+                data = await ws.recv()
+                reply = await self._answer(robot, data, closed)
+                if reply is None:
+                    break  # the client left while its request ran
+                await asyncio.wait_for(ws.send(reply), self.config.send_timeout_s)
+        except Exception as e:  # closed, a send timeout: this connection only
+            if not _closed_error(e):
+                log.warning("robot %d: %s: %s", robot.id, type(e).__name__, e)
+        finally:
+            closed.cancel()
+            robot.next_episode()
+            loop.connections -= 1
+            self._open -= 1
+            log.info("robot %d disconnected after %d episodes", robot.id, robot.episode)
+
+    async def _answer(self, robot: _Robot, data: Any, closed: asyncio.Future[Any]) -> Any:
+        """The reply to one message: msgpack bytes, or one line (str) saying why not."""
+        received = time.monotonic()
+        if self._draining:
+            return "the server is shutting down; reconnect (to another server)"
+        try:
+            obs = decode(data, max_array_bytes=self.config.max_message_bytes)
+            control = episode_control(obs)
+            if control == "start":
+                robot.next_episode()
+            if set(obs) == {"episode"}:  # control only: acknowledge
+                if control == "end":
+                    robot.next_episode()
+                return encode({"episode": control, "session": robot.session})
+            request = await asyncio.to_thread(self.adapter.request, obs, robot.session)
+        except (WireError, ValueError, TypeError) as e:  # the observation's fault: say why
+            return _one_line(e)
+        except Exception as e:  # the adapter's or the encoder's own failure: the log says where
+            log.exception("robot %d: adapter.request failed", robot.id)
+            return f"the observation could not be made a request ({type(e).__name__}); see the server log"
+        robot.used = True
+        job = Job(request, asyncio.get_running_loop().create_future(), asyncio.get_running_loop(),
+                  received=received, deadline=received + self.config.deadline_s)  # fmt: skip
+        if not robot.loop.offer(job):
+            return (f"busy: {robot.loop.max_queue} requests are already queued "
+                    f"(max_queue={robot.loop.max_queue}); retry shortly")  # fmt: skip
+        # the engine loop answers or expires it; the backstop covers a model call that hangs
+        backstop = self.config.deadline_s + 5.0
+        done, _ = await asyncio.wait({job.future, closed}, timeout=backstop,
+                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        if job.future not in done:
+            robot.loop.cancel(job)
+            return None if closed in done else "deadline: no result (the model call hangs)"
+        outcome: Outcome = job.future.result()
+        if outcome.error is not None:
+            return outcome.error
+        try:
+            reply = await asyncio.to_thread(self.adapter.reply, outcome.result)
+        except Exception as e:
+            log.exception("robot %d: adapter.reply failed", robot.id)
+            return f"the reply could not be built ({type(e).__name__}); see the server log"
+        total = (time.monotonic() - received) * 1e3
+        reply["server_timing"] = {**outcome.timing, "total_ms": total}
+        if control == "end":
+            robot.next_episode()
+        return encode(reply)
+
+
+def _closed_error(e: BaseException) -> bool:
+    from websockets.exceptions import ConnectionClosed
+
+    return isinstance(e, ConnectionClosed)

@@ -25,6 +25,7 @@ from torch import Tensor
 from packing.attention._masks import InnerMask, dense_mask, make_block_mask
 from packing.attention._packed import AttentionMask
 from packing.model._dit import DiT, PackInputs
+from packing.serve._device import pinned, quarantine
 from packing.serve._pack import HostPack, PackShape
 from packing.train._conditioning import broadcast_to_tokens
 
@@ -53,6 +54,7 @@ class Buffers:
         self.x_a = torch.zeros(T_a, cfg.action_dim, **f32)
         self.vp_v, self.vp_a = torch.zeros_like(self.x_v), torch.zeros_like(self.x_a)
         self.step_K = torch.zeros(R, **i64)
+        self.bad_K = torch.zeros(R, dtype=torch.bool, device=device)  # state not finite
         self.t_table = torch.zeros(R, max_steps, **f32)
         self.coef = torch.zeros(R, max_steps, 2, **f32)
         # The pack's index tensors (`packing.serve._pack.HostPack`), -1 until a pack loads.
@@ -73,12 +75,13 @@ class Buffers:
         return (self.x_v, self.x_a, self.vp_v, self.vp_a, self.step_K)
 
     def load(self, host: HostPack, t_table: Tensor, coef: Tensor, step_K: Tensor) -> None:
-        """Copy a new composition in (host -> device, non-blocking: no sync)."""
+        """Copy a new composition in (host -> device from pinned memory: no sync)."""
+        dev = self.x_v.device
         for name in _INDEX_FIELDS:
-            getattr(self, name).copy_(getattr(host, name), non_blocking=True)
-        self.t_table.copy_(t_table, non_blocking=True)
-        self.coef.copy_(coef, non_blocking=True)
-        self.step_K.copy_(step_K, non_blocking=True)
+            getattr(self, name).copy_(pinned(getattr(host, name), dev), non_blocking=True)
+        self.t_table.copy_(pinned(t_table, dev), non_blocking=True)
+        self.coef.copy_(pinned(coef, dev), non_blocking=True)
+        self.step_K.copy_(pinned(step_K, dev), non_blocking=True)
 
 
 def step_masks(
@@ -147,18 +150,25 @@ def run_step(
     dtype = next(model.parameters()).dtype
     tokens = {"latents": b.x_v.to(dtype), "action": b.x_a.to(dtype)}
     v = model.velocity(tokens, t_R, b.row_J, pack)
-    _update(b.x_v, b.vp_v, v["latents"].float(), ab_K2, b.slot_v)
-    _update(b.x_a, b.vp_a, v["action"].float(), ab_K2, b.slot_a)
+    # Both streams' updates are computed before either is written: a model output that
+    # raises here leaves the state as it was, so the engine can re-run the step.
+    new_v = _update(b.x_v, b.vp_v, v["latents"].float(), ab_K2, b.slot_v)
+    new_a = _update(b.x_a, b.vp_a, v["action"].float(), ab_K2, b.slot_a)
+    for dst, src in zip((b.x_v, b.vp_v, b.x_a, b.vp_a), (*new_v, *new_a), strict=True):
+        dst.copy_(src)
+    quarantine(b.bad_K, ((b.x_v, b.slot_v), (b.vp_v, b.slot_v), (b.x_a, b.slot_a),
+                         (b.vp_a, b.slot_a)))  # fmt: skip
     b.step_K.add_(1)
 
 
-def _update(x_TD: Tensor, vp_TD: Tensor, v_TD: Tensor, ab_K2: Tensor, slot_T: Tensor) -> None:
-    """``x <- x + a v + b v_prev`` on the rows of a request (slot >= 0); context and padding
-    rows are left exactly as they are."""
+def _update(
+    x_TD: Tensor, vp_TD: Tensor, v_TD: Tensor, ab_K2: Tensor, slot_T: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The new ``(x, v_prev)``: ``x + a v + b v_prev`` on the rows of a request (slot >= 0);
+    context and padding rows are left exactly as they are."""
     ab_T2 = broadcast_to_tokens(ab_K2, slot_T)
     new = x_TD + ab_T2[:, :1] * v_TD + ab_T2[:, 1:] * vp_TD
-    x_TD.copy_(torch.where((slot_T >= 0)[:, None], new, x_TD))
-    vp_TD.copy_(v_TD)
+    return torch.where((slot_T >= 0)[:, None], new, x_TD), v_TD.expand_as(vp_TD)
 
 
 class GraphedStep:
@@ -170,12 +180,14 @@ class GraphedStep:
         saved = [t.clone() for t in b.state()]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # the first call compiles and autotunes, the second settles
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        for t, s in zip(b.state(), saved, strict=True):
-            t.copy_(s)
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(2):  # the first call compiles and autotunes, the second settles
+                    fn()
+        finally:  # also when the model raises: the engine then re-runs the step, state intact
+            torch.cuda.current_stream().wait_stream(side)
+            for t, s in zip(b.state(), saved, strict=True):
+                t.copy_(s)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             fn()

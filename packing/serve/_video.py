@@ -22,14 +22,16 @@ requests); admission copies a composition into the shape's static buffers, and t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from torch import Tensor
 
 from packing._validate import check_int
 from packing.serve._batching import ContinuousBatcher
-from packing.serve._request import Result
-from packing.serve._schedulers import FlowScheduler
+from packing.serve._device import allocate, pinned, quarantine
+from packing.serve._request import Result, host_copy
+from packing.serve._schedulers import FlowScheduler, check_scheduler
 from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
 from packing.train._conditioning import broadcast_to_tokens
 
@@ -39,8 +41,10 @@ __all__ = ["VideoEngine", "video_step"]
 class _Buffers:
     """The static device tensors of one `VideoShape`: state, index tensors, schedule tables."""
 
-    def __init__(self, shape: VideoShape, model: VideoModel, max_steps: int) -> None:
-        dev, (gh, gw) = model.device, model.grid
+    def __init__(
+        self, shape: VideoShape, model: VideoModel, max_steps: int, dev: torch.device
+    ) -> None:
+        gh, gw = model.grid
         S, R, X = shape.frames, shape.requests, shape.text
         self.x_S = torch.zeros(S, *model.frame_shape, device=dev)
         self.vp_S = torch.zeros_like(self.x_S)
@@ -52,6 +56,7 @@ class _Buffers:
             torch.full((X,), -1, dtype=torch.int64, device=dev),
         )
         self.step_K = torch.zeros(R, dtype=torch.int64, device=dev)
+        self.bad_K = torch.zeros(R, dtype=torch.bool, device=dev)  # state not finite
         self.t_table = torch.zeros(R, max_steps, device=dev)
         self.coef = torch.zeros(R, max_steps, 2, device=dev)
 
@@ -66,9 +71,11 @@ def video_step(model: VideoModel, b: _Buffers) -> None:
     t_T = broadcast_to_tokens(t_K, b.slot_S).repeat_interleave(tpf)  # context, padding: 0
     v = model.velocity(b.x_S, t_T, b.text_XD, b.pack).float()
     ab_S2 = broadcast_to_tokens(ab_K2, b.slot_S)[:, :, None, None, None]
-    new = b.x_S + ab_S2[:, 0] * v + ab_S2[:, 1] * b.vp_S
+    new = b.x_S + ab_S2[:, 0] * v + ab_S2[:, 1] * b.vp_S  # raises before any write
+    vp = v.expand_as(b.vp_S)
     b.x_S.copy_(torch.where((b.slot_S >= 0)[:, None, None, None], new, b.x_S))
-    b.vp_S.copy_(v)
+    b.vp_S.copy_(vp)
+    quarantine(b.bad_K, ((b.x_S, b.slot_S), (b.vp_S, b.slot_S)))
     b.step_K.add_(1)
 
 
@@ -79,6 +86,8 @@ class _Member:
     admitted: int
     step: int = 0
     start: int = 0  # first frame in the pack
+    fresh: Tensor | None = None  # host frames (clean context, noise) to join
+    saved: tuple[Tensor, Tensor] | None = None  # its state (x, vp) to rejoin
 
 
 class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
@@ -110,13 +119,19 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
         if not shapes or not all(isinstance(s, VideoShape) for s in shapes):
             raise ValueError(f"shapes={shapes!r}; give one or more VideoShape")
         self.model, self.max_steps = model, check_int("max_steps", max_steps, min=1)
-        self.scheduler = scheduler if scheduler is not None else FlowScheduler()
+        self.scheduler = (
+            FlowScheduler() if scheduler is None else check_scheduler("scheduler", scheduler)
+        )
         self.shapes = sorted(shapes, key=lambda s: (s.frames, s.text, s.requests))
-        self._buffers: dict[VideoShape, _Buffers] = {}
+        self.device = torch.device(model.device)
+        self._buffers = allocate(
+            self.shapes, lambda s, dev: _Buffers(s, model, self.max_steps, dev), self.device,
+            "max_steps",
+        )  # fmt: skip
         self._start()
 
     # -- internals --------------------------------------------------------------------------
-    def _check(self, request: VideoRequest) -> None:
+    def _check(self, request: VideoRequest) -> VideoRequest:
         if not isinstance(request, VideoRequest):
             raise TypeError(f"submit takes a VideoRequest, got {type(request).__name__}")
         m = self.model
@@ -142,9 +157,19 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
                 f"{request.text.shape[0]} text rows, more than the largest VideoShape "
                 f"(frames={s.frames}, text={s.text}); add a larger shape"
             )
+        # Copied (re-checked finite) so the caller may reuse its buffers once submitted.
+        return replace(request, text=host_copy(request.text), context=host_copy(request.context))
 
-    def _member(self, rid: int, request: VideoRequest) -> _Member:
-        return _Member(rid, request, admitted=self.clock)
+    def _member(self, rid: int, r: VideoRequest) -> _Member:
+        """The request's host work at admission: clean context frames, then its noise."""
+        return _Member(rid, r, admitted=self.clock, fresh=torch.cat([r.context.float(), r.noise()]))
+
+    def _save(self, m: _Member) -> None:
+        b, n = self._buffers[self._shape], m.request.context.shape[0] + m.request.frames  # type: ignore[index]
+        m.saved = (b.x_S[m.start : m.start + n].clone(), b.vp_S[m.start : m.start + n].clone())
+
+    def _flags(self, shape: VideoShape) -> Tensor:
+        return self._buffers[shape].bad_K
 
     def _run(self, shape: VideoShape) -> None:
         with torch.no_grad():
@@ -154,11 +179,9 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
         """Lay the members out in ``shape``: host index tensors, then in-place device copies
         (the staying requests' frames gathered from the old buffers, the joining ones' clean
         context and noise written in)."""
-        dev, (gh, gw) = self.model.device, self.model.grid
+        dev, (gh, gw) = self.device, self.model.grid
         members = staying + joining
-        b = self._buffers.get(shape)
-        if b is None:
-            b = self._buffers[shape] = _Buffers(shape, self.model, self.max_steps)
+        b = self._buffers[shape]
         old = self._buffers[self._shape] if self._shape is not None else None
         S, X, R = shape.frames, shape.text, shape.requests
         doc_S = torch.full((S,), -1, dtype=torch.int64)
@@ -175,12 +198,13 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
             slot_S[s0 + f_c : s0 + n] = k
             pos_S[s0 : s0 + n] = torch.arange(n)
             text_doc_X[x0 : x0 + L] = k
-            text_XD[x0 : x0 + L] = r.text.float().cpu()
+            text_XD[x0 : x0 + L] = r.text.float()
             if k < len(staying):
                 take_S[s0 : s0 + n] = torch.arange(m.start, m.start + n)
-            else:
-                fresh.append(torch.cat([r.context.float().cpu(), r.noise()]))
+            elif m.fresh is not None:
+                fresh.append(m.fresh)
                 fresh_rows.append(torch.arange(s0, s0 + n))
+                m.fresh = None
             m.start = s0
             s0, x0 = s0 + n, x0 + L
         tpf = gh * gw
@@ -190,7 +214,7 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
         doc_T = doc_S.repeat_interleave(tpf)
         thw_T3 = torch.where((doc_T >= 0)[:, None], thw_T3, 0)
         # Carry the staying requests' state (gather first: ``old`` may be ``b``).
-        take = take_S.to(dev, non_blocking=True)
+        take = pinned(take_S, dev).to(dev, non_blocking=True)
         keep, idx = (take >= 0)[:, None, None, None], take.clamp(min=0)
         if old is not None:
             gx, gvp = old.x_S.index_select(0, idx), old.vp_S.index_select(0, idx)
@@ -200,15 +224,17 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
             b.x_S.zero_()
             b.vp_S.zero_()
         if fresh_rows:
-            rows = torch.cat(fresh_rows).to(dev, non_blocking=True)
-            b.x_S.index_copy_(0, rows, torch.cat(fresh).to(dev, non_blocking=True))
-        for dst, src in ((b.slot_S, slot_S), (b.text_XD, text_XD), (b.pack.doc_T, doc_T),
-                         (b.pack.thw_T3, thw_T3), (b.pack.text_doc_X, text_doc_X)):  # fmt: skip
-            dst.copy_(src, non_blocking=True)
+            rows = pinned(torch.cat(fresh_rows), dev).to(dev, non_blocking=True)
+            b.x_S.index_copy_(0, rows, pinned(torch.cat(fresh), dev).to(dev, non_blocking=True))
+        for m in members[len(staying) :]:
+            if m.saved is not None:  # rejoins after a failed model call (`_isolate`)
+                n = m.request.context.shape[0] + m.request.frames
+                b.x_S[m.start : m.start + n], b.vp_S[m.start : m.start + n] = m.saved
         t, coef, step = self._tables(members, R)
-        b.t_table.copy_(t, non_blocking=True)
-        b.coef.copy_(coef, non_blocking=True)
-        b.step_K.copy_(step, non_blocking=True)
+        for dst, src in ((b.slot_S, slot_S), (b.text_XD, text_XD), (b.pack.doc_T, doc_T),
+                         (b.pack.thw_T3, thw_T3), (b.pack.text_doc_X, text_doc_X),
+                         (b.t_table, t), (b.coef, coef), (b.step_K, step)):  # fmt: skip
+            dst.copy_(pinned(src, dev), non_blocking=True)
         self._members, self._shape = members, shape
 
     def _result(self, m: _Member) -> Result:

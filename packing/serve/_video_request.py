@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from packing._validate import check_int
+from packing.serve._request import check_seed, check_tensor_finite
 
 __all__ = ["VideoModel", "VideoPack", "VideoRequest", "VideoShape"]
 
@@ -78,7 +79,8 @@ class VideoRequest:
     """One episode to generate: ``text`` ``(L, D_txt)`` its text-encoder output (``L >= 1``),
     ``context`` ``(F_c, C, H, W)`` clean latent frames (``F_c`` may be 0), ``frames`` the
     latent frames to generate, ``steps`` denoising steps; ``seed`` keys the initial noise (a
-    CPU generator: the same noise on any device and in any pack)."""
+    CPU generator: the same noise on any device and in any pack; in [0, 2**64 - 1]). Both
+    tensors must be finite (a NaN or inf is refused here, naming its index)."""
 
     text: Tensor
     context: Tensor
@@ -94,11 +96,13 @@ class VideoRequest:
                 raise ValueError(f"VideoRequest.{name} must be a {what} tensor, got {got}")
             if not v.is_floating_point():
                 raise TypeError(f"VideoRequest.{name} must be floating point, got {v.dtype}")
+            check_tensor_finite("VideoRequest", name, v)
         if self.text.shape[0] < 1:
             raise ValueError("VideoRequest.text has no rows; give the text encoder's output")
-        for name, low in (("frames", 1), ("steps", 1), ("seed", None)):
-            v = check_int(f"VideoRequest.{name}", getattr(self, name), min=low)
+        for name in ("frames", "steps"):
+            v = check_int(f"VideoRequest.{name}", getattr(self, name), min=1)
             object.__setattr__(self, name, v)
+        object.__setattr__(self, "seed", check_seed("VideoRequest.seed", self.seed))
 
     def noise(self) -> Tensor:
         """The initial noise ``(frames, C, H, W)``, fp32 CPU."""

@@ -1,0 +1,210 @@
+"""Simulated robots against the policy server, end to end: one request at a time vs packed.
+
+N robots, each on its own websocket connection (`packing.serve.PolicyClient`, a thread) with
+its own control rate, run the real-time loop: ask for the next chunk as the last one runs
+out, wait for it (the robot stands still: idle), execute it (chunk duration = actions /
+its rate), ask again. Both arms are the same `PolicyServer` over the same weights:
+
+- ``one_at_a_time``: an engine whose only pack shape holds ONE request, so the server answers
+  one request at a time (what openpi's server does);
+- ``packed``: an engine with shapes for 1, 2, 4, ... min(N, ``--max-pack``) requests; the
+  continuous batcher packs the waiting robots' requests into each model call.
+
+Per arm and N: chunks/s (all robots), p50/p99 chunk latency (request sent to reply read), and
+robot idle time (latency over latency + execution). The robots' chunk durations are spread
+over ``--chunk-x`` x [0.75, 1.25] x one request's latency alone (measured first), so one robot
+alone idles ~1 / (1 + chunk_x) of the time.
+
+    python benchmarks/serving/robots.py --quick --max-pack 4    # CPU, tiny DiT, < 3 minutes
+    python benchmarks/serving/robots.py --device cuda --config 5b --compile --cuda-graphs
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from benchmarks.harness import base_parser, markdown_table, summarize, write_json
+from packing.model import DiT, DiTConfig
+from packing.serve import (
+    DiTAdapter,
+    Engine,
+    EngineConfig,
+    FlowScheduler,
+    PackShape,
+    PolicyClient,
+    PolicyServer,
+    ServerConfig,
+)
+
+
+def model_config(name: str) -> DiTConfig:
+    if name == "tiny":
+        return DiTConfig.tiny(latent_channels=8, latent_hw=(4, 8), action_dim=6)
+    base = DiTConfig.wan_2_2_5b if name == "5b" else DiTConfig.wan_1_3b
+    return base(depth=30, attention="flex")
+
+
+def build_engine(model: DiT, args: Any, requests: list[int]) -> Engine:
+    per = args.context_frames + args.frames
+    shapes = tuple(PackShape(frames=n * per, actions=n * args.actions, requests=n)
+                   for n in requests)  # fmt: skip
+    config = EngineConfig(shapes=shapes, max_steps=args.steps, cuda_graphs=args.cuda_graphs,
+                          scheduler=FlowScheduler(solver="multistep2", shift=5.0))  # fmt: skip
+    engine = Engine(model, config)
+    adapter = DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps)
+    for n in requests:  # warm each shape (compile, capture) before any robot is timed
+        for k in range(n):
+            engine.submit(adapter.request(observation(k, args, model.config), session="warm"))
+        engine.run()
+    return engine
+
+
+def observation(robot: int, args: Any, cfg: DiTConfig) -> dict[str, Any]:
+    rng = np.random.default_rng(robot)
+    frames = rng.standard_normal((args.context_frames, cfg.latent_channels, *cfg.latent_hw))
+    return {"context": frames.astype(np.float32), "seed": robot, "prompt": f"robot {robot}"}
+
+
+def step_costs(model: DiT, args: Any, counts: list[int]) -> list[dict[str, Any]]:
+    """The engine alone, no server: one model call's time with n requests in the pack (n up
+    to the most robots), the median of ``--steps`` calls after a warm run; what sets
+    ``--max-pack`` (on a CPU the dense-mask attention grows with the square of the pack)."""
+    adapter = DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps)
+    out = []
+    for n in (k for k in (1, 2, 4, 8, 16, 32, 64) if k <= max(counts)):
+        engine = build_engine(model, args, [n])
+        for k in range(n):
+            engine.submit(adapter.request(observation(k, args, model.config), session="cost"))
+        times = []
+        while engine.active or engine.waiting:
+            t0 = time.perf_counter()
+            engine.step()
+            if next(model.parameters()).is_cuda:
+                torch.cuda.synchronize()
+            times.append(1e3 * (time.perf_counter() - t0))
+        step_ms = summarize(times).median_ms
+        out.append({"requests": n, "step_ms": step_ms, "per_request_ms": step_ms / n})
+        print(out[-1], flush=True)
+    return out
+
+
+def run_robots(address: tuple[str, int], n: int, chunk_s: float, args: Any,
+               cfg: DiTConfig) -> dict[str, Any]:  # fmt: skip
+    """N robots for ``--warmup-s`` + ``--duration-s``; chunks that start in the timed window."""
+    start = time.monotonic() + args.warmup_s
+    stop = start + args.duration_s
+    records: list[list[tuple[float, float, float]]] = [[] for _ in range(n)]
+
+    def robot(i: int) -> None:
+        duration = chunk_s * (0.75 + 0.5 * i / max(n - 1, 1))  # its own control rate
+        obs = observation(i, args, cfg)
+        with PolicyClient(*address, timeout_s=600) as policy:
+            while time.monotonic() < stop:
+                t0 = time.monotonic()
+                policy.infer(obs)
+                latency = time.monotonic() - t0
+                records[i].append((t0, latency, duration))
+                time.sleep(duration)  # executing the chunk; the next request as it runs out
+
+    threads = [threading.Thread(target=robot, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    timed = [(lat, dur) for rec in records for t0, lat, dur in rec if start <= t0 < stop]
+    lat_ms = [1e3 * lat for lat, _ in timed]
+    s = summarize(lat_ms) if lat_ms else None
+    return {
+        "chunks": len(timed),
+        "chunks_per_s": len(timed) / args.duration_s,
+        "p50_ms": s.median_ms if s else None,
+        "p99_ms": float(np.percentile(lat_ms, 99)) if lat_ms else None,
+        "idle": sum(lat for lat, _ in timed) / max(sum(lat + dur for lat, dur in timed), 1e-9),
+    }
+
+
+def main() -> None:
+    p = base_parser(__doc__.split("\n")[0])
+    p.add_argument("--config", default="tiny", choices=["tiny", "small", "5b"])
+    p.add_argument("--robots", default="1,4,8,16")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--context-frames", type=int, default=None, help="tiny: 2, else 16")
+    p.add_argument("--frames", type=int, default=2)
+    p.add_argument("--actions", type=int, default=16)
+    p.add_argument("--chunk-x", type=float, default=4.0, help="chunk duration / lone latency")
+    p.add_argument("--duration-s", type=float, default=None, help="timed window per run")
+    p.add_argument("--warmup-s", type=float, default=1.0)
+    p.add_argument("--max-pack", type=int, default=16, help="most requests in a packed call")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (CPU default 1)")
+    args = p.parse_args()
+    if args.quick:
+        args.config = "tiny"
+    dev = torch.device(args.device)
+    if args.context_frames is None:
+        args.context_frames = 2 if args.config == "tiny" else 16
+    if args.duration_s is None:
+        args.duration_s = 6.0 if dev.type == "cpu" else 20.0
+    if dev.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    counts = [int(n) for n in args.robots.split(",")]
+    cfg = model_config(args.config)
+    torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = DiT(cfg).to(dev, dtype).eval()
+    if args.compile:
+        for block in model.blocks:
+            block.compile(dynamic=False)
+    costs = step_costs(model, args, counts)
+    rows: list[dict[str, Any]] = []
+    lone_s = None
+    for n in counts:  # the arms side by side at each N: a shared machine drifts less between
+        for arm in ("one_at_a_time", "packed"):
+            top = min(n, args.max_pack)
+            sizes = [1] if arm == "one_at_a_time" else [k for k in (1, 2, 4, 8, 16, 32, 64)
+                                                         if k < top] + [top]  # fmt: skip
+            t0 = time.perf_counter()
+            engine = build_engine(model, args, sizes)
+            warm_s = time.perf_counter() - t0
+            server = PolicyServer(engine, DiTAdapter(frames=args.frames, actions=args.actions,
+                                                     steps=args.steps),
+                                  ServerConfig(port=0, max_queue=4 * max(counts), deadline_s=600))  # fmt: skip
+            with server.running() as address:
+                if lone_s is None:  # one request alone through the server: the time unit
+                    with PolicyClient(*address) as c:
+                        obs = observation(0, args, cfg)
+                        c.infer(obs)
+                        t = time.monotonic()
+                        for _ in range(3):
+                            c.infer(obs)
+                        lone_s = (time.monotonic() - t) / 3
+                row = run_robots(address, n, args.chunk_x * lone_s, args, cfg)
+            s = server.summary()
+            row.update(arm=arm, robots=n, lone_ms=1e3 * lone_s, warmup_s=warm_s,
+                       requests_per_call=s["requests_per_call"], pack_fill=s["pack_fill"])  # fmt: skip
+            rows.append(row)
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
+                  flush=True)  # fmt: skip
+            write_json("serving_robots", args, {"rows": rows, "step_costs": costs}, device=dev,
+                       partial=True)  # fmt: skip
+    cols = ["arm", "robots", "chunks_per_s", "p50_ms", "p99_ms", "idle", "requests_per_call",
+            "lone_ms"]  # fmt: skip
+    print(markdown_table(rows, cols))
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None  # a shared machine says so
+    print(markdown_table(costs, ["requests", "step_ms", "per_request_ms"]))
+    write_json("serving_robots", args, {"rows": rows, "step_costs": costs, "config": args.config,
+                                        "load_average_after": load}, device=dev)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""``packing serve``: the policy server for robots (openpi's websocket protocol) on one or more
+engines, until SIGINT/SIGTERM (then it drains and exits 0).
+
+::
+
+    packing serve                                   # the tiny reference DiT, 127.0.0.1:8000, CPU
+    PACKING_API_KEY=... packing serve --host 0.0.0.0 --model wan_2_2_5b --checkpoint dit.pt \\
+        --device cuda:0 --device cuda:1 --cuda-graphs --shape 96,128,8
+    packing serve --model my_robot.policy:build     # build(device) -> Engine | VideoEngine
+                                                    #   or (engine, adapter)
+
+Any address but loopback needs an API key (``--api-key``, or PACKING_API_KEY so it is not in
+the process list). One log line per connection, a summary every ``--summary-every-s``.
+docs/serving.md has the wire format, the observation keys and the security settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+PRESETS = ("tiny", "wan_1_3b", "wan_2_2_5b")
+
+
+def add_parser(sub: Any) -> None:
+    s = sub.add_parser(
+        "serve",
+        help="serve a policy to robots over openpi's websocket protocol, packing their requests",
+        description=__doc__.split("::")[0].strip(),
+    )
+    s.set_defaults(run_command=run)
+    s.add_argument("--model", default="tiny",
+                   help=f"a reference DiT preset {PRESETS} or module:factory (default tiny)")  # fmt: skip
+    s.add_argument("--checkpoint", default=None, help="a state_dict file for the preset (.pt)")
+    s.add_argument("--device", action="append", help="repeatable: one engine each (default cpu)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--shape", action="append", metavar="FRAMES,ACTIONS,REQUESTS",
+                   help="a static pack (repeatable; default 1, 2, 4 and 8 requests)")  # fmt: skip
+    s.add_argument("--cuda-graphs", action="store_true", help="capture each shape's step")
+    s.add_argument("--compile", action="store_true", help="compile the DiT's blocks")
+    s.add_argument("--max-steps", type=int, default=50, help="most denoising steps a request asks")
+    s.add_argument("--frames", type=int, default=1, help="latent frames a chunk generates (1)")
+    s.add_argument("--actions", type=int, default=16, help="action steps a chunk generates (16)")
+    s.add_argument("--steps", type=int, default=10, help="denoising steps by default (10)")
+    s.add_argument("--context-frames", type=int, default=4,
+                   help="context frames the default shape leaves room for (4)")  # fmt: skip
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")
+    s.add_argument("--api-key", default=os.environ.get("PACKING_API_KEY"),
+                   help="required off loopback (default: $PACKING_API_KEY)")  # fmt: skip
+    s.add_argument("--max-message-mb", type=float, default=64.0)
+    s.add_argument("--max-connections", type=int, default=64)
+    s.add_argument("--max-queue", type=int, default=64, help="requests per engine, then 'busy'")
+    s.add_argument("--deadline-s", type=float, default=30.0, help="a request's time limit")
+    s.add_argument("--drain-s", type=float, default=30.0, help="shutdown waits this long at most")
+    s.add_argument("--summary-every-s", type=float, default=60.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from packing.serve import PolicyServer, ServerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("websockets").setLevel(logging.WARNING)
+    if args.max_message_mb <= 0:
+        raise ValueError(f"--max-message-mb {args.max_message_mb} must be > 0")
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key or None,
+        max_message_bytes=int(args.max_message_mb * 2**20), max_connections=args.max_connections,
+        max_queue=args.max_queue, deadline_s=args.deadline_s, drain_s=args.drain_s,
+        summary_every_s=args.summary_every_s,
+        metadata={"model": args.model, "frames": args.frames, "actions": args.actions,
+                  "steps": args.steps},
+    )  # fmt: skip
+    built = [_build(args, device) for device in (args.device or ["cpu"])]
+    engines = [engine for engine, _ in built]
+    model_config = getattr(getattr(engines[0], "model", None), "config", None)
+    if model_config is not None:  # a robot reads what to send from the metadata
+        shape = [model_config.latent_channels, *model_config.latent_hw]
+        config.metadata.update(latent_shape=shape, action_dim=model_config.action_dim)
+    server = PolicyServer(engines, built[0][1], config)
+    server.serve_forever()
+    return 0
+
+
+def _build(args: argparse.Namespace, device: str) -> tuple[Any, Any]:
+    """One engine on ``device`` and its adapter."""
+    import torch
+
+    from packing.model import DiT, DiTConfig
+    from packing.serve import DiTAdapter, Engine, EngineConfig
+
+    adapter = DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps)
+    if args.model not in PRESETS:
+        if args.checkpoint is not None:
+            raise ValueError("--checkpoint loads a preset's weights; a factory loads its own")
+        from packing.verify._command import load_factory
+
+        out = load_factory(args.model)(device)
+        return out if isinstance(out, tuple) else (out, None)
+    torch.manual_seed(0)  # the same random weights in every engine without a checkpoint
+    model = DiT(getattr(DiTConfig, args.model)())
+    if args.checkpoint is not None:
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)  # no pickle code
+        model.load_state_dict(state)
+    model = model.to(device, getattr(torch, args.dtype)).eval()
+    if args.compile:
+        for block in model.blocks:
+            block.compile(dynamic=False)
+    config = EngineConfig(shapes=_shapes(args), max_steps=args.max_steps,
+                          cuda_graphs=args.cuda_graphs)  # fmt: skip
+    return Engine(model, config), adapter
+
+
+def _shapes(args: argparse.Namespace) -> tuple[Any, ...]:
+    from packing.serve import PackShape
+
+    if not args.shape:  # 1, 2, 4 and 8 requests: a lone robot is not computed as 8
+        return tuple(PackShape(frames=n * (args.context_frames + args.frames),
+                               actions=n * args.actions, requests=n) for n in (1, 2, 4, 8))  # fmt: skip
+    shapes = []
+    for spec in args.shape:
+        parts = spec.split(",")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"--shape {spec!r}: give FRAMES,ACTIONS,REQUESTS, e.g. 96,128,8")
+        f, a, r = (int(p) for p in parts)
+        shapes.append(PackShape(frames=f, actions=a, requests=r))
+    return tuple(shapes)

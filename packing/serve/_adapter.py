@@ -1,0 +1,168 @@
+"""Observation adapters: an observation dict becomes a request, a result becomes the reply.
+
+One observation from a robot (the keys `DiTAdapter` reads; all but the context optional)::
+
+    {"context": float (F_c, C, H, W)   clean latent frames so far     or
+     "images":  (F, ...) camera frames, through the adapter's ``encoder`` into latents
+     "prompt":  "pick up the cup"      the task (Request.task)
+     "frames": 1, "actions": 16        the chunk to generate (default: the adapter's)
+     "seed": 7, "steps": 10            noise seed, denoising steps (default: the adapter's)
+     "keep_frames": [0, 2]             context frames to attend to
+     "episode": "start" | "end"}       episode control (`episode_control`)
+
+    reply  {"actions": float32 (actions, A), "latents": float32 (frames, C, H, W),
+            "server_timing": {...}}    (the server adds server_timing)
+
+Unknown keys are refused (a misspelt ``"step"`` would otherwise be silently ignored). Any
+object with the same two methods (``request(observation, session)``, ``reply(result)``) is an
+adapter: write your own for other keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from packing._validate import check_bool, check_int
+from packing.serve._request import Request, Result
+from packing.serve._video_request import VideoRequest
+
+__all__ = ["Adapter", "DiTAdapter", "WanAdapter", "episode_control"]
+
+Encoder = Callable[[np.ndarray], Any]  # camera frames -> (F_c, C, H, W) latents
+EPISODE = ("start", "end")
+
+
+class Adapter(Protocol):
+    """What the server needs to turn observations into engine requests and back."""
+
+    def request(self, observation: dict[str, Any], session: str) -> Any: ...
+
+    def reply(self, result: Result) -> dict[str, Any]: ...
+
+
+def episode_control(observation: dict[str, Any]) -> str | None:
+    """``observation["episode"]``: ``"start"`` (a new episode begins with this observation),
+    ``"end"`` (the episode ends after it), or None; anything else is refused."""
+    value = observation.get("episode")
+    if value is not None and value not in EPISODE:
+        raise ValueError(f"observation['episode']={value!r}: use 'start', 'end' or leave it out")
+    return value
+
+
+def _context(obs: dict[str, Any], encoder: Encoder | None) -> Tensor:
+    """The latent context: ``obs["context"]`` or the encoder applied to ``obs["images"]``."""
+    if ("context" in obs) == ("images" in obs):
+        raise ValueError("an observation needs exactly one of 'context' (latent frames "
+                         "(F_c, C, H, W)) and 'images' (camera frames for the encoder)")  # fmt: skip
+    if "images" in obs:
+        if encoder is None:
+            raise ValueError("this server has no image encoder; send latent frames as 'context'")
+        out = encoder(_array("images", obs["images"]))
+        return out if isinstance(out, Tensor) else torch.from_numpy(np.array(out))
+    return torch.from_numpy(_array("context", obs["context"]).copy())
+
+
+def _array(key: str, value: Any) -> np.ndarray:
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"observation[{key!r}] must be a numpy array, got {type(value).__name__}")
+    return value
+
+
+def _fields(obs: dict[str, Any], known: frozenset[str], defaults: dict[str, int]) -> dict[str, Any]:
+    unknown = sorted(set(obs) - known)
+    if unknown:
+        raise ValueError(f"unknown observation keys {unknown}; this server reads {sorted(known)}")
+    # min 0: the request checks its own lower bounds (a DiT chunk may have 0 frames)
+    return {k: check_int(f"observation[{k!r}]", obs.get(k, v), min=0) for k, v in defaults.items()}
+
+
+def _prompt(obs: dict[str, Any]) -> str:
+    prompt = obs.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise TypeError(f"observation['prompt'] must be a str, got {type(prompt).__name__}")
+    return prompt
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiTAdapter:
+    """Observations for the reference-DiT `Engine`: ``frames``/``actions``/``steps``/``seed``
+    are the defaults a robot may override per observation; ``encoder`` turns camera frames
+    (``"images"``) into latents; ``latents``: send the generated frames back too."""
+
+    frames: int = 1
+    actions: int = 16
+    steps: int = 10
+    seed: int = 0
+    encoder: Encoder | None = None
+    latents: bool = True
+
+    KEYS = frozenset({"context", "images", "prompt", "frames", "actions", "seed", "steps",
+                      "keep_frames", "episode"})  # fmt: skip
+
+    def __post_init__(self) -> None:
+        for name, low in (("frames", 0), ("actions", 1), ("steps", 1), ("seed", 0)):
+            check_int(f"DiTAdapter.{name}", getattr(self, name), min=low)
+        check_bool("DiTAdapter.latents", self.latents)
+
+    def request(self, observation: dict[str, Any], session: str) -> Request:
+        defaults = {"frames": self.frames, "actions": self.actions, "steps": self.steps,
+                    "seed": self.seed}  # fmt: skip
+        fields = _fields(observation, self.KEYS, defaults)
+        keep = observation.get("keep_frames")
+        if keep is not None and not isinstance(keep, list | np.ndarray):
+            raise TypeError("observation['keep_frames'] must be a list of ints")
+        return Request(
+            context=_context(observation, self.encoder),
+            task=_prompt(observation),
+            keep_frames=None if keep is None else tuple(keep),
+            session=session,
+            **fields,
+        )
+
+    def reply(self, result: Result) -> dict[str, Any]:
+        out = {"actions": result.action.detach().float().cpu().numpy()}
+        if self.latents:
+            out["latents"] = result.latents.detach().float().cpu().numpy()
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class WanAdapter:
+    """Observations for a `VideoEngine` serving a diffusers Wan (`ServedWan`): the prompt
+    goes through ``text_encoder`` (str -> ``(L, D_txt)``), or the robot sends ready embeddings
+    as ``"text"``; the reply is ``{"latents": (frames, C, H, W)}`` (a Wan has no action head).
+    The episode keys work as for `DiTAdapter` (a `VideoRequest` has no session to cache)."""
+
+    text_encoder: Callable[[str], Tensor] | None = None
+    frames: int = 1
+    steps: int = 10
+    seed: int = 0
+    encoder: Encoder | None = None
+
+    KEYS = frozenset({"context", "images", "prompt", "text", "frames", "seed", "steps",
+                      "episode"})  # fmt: skip
+
+    def __post_init__(self) -> None:
+        for name in ("frames", "steps", "seed"):
+            check_int(f"WanAdapter.{name}", getattr(self, name), min=1 if name != "seed" else 0)
+
+    def request(self, observation: dict[str, Any], session: str) -> VideoRequest:
+        defaults = {"frames": self.frames, "steps": self.steps, "seed": self.seed}
+        fields = _fields(observation, self.KEYS, defaults)
+        if "text" in observation:
+            text = torch.from_numpy(_array("text", observation["text"]).copy())
+        elif self.text_encoder is not None:
+            text = self.text_encoder(_prompt(observation))
+        else:
+            raise ValueError("this server has no text encoder; send the prompt's embeddings "
+                             "as 'text' (L, D_txt)")  # fmt: skip
+        return VideoRequest(text=text, context=_context(observation, self.encoder), **fields)
+
+    def reply(self, result: Result) -> dict[str, Any]:
+        return {"latents": result.latents.detach().float().cpu().numpy()}

@@ -1,0 +1,106 @@
+"""What the engines do on the device to stay robust: static buffers allocated (and bounded)
+at construction, host-to-device copies from pinned memory, and the quarantine of a request
+whose state is no longer finite, all without a host sync in the step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+__all__ = ["allocate", "pinned", "quarantine"]
+
+S = TypeVar("S")  # the pack shape type
+B = TypeVar("B")  # an engine's static buffers
+
+
+def pinned(src: Tensor, device: torch.device) -> Tensor:
+    """``src`` (host) ready for a ``non_blocking`` copy to ``device``: pinned when the device
+    is CUDA, because from pageable memory a "non-blocking" copy first waits for the stream
+    (every kernel queued before it), which is a host sync in all but name."""
+    return src.pin_memory() if device.type == "cuda" else src
+
+
+def quarantine(bad_K: Tensor, states: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """Flag every request whose state holds a NaN or inf and zero its rows, on the device and
+    without a host sync (it runs inside the step, so inside a captured CUDA graph).
+
+    ``states``: ``(x, slot_T)`` pairs, ``x`` rows first, ``slot_T`` each row's request (-1:
+    context or padding, not state). Zeroed, a failed request can no longer reach the other
+    requests of the next model call (a masked-out NaN still gives 0 * NaN = NaN in attention);
+    ``bad_K`` ``(R,)`` tells the host which failed::
+
+        slot_T   0 0 1 1 -1        bad_K   [False, True]
+        finite   y y n y  n   ->   x rows 2 and 3 set to 0, row 4 (padding) left as it is
+    """
+    R = bad_K.shape[0]
+    ids_R = torch.arange(R, device=bad_K.device)
+    bad = torch.zeros(R, dtype=torch.bool, device=bad_K.device)
+    for x, slot in states:
+        row_bad = ~torch.isfinite(x.reshape(x.shape[0], -1)).all(dim=1)
+        bad |= ((slot[:, None] == ids_R[None, :]) & row_bad[:, None]).any(dim=0)
+    bad_K.copy_(bad)
+    bad_R1 = torch.cat([bad, bad.new_zeros(1)])  # row R: not a request
+    for x, slot in states:
+        hit = bad_R1[torch.where(slot >= 0, slot, R)].reshape(-1, *[1] * (x.dim() - 1))
+        x.copy_(torch.where(hit, 0.0, x))
+
+
+def allocate(
+    shapes: Sequence[S], build: Callable[[S, torch.device], B], device: torch.device, steps: str
+) -> dict[S, B]:
+    """Every shape's static buffers, allocated now, so a shape or a ``max_steps`` too large
+    for the device fails at construction, never inside a step.
+
+    The bound: the buffers' bytes (counted on the meta device first) must fit the device's
+    free memory now (CUDA: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable``). The model's
+    activations come on top and are not counted. ``steps`` names the max_steps argument."""
+    try:
+        need = {s: _nbytes(vars(build(s, torch.device("meta")))) for s in shapes}
+    except RuntimeError as err:  # a size past int64 (e.g. frames=10**18)
+        raise ValueError(f"a pack shape is too large to describe ({err}); lower it") from err
+    free = _free_bytes(device)
+    if sum(need.values()) > free:
+        s = max(need, key=lambda k: need[k])
+        meta = build(s, torch.device("meta"))
+        tables = _nbytes([meta.t_table, meta.coef])  # type: ignore[attr-defined]
+        field = steps if 2 * tables > need[s] else f"{s!r}'s sizes"
+        raise ValueError(
+            f"the engine's static buffers need {_gib(sum(need.values()))} on {device}, more "
+            f"than the {_gib(free)} free ({s!r} alone: {_gib(need[s])}, of which {_gib(tables)} "
+            f"the requests x {steps} schedule tables); lower {field}"
+        )
+    try:
+        return {s: build(s, device) for s in shapes}
+    except (RuntimeError, MemoryError) as err:  # what the allocator raises when it cannot
+        raise ValueError(
+            f"allocating the engine's static buffers on {device} failed ({err}); lower the pack "
+            f"shapes or {steps}"
+        ) from err
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, tuple | list):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration):  # not Linux: no bound known, the allocator decides
+        return 2**63
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
