@@ -467,7 +467,7 @@ allow("packing.model.pack_text", "text_len pad_to_multiple", "huge", "a size")
 allow("packing.VerifyConfig", "seed", "zero", "seed 0 is the default")
 
 # Serve names the serve/faults branches fix (validation at submit, PackShape bounds): remove
-# each entry once those branches land and it passes (test_serve_allowances_are_still_needed).
+# an entry that passes fails its case, naming it (still open after merging main: these).
 _HUGE = "a huge step count hangs (a list of 2**70 sigmas is built): not called until fixed"
 _OPEN = "accepted at construction; the engine fails later (validate at the boundary)"
 FIXED_BY_SERVE_BRANCHES: dict[tuple[str, str, str], str] = {
