@@ -12,6 +12,9 @@ DiT, bf16 parameters, fp32 reduction, AdamW; benchmarks/results/fsdp_budget_1xh2
 whose full-depth check measured 5.4% above the prediction: the table prints that margin
 too. ``--measure`` probes this GPU at 2 and 4 blocks and two pack sizes (a minute or two),
 fits the same model and answers from it.
+
+Without ``--measure`` nothing imports torch: the answer is arithmetic, and comes in well
+under a second (`packing._memory_model`, the presets' parameter counts below).
 """
 
 from __future__ import annotations
@@ -26,7 +29,31 @@ MEASURED_H200 = {
     "none": {"fixed": -1_709_321_952.0, "per_token": 240_049.19, "per_token_block": 184_700.56},
 }
 FULL_DEPTH_MARGIN = 139.17 / 132.09  # measured / predicted at 30 blocks, 144,384 tokens
-PRESETS = ("wan_2_2_5b", "wan_1_3b", "tiny")
+# The reference DiT presets' parameters as (blocks, outside the blocks, per block), so that
+# the answer needs no torch; tests/test_contract_cases.py checks them against
+# packing.model.param_count(DiTConfig.<preset>(depth=d)).
+PRESET_PARAMS = {
+    "wan_2_2_5b": (30, 87_819_470, 163_656_704),
+    "wan_1_3b": (30, 22_676_174, 46_440_704),
+    "tiny": (2, 84_878, 50_624),
+}
+PRESETS = tuple(PRESET_PARAMS)
+
+
+def count(text: str) -> int:
+    """A count written as an int or in float notation that is a whole number: ``5e9``,
+    ``5_000_000_000``; ``2.5`` or ``1e-3`` are refused (argparse prints one line)."""
+    try:
+        return int(text.replace("_", ""))
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
 
 
 def add_parser(sub: Any) -> None:
@@ -37,20 +64,24 @@ def add_parser(sub: Any) -> None:
     )
     b.add_argument("--preset", default="wan_2_2_5b", choices=PRESETS, help="reference DiT widths")
     b.add_argument("--depth", type=int, default=None, help="blocks (default: the preset's)")
-    b.add_argument("--params", type=int, default=None, help="parameters of your own model")
+    b.add_argument(
+        "--params", type=count, default=None, help="parameters of your own model (5e9 is read)"
+    )
     b.add_argument("--gpus", type=int, action="append", help="GPUs (repeatable; default 1,2,4,8)")
     b.add_argument("--checkpointing", default="full", choices=["full", "none"])
     b.add_argument("--accumulate", action="store_true", help="several no-sync micro-steps a step")
-    b.add_argument("--gpu-memory-gb", type=float, default=None, help="default: this GPU, or 150")
+    b.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=None,
+        help="default: 150 (an H200, the fit's machine); with --measure this GPU",
+    )
     b.add_argument("--headroom", type=float, default=0.08, help="fraction left free (0.08)")
     b.add_argument("--measure", action="store_true", help="fit the model on this GPU first")
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from packing.model import DiTConfig, param_count
-    from packing.train import MemoryModel
+    from packing._memory_model import MemoryModel
 
     if not 0 <= args.headroom < 1:
         raise ValueError(f"--headroom {args.headroom} must be in [0, 1)")
@@ -58,24 +89,20 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--depth", args.depth), ("--params", args.params), ("--gpus", min(gpus))):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value} must be >= 1")
-    cfg = getattr(DiTConfig, args.preset)()
-    if args.depth is not None:
-        cfg = DiTConfig(**{**cfg.__dict__, "depth": args.depth})
-    params = args.params or param_count(cfg)
-    if args.gpu_memory_gb is not None:
-        memory = args.gpu_memory_gb * 1e9
-    elif torch.cuda.is_available():
-        memory = float(torch.cuda.get_device_properties(0).total_memory)
-    else:
-        memory = 150e9  # an H200's 141 GB (decimal 150.1): the machine the fit was made on
+    if args.gpu_memory_gb is not None and not 0 < args.gpu_memory_gb < 1e6:
+        raise ValueError(f"--gpu-memory-gb {args.gpu_memory_gb} must be in (0, 1e6)")
+    blocks, outside, per_block = PRESET_PARAMS[args.preset]
+    depth = args.depth if args.depth is not None else blocks
+    params = args.params or outside + depth * per_block
+    memory = _memory(args.gpu_memory_gb, args.measure)
     capacity = memory * (1 - args.headroom)
     if args.measure:
-        model, source = _measured(cfg, args.checkpointing), "measured on this GPU"
+        model, source = _measured(args.preset, depth, args.checkpointing), "measured on this GPU"
     else:
         model = MemoryModel(**MEASURED_H200[args.checkpointing])
         source = "fitted on one H200 (benchmarks/results/fsdp_budget_1xh200.json)"
     print(
-        f"packing budget: {params / 1e9:.2f} B parameters, depth {cfg.depth}, "
+        f"packing budget: {params / 1e9:.2f} B parameters, depth {depth}, "
         f"checkpointing {args.checkpointing}, {'accumulating' if args.accumulate else 'one micro-step a step'}, "
         f"{capacity / 1e9:.1f} GB usable ({memory / 1e9:.1f} GB - {args.headroom:.0%}); model {source}"
     )
@@ -83,13 +110,26 @@ def run(args: argparse.Namespace) -> int:
     print("|---:|---:|---:|")
     for n in gpus:
         kw = {"accumulate": args.accumulate}
-        t = model.max_tokens(capacity, params, cfg.depth, n, **kw)
-        safe = model.max_tokens(capacity / FULL_DEPTH_MARGIN, params, cfg.depth, n, **kw)
+        t = model.max_tokens(capacity, params, depth, n, **kw)
+        safe = model.max_tokens(capacity / FULL_DEPTH_MARGIN, params, depth, n, **kw)
         print(f"| {n} | {t:,} | {safe:,} |")
     return 0
 
 
-def _measured(cfg: Any, checkpointing: str) -> Any:
+def _memory(gpu_memory_gb: float | None, measure: bool) -> float:
+    """Bytes of the GPU: ``--gpu-memory-gb``, else this GPU's when measuring (torch), else an
+    H200's (the machine the stored fit was made on; no torch import)."""
+    if gpu_memory_gb is not None:
+        return gpu_memory_gb * 1e9
+    if measure:
+        import torch
+
+        if torch.cuda.is_available():
+            return float(torch.cuda.get_device_properties(0).total_memory)
+    return 150e9  # an H200's 141 GB (decimal 150.1)
+
+
+def _measured(preset: str, depth: int, checkpointing: str) -> Any:
     """Fit the memory model from probes on this GPU: 2 and 4 blocks, two pack sizes."""
     import torch
 
@@ -97,6 +137,8 @@ def _measured(cfg: Any, checkpointing: str) -> Any:
     from packing.model import DiT, DiTConfig, param_count, text_tokens
     from packing.train import Probe, fit_memory_model, probe_peak, shard_model
 
+    cfg = getattr(DiTConfig, preset)()
+    cfg = DiTConfig(**{**cfg.__dict__, "depth": depth})
     if not torch.cuda.is_available():
         raise ValueError("--measure needs a CUDA GPU; drop it to use the stored H200 fit")
     dev = torch.device("cuda")

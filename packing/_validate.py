@@ -10,7 +10,8 @@ the same mistake gets the same message everywhere::
 
 Nothing here calls ``int()``/``bool()``/``float()`` on a value that is not already of that kind
 (a numpy int becomes the Python int of the same value; 2.5 is never 2, "no" is never True).
-The module sits below every folder (it imports only numpy and torch), so any of them may use it.
+The module sits below every folder (it imports only numpy; torch when a tensor is checked), so
+any of them may use it, and so may the torch-free ``packing budget``.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "check_bool",
     "check_choice",
     "check_doc_ids",
+    "check_dtype",
     "check_finite",
     "check_int",
     "check_int_tuple",
@@ -143,9 +147,26 @@ def check_int_tuple(
     return tuple(check_int(f"{name}[{i}]", v, min=min) for i, v in enumerate(items))
 
 
+def check_dtype(name: str, value: Any, *, optional: bool = False) -> torch.dtype | None:
+    """A floating ``torch.dtype`` (None too when ``optional``): ``'bf16'`` or ``'bfloat16'``
+    is refused, naming the accepted values, before torch reads it as a device string."""
+    import torch
+
+    if value is None and optional:
+        return None
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        accepted = "torch.bfloat16, torch.float16 or torch.float32" + (
+            " or None" if optional else ""
+        )
+        raise TypeError(f"{name}={value!r} must be a floating torch.dtype; pass {accepted}")
+    return value
+
+
 def check_doc_ids(name: str, value: Any) -> torch.Tensor:
     """An integer tensor of document ids, kept in its own dtype (never narrowed: ids 0 and
     2**32 stay two documents). Floats and bools are refused; values are checked by the caller."""
+    import torch
+
     if not isinstance(value, torch.Tensor):
         raise TypeError(
             f"{name} must be a torch.Tensor of document ids, got {type(value).__name__}"
@@ -170,6 +191,8 @@ def check_finite(
     non-finite entry and ``fix``.
 
     Integer tensors are always finite; floats are checked with one reduction."""
+    import torch
+
     if not (value.dtype.is_floating_point or value.dtype.is_complex):
         return
     bad = ~torch.isfinite(value)

@@ -35,6 +35,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from packing._cli_parser import Parser, given_flags
+
 __all__ = ["EXIT_STATUS", "build_parser", "main"]
 
 EXIT_STATUS = """exit status:
@@ -48,8 +50,15 @@ EXIT_STATUS = """exit status:
      --nproc): the line names its type; --traceback shows where"""
 
 
+# The flags ``packing verify --inference`` reads; any other verify flag is refused with it
+# (a --model would otherwise be dropped and the built-in model proven in its place).
+INFERENCE_FLAGS = frozenset(
+    {"inference", "mask", "document_mask", "seed", "json", "threads", "traceback"}
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="packing",
         description="Pack whole robot episodes into one sequence, and prove it changes nothing.",
     )
@@ -271,10 +280,13 @@ def _progress(line: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)  # usage errors: argparse prints them and exits 2
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)  # usage errors: one line (`Parser`), exit 2
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "verify":
+        args.given = given_flags(_subparser(parser, "verify"), argv[argv.index("verify") + 1 :])
     try:
         if hasattr(args, "run_command"):  # a command whose module gives its run (packing serve)
             return int(args.run_command(args))
@@ -341,11 +353,23 @@ def _run(args: argparse.Namespace) -> int:
     return 2 if report.diverged else 1
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:  # argparse keeps its subparsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise LookupError(name)
+
+
 def _run_inference(args: argparse.Namespace) -> int:
-    if args.device != "cpu" or args.dtype != "float32":
+    given = getattr(args, "given", {})  # main() sets it; absent when called otherwise
+    other = sorted(flag for dest, flag in given.items() if dest not in INFERENCE_FLAGS)
+    if other:
+        flags = ", ".join(other)
         raise ValueError(
-            "--inference runs the fp32 CPU proof; drop --device/--dtype (the bf16 GPU "
-            "comparison is benchmarks/bench_serve.py)"
+            f"--inference proves packing.serve on the built-in tiny model, fp32 CPU; it does "
+            f"not take {flags} (flags of the training comparison: drop them, or drop "
+            "--inference to verify your model's training; the bf16 GPU inference comparison "
+            "is benchmarks/bench_serve.py)"
         )
     from packing.serve._proof import verify_inference
 
@@ -387,8 +411,12 @@ def _check_json_path(path: str | None) -> None:
 def _set_threads(threads: int | None) -> Callable[[], None]:
     """One CPU thread unless the user says otherwise (--threads, or $OMP_NUM_THREADS); returns
     what restores the previous setting."""
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads {threads} must be >= 1")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if threads is not None and not 1 <= threads <= (cores or 1):
+        raise ValueError(
+            f"--threads {threads} must be in [1, {cores}] (the cores this process may use); "
+            "more threads than cores only slow torch down"
+        )
     if threads is None and os.environ.get("OMP_NUM_THREADS"):
         return lambda: None  # torch already follows it
     import torch

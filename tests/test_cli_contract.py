@@ -148,7 +148,7 @@ def test_bad_feature_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "--feature", "latents=nope"]) == 2
     assert "has no feature 'nope'" in error_line(capsys)
     assert main(["verify", "--threads", "0"]) == 2
-    assert "--threads 0 must be >= 1" in error_line(capsys)
+    assert "--threads 0 must be in [1, " in error_line(capsys)
 
 
 # -- divergence is not a packing verdict ---------------------------------------------------------
@@ -215,8 +215,8 @@ def test_verify_runs_on_one_cpu_thread_unless_told(monkeypatch: pytest.MonkeyPat
         assert torch.get_num_threads() == 1
         restore()  # main() leaves torch as it found it
         assert torch.get_num_threads() == 2
-        _set_threads(3)  # --threads 3
-        assert torch.get_num_threads() == 3
+        _set_threads(2)  # --threads 2 (of the 2 cores CI has)
+        assert torch.get_num_threads() == 2
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's environment says otherwise
         torch.set_num_threads(2)
         _set_threads(None)

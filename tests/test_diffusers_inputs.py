@@ -86,7 +86,7 @@ def test_a_timestep_of_another_shape_is_refused(shape):
     xt, text, lay, text_lay = _pack(packed)
     with pytest.raises(ValueError, match=r"timestep has shape .*pass \(2,\), one per episode"):
         packed.velocity(xt, torch.zeros(shape), text, lay, text_lay)
-    with pytest.raises(TypeError, match=r"timestep must be a float tensor"):
+    with pytest.raises(TypeError, match=r"timestep_K must be a float tensor"):
         packed.velocity(xt, torch.zeros(2, dtype=torch.long), text, lay, text_lay)
 
 

@@ -92,7 +92,9 @@ def test_whole_episodes_in_row_order_with_dtypes_kept() -> None:
 
 def test_select_and_shuffle_indices_are_honoured() -> None:
     ds = make_rows(ORDER).shuffle(seed=3).select(range(7))  # an indices mapping, not a copy
-    eps = HFEpisodes(ds, ["action"])
+    with pytest.raises(ValueError, match="rows were reordered"):  # no frame_index to order by
+        HFEpisodes(ds, ["action"])
+    eps = HFEpisodes(ds, ["action"], frame_column=None)  # row order, asked for
     kept = [int(e) for e in ds["episode_index"]]
     assert eps.lengths.tolist() == [kept.count(e) for e in sorted(set(kept))]
     for i, e in enumerate(eps.episode_ids.tolist()):
@@ -112,7 +114,7 @@ def test_errors_name_the_key_and_the_fix() -> None:
     ds = make_rows(ORDER)
     with pytest.raises(KeyError, match=r"unknown key 'actions'.*'latents'"):
         HFEpisodes(ds, ["actions"])
-    with pytest.raises(KeyError, match="unknown column 'ep'"):
+    with pytest.raises(KeyError, match="episode_column='ep' is not a column"):
         HFEpisodes(ds, ["action"], episode_column="ep")
     with pytest.raises(ValueError, match="per-episode value"):
         HFEpisodes(ds, ["task"])

@@ -71,6 +71,9 @@ def test_a_facade_is_the_only_public_module_of_its_folder():
     assert public == []
 
 
+TORCH_FREE = {"packing._memory_model": "packing.train"}
+
+
 def test_every_public_name_has_one_home():
     """A name is listed in the ``__all__`` of exactly one facade, and is defined in that
     folder (a facade re-exports its own private modules, not another folder's names)."""
@@ -80,7 +83,9 @@ def test_every_public_name_has_one_home():
             homes.setdefault(name, []).append(folder)
             obj = getattr(importlib.import_module(folder), name)
             where = getattr(obj, "__module__", "") or ""
-            if inspect.isclass(obj) or inspect.isfunction(obj):
+            # packing._memory_model sits below the folders (torch-free, so that `packing budget`
+            # answers without torch); packing.train is its one facade.
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and where not in TORCH_FREE:
                 assert where.startswith(folder.removesuffix(".testing")), (folder, name, where)
     assert {n: ms for n, ms in homes.items() if len(ms) > 1} == {}
 

@@ -68,6 +68,8 @@ def ascii_blocks(block_mask: BlockMask, sep: str = " ") -> str:
 def ascii_mask(mask: Tensor, sep: str = " ") -> str:
     """One line per query: ``#`` where the bool ``(T_q, T_kv)`` mask attends, ``.`` elsewhere."""
     _check_mask(mask)
+    if not isinstance(sep, str):
+        raise TypeError(f"sep={sep!r} must be a string, e.g. ' '")
     return "\n".join(sep.join("#" if v else "." for v in row) for row in mask.bool().tolist())
 
 

@@ -90,7 +90,7 @@ class Stream:
                 f"tokens_per_step={self.tokens_per_step}"
             )
         if self.step_shape is not None:
-            dims = tuple(self.step_shape)
+            dims = tuple(check_sequence(where + "step_shape", self.step_shape))
             if not all(isinstance(s, int | np.integer) and not isinstance(s, bool) for s in dims):
                 raise TypeError(
                     f"stream {self.name!r}: step_shape={self.step_shape!r} must hold ints "
@@ -478,6 +478,7 @@ class PackedCollator:
             return out, kinds, ids
         index = out["episode_index"]
         if plain_ids is not None and min(plain_ids) >= 0:
+            _check_unique(plain_ids)
             return out, kinds, plain_ids  # the common case, without the checks' torch calls
         _check_episode_index(index, kinds["episode_index"], episodes)
         if index.dtype != torch.int64:
@@ -618,6 +619,19 @@ def _check_episode_index(index: Any, kind: str, episodes: Sequence[Mapping[str, 
         raise ValueError(
             f"episode {i} has episode_index {int(real[i])}; episode indices are >= 0 (-1 marks "
             "padding documents): renumber the episodes"
+        )
+    _check_unique(tuple(real.tolist()))
+
+
+def _check_unique(ids: tuple[int, ...]) -> None:
+    """Two episodes of one pack with one episode_index would draw identical noise."""
+    if len(set(ids)) != len(ids):
+        first = next(i for i, e in enumerate(ids) if ids.index(e) != i)
+        raise ValueError(
+            f"episodes {ids.index(ids[first])} and {first} of this pack both have episode_index "
+            f"{ids[first]}; episode_index keys each episode's noise and timestep, so the two "
+            "would get identical noise: give each episode its own episode_index (a split "
+            "episode's pieces belong in different packs)"
         )
 
 

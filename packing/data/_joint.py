@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from packing._validate import check_sequence
 from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
 from packing.data._layout_math import positions_from_lengths
 
@@ -76,7 +77,7 @@ def joint_layout(batch: PackedBatch, streams: Sequence[str]) -> JointLayout:
     Built from the layouts' host-side lengths, so it costs no device sync; pass
     ``PackedCollator(joint=[...])`` to build it in the DataLoader worker instead.
     """
-    names = tuple(streams)
+    names = tuple(check_sequence("streams", streams, of=str))
     if len(names) < 2 or len(set(names)) != len(names):
         raise ValueError(f"joint_layout needs two or more distinct streams, got {names}")
     cache = batch.joint_layouts

@@ -155,6 +155,8 @@ class PackedBatch(Mapping[str, Any]):
 
     def __post_init__(self) -> None:
         _check_namespaces(self.streams, self.per_episode, self.extras)
+        # Every later write to extras is checked too (batch.extras.update(seed=0, step=100)).
+        self.extras = Extras(self.extras, self.streams, self.per_episode)
 
     # -- the primary layout, by name ------------------------------------------------------
     @property
@@ -215,8 +217,8 @@ class PackedBatch(Mapping[str, Any]):
         return layout
 
     # -- Mapping ----------------------------------------------------------------------------
-    # The namespaces are disjoint (checked at construction; extras, which the caller may
-    # update later, are checked again when a key is read).
+    # The namespaces are disjoint: checked at construction, and extras (the one namespace the
+    # caller writes later) refuses a taken key at every write (`Extras`).
     def _layout_keys(self) -> tuple[str, ...]:
         has_thw = self.layouts[self.primary].thw_T3 is not None
         return _LAYOUT_KEYS if has_thw else _LAYOUT_KEYS[:-1]  # "thw" is last
@@ -224,8 +226,6 @@ class PackedBatch(Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         attr = _LAYOUT_ATTRS.get(key)
         if attr is not None:
-            if key in self.extras:
-                _check_namespaces(self.streams, self.per_episode, self.extras)
             value = getattr(self.layouts[self.primary], attr)
             if value is not None:  # None: "thw" of a stream without a grid
                 return value
@@ -234,8 +234,6 @@ class PackedBatch(Mapping[str, Any]):
         elif key in self.per_episode:
             return self.per_episode[key]
         if key in self.extras and not key.startswith("_"):
-            if key in self.streams or key in self.per_episode:
-                _check_namespaces(self.streams, self.per_episode, self.extras)
             return self.extras[key]
         raise KeyError(f"{key!r} is not in this PackedBatch; keys are {list(self)}")
 
@@ -283,6 +281,55 @@ class PackedBatch(Mapping[str, Any]):
             f"PackedBatch(K={lay.num_docs}, primary={self.primary!r}, streams=[{streams}], "
             f"tokens={lay.num_tokens}/{lay.padded_len} ({lay.efficiency:.1%}))"
         )
+
+
+class Extras(dict[str, Any]):
+    """``PackedBatch.extras``: the caller's own keys (``seed``, ``step``), a dict that refuses
+    at every write (``[key] =``, ``update``, ``setdefault``, ``|=``) a key that the layout, a
+    stream or a per-episode value already holds, so ``batch[key]`` never reads another
+    namespace's value than the one just written."""
+
+    def __init__(
+        self, data: Mapping[str, Any], streams: Mapping[str, Any], per_episode: Mapping[str, Any]
+    ) -> None:
+        super().__init__(data)
+        self._taken = (streams, per_episode)
+
+    def _check(self, key: Any) -> None:
+        taken = getattr(self, "_taken", None)  # unset while pickle restores the items
+        if taken is None or not isinstance(key, str) or key.startswith("_"):
+            return
+        streams, per_episode = taken
+        where = (
+            "the layout" if key in _LAYOUT_ATTRS
+            else "streams" if key in streams
+            else "per-episode values" if key in per_episode
+            else None
+        )  # fmt: skip
+        if where is not None:
+            raise ValueError(
+                f"batch.extras[{key!r}]: {key!r} is already in {where} of this PackedBatch, and "
+                f"batch[{key!r}] would read that one; pick another name for your key (e.g. "
+                f"'train_{key}'), or rename the episodes' key"
+            )
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._check(key)
+        super().__setitem__(key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        new = dict(*args, **kwargs)
+        for key in new:
+            self._check(key)
+        super().update(new)
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self._check(key)
+        return super().setdefault(key, default)
+
+    def __ior__(self, other: Any) -> Extras:  # type: ignore[override,misc]
+        self.update(other)
+        return self
 
 
 # batch[key] -> the primary StreamLayout's attribute; "thw" only for a grid stream.
@@ -336,7 +383,9 @@ def layout_from_lengths(
     cached template joined by one ``np.concatenate`` (a memcpy); doc ids are one ``np.repeat``.
     """
     if not (
-        all(type(x) is int and x > 0 for x in lengths)
+        type(lengths) is list
+        and type(steps) is list
+        and all(type(x) is int and x > 0 for x in lengths)
         and all(type(x) is int and x > 0 for x in steps)
         and type(padded) is int
         and type(tokens_per_step) is int

@@ -10,8 +10,8 @@ column stacked on a leading sequence axis. Three episodes of lengths ``[2, 4, 3]
 
 Rows of an episode need not be contiguous, nor in time order: with a ``frame_index`` column
 (``frame_column``) an episode's frames are served in ``frame_index`` order, whatever the row
-order (``ds.shuffle()`` interleaves and reverses them), and a repeated frame index is refused;
-without one, in row order. They are gathered with one Arrow ``take`` (rows already contiguous
+order (``ds.shuffle()`` interleaves and reverses them), and a repeated or missing frame index
+is refused; without one, in row order (refused after a shuffle: the order is lost). They are gathered with one Arrow ``take`` (rows already contiguous
 and in order are one zero-copy slice). Declared dtypes are kept (a float16
 column stays float16). A boolean ``{key}_is_pad`` column becomes ``{key}_loss_mask =
 ~{key}_is_pad`` (see `packing.datasets._arrow.plan_columns`), so padded targets never enter a loss by
@@ -76,6 +76,36 @@ def group_rows(
     return ids, offsets, order.astype(np.int64)
 
 
+_DEFAULT_FRAME = "frame_index"  # LeRobot's column: used when there, not required
+
+
+def _reordered(dataset: Any) -> bool:
+    """Whether ``dataset`` serves its rows in another order than stored (``shuffle``,
+    ``sort``, a ``select`` out of order); a ``filter`` keeps the order."""
+    indices = getattr(dataset, "_indices", None)  # datasets' row mapping, None if identity
+    if indices is None:
+        return False
+    rows = np.asarray(indices.column(0).to_numpy()).astype(np.int64)  # uint64: diff wraps
+    return bool((np.diff(rows) < 0).any())
+
+
+def _refuse_gaps(
+    episode_ids: np.ndarray, frames: np.ndarray, order: np.ndarray, frame_column: str
+) -> None:
+    """Frames of an episode are consecutive: a ``filter()`` that dropped frame 3 of 0..5
+    would otherwise serve frames 2 and 4 as neighbours."""
+    e, f = episode_ids[order], frames[order]
+    gap = (np.diff(e) == 0) & (np.diff(f) != 1)
+    if gap.any():
+        j = int(np.flatnonzero(gap)[0])
+        raise ValueError(
+            f"episode {e[j]} has no {frame_column} {f[j] + 1} (frames {f[j]} and {f[j + 1]} "
+            "would be served as neighbours): rows of this episode are missing, e.g. after a "
+            "filter() on frames; filter whole episodes (HFEpisodes(..., episodes=[...])), or "
+            "pass frame_column=None to serve the rows as they are"
+        )
+
+
 def _refuse_duplicates(wanted: list[int]) -> None:
     """Two items of one episode would share its noise and timestep keys: refused."""
     seen: set[int] = set()
@@ -97,10 +127,14 @@ class HFEpisodes(Dataset):
         episode_column: the integer column that names each row's episode.
         episodes: episode ids to serve, in this order (default: all, sorted).
         task_column: a string column; its value (constant within an episode) becomes
-            ``item["task"]``. Without it, items carry no ``"task"``.
-        frame_column: the integer column giving each row's frame (time) in its episode; used
-            when the dataset has it (LeRobot's ``frame_index``), else rows keep their order.
-            ``None``: row order always.
+            ``item["task"]`` (a missing task, None, is refused). Without it, items carry no
+            ``"task"``.
+        frame_column: the integer column giving each row's frame (time) in its episode:
+            frames are served in its order and must be consecutive (a gap is refused, naming
+            the episode and the frame). The default, LeRobot's ``frame_index``, is used when
+            the dataset has it; without it rows keep their order, which is refused when the
+            rows were reordered (``shuffle``). Another name must be a column. ``None``: row
+            order always.
         check_finite: refuse an item whose float values hold NaN or inf, naming the episode,
             the key and the first bad index.
 
@@ -121,18 +155,31 @@ class HFEpisodes(Dataset):
         datasets = require("datasets", extra="hf")
         keys = check_sequence("keys", keys, of=str)
         self.check_finite = check_bool("check_finite", check_finite)
-        for name, col in (("episode_column", episode_column), ("task_column", task_column)):
-            if col is not None and not isinstance(col, str):
+        for name, col in (
+            ("episode_column", episode_column),
+            ("task_column", task_column),
+            ("frame_column", frame_column),
+        ):
+            if (col is not None or name == "episode_column") and not isinstance(col, str):
                 raise TypeError(f"{name}={col!r} must be a column name (str)")
         if not isinstance(dataset, datasets.Dataset):
             raise TypeError(
                 f"expected a datasets.Dataset, got {type(dataset).__name__}"
                 + ("; pick a split, e.g. ds['train']" if isinstance(dataset, dict) else "")
             )
+        if len(dataset) == 0:
+            raise ValueError(
+                "the dataset has no rows (an empty split, or a filter() that kept nothing); "
+                "pass a dataset with at least one episode"
+            )
         columns = list(dataset.column_names)
-        for col in (episode_column, task_column):
+        for name, col in (
+            ("episode_column", episode_column),
+            ("task_column", task_column),
+            ("frame_column", None if frame_column == _DEFAULT_FRAME else frame_column),
+        ):
             if col is not None and col not in columns:
-                raise KeyError(f"unknown column {col!r}; available columns: {columns}")
+                raise KeyError(f"{name}={col!r} is not a column; available columns: {columns}")
         self.keys = tuple(keys)
         self._plan = _arrow.plan_columns(self.keys, [c for c in columns if c != episode_column])
         self.task_column = task_column
@@ -144,7 +191,17 @@ class HFEpisodes(Dataset):
         if frame_column is not None and frame_column in columns:
             fix = "; pass frame_column=None to serve rows in row order"
             frames = _int_column(dataset, frame_column, "frame column", fix)
+        elif frame_column is not None and _reordered(dataset):
+            raise ValueError(
+                f"the dataset's rows were reordered (shuffle/select/sort) and it has no "
+                f"{frame_column!r} column to put an episode's frames back in time order; "
+                f"pass frame_column= naming the frame-number column (columns: {columns}), "
+                "build HFEpisodes before shuffling (the sampler shuffles episodes), or pass "
+                "frame_column=None if the row order is the time order"
+            )
         ids, offsets, self._order = group_rows(ep_ids, frames, frame_column or "")
+        if frames is not None:
+            _refuse_gaps(ep_ids, frames, self._order, frame_column or "")
         # "arrow" format: indexing returns pyarrow Tables and honours select/shuffle indices;
         # selecting columns first keeps a gather of scattered rows to the columns we serve.
         read = sorted({col for _, col, _ in self._plan} | ({task_column} if task_column else set()))
@@ -195,5 +252,11 @@ class HFEpisodes(Dataset):
                     f"episode {item['episode_index']} has {len(tasks)} values in task column "
                     f"{self.task_column!r} ({tasks[:3]}); a task must be constant per episode"
                 )
-            item["task"] = str(tasks[0])
+            if not isinstance(tasks[0], str):  # None is a missing task, never the prompt 'None'
+                raise ValueError(
+                    f"episode {item['episode_index']} has task {tasks[0]!r} in task column "
+                    f"{self.task_column!r}, not a string; fill the missing tasks (ds.map), "
+                    "or pass task_column=None to serve items without a task"
+                )
+            item["task"] = tasks[0]
         return item

@@ -241,9 +241,17 @@ class _ParquetEpisodes:
             raise FileNotFoundError(f"{root / 'data'} has no chunk-*/file-*.parquet data files")
         # Global row numbers (dataset_from_index) run across the files in sorted order, the
         # order lerobot concatenates them in; the footers give each file's row count.
-        rows = np.array(
-            [_read_parquet(f, pq.read_metadata).num_rows for f in data_files], dtype=np.int64
-        )
+        footers = [_read_parquet(f, pq.read_metadata) for f in data_files]
+        rows = np.array([m.num_rows for m in footers], dtype=np.int64)
+        for f, m in zip(data_files, footers, strict=True):  # a missing column, named here
+            names = m.schema.to_arrow_schema().names
+            missing = [c for c in self.columns if c not in names]
+            if missing:
+                raise KeyError(
+                    f"{f} has no column {missing[0]!r}, which meta/info.json declares (the "
+                    f"file's columns: {names}); re-write the file with every feature, or do "
+                    "not request that key"
+                )
         start = dict(zip(data_files, np.cumsum(rows) - rows, strict=True))
         nrows = dict(zip(data_files, rows, strict=True))
 
@@ -649,7 +657,7 @@ class LeRobotEpisodes(Dataset):
                 item[name] = torch.from_numpy(arrays[col])
         for name, want in self._dtypes.items():
             if item[name].dtype != want:  # stored type differs from the declared one
-                self._warn_lossy_cast(name, item[name].dtype, want)
+                self._check_cast(name, item[name].dtype, want)
                 item[name] = item[name].to(want)
         for name, shape in self._shapes.items():
             if tuple(item[name].shape[1:]) != shape:
@@ -690,12 +698,22 @@ class LeRobotEpisodes(Dataset):
             )
         return torch.from_numpy(np.argsort(frames, kind="stable"))
 
-    def _warn_lossy_cast(self, name: str, stored: torch.dtype, declared: torch.dtype) -> None:
-        """Items follow meta/info.json's dtype; say so once when the cast can lose bits
-        (float32 stored, float16 declared), as a widening cast (float16 -> float32) cannot."""
-        warned = self._warned
+    def _check_cast(self, name: str, stored: torch.dtype, declared: torch.dtype) -> None:
+        """Items follow meta/info.json's dtype. A widening cast (float16 -> float32) is exact;
+        a narrower float (float32 stored, float16 declared) rounds, said once; any other cast
+        (float data declared int8, int64 declared int8) changes the values and is refused."""
         # promote_types(float16, float32) is float32: the declared type holds every stored value.
-        if name in warned or torch.promote_types(stored, declared) == declared:
+        if torch.promote_types(stored, declared) == declared:
+            return
+        if not (stored.is_floating_point and declared.is_floating_point):
+            raise ValueError(
+                f"{self.root}: feature {name!r} is stored as {stored} but meta/info.json "
+                f"declares {declared}; casting would change the values (float data cast to an "
+                f"integer type is truncated, mostly to 0): fix the dtype in meta/info.json "
+                f"(to {str(stored).removeprefix('torch.')}) or rewrite the data"
+            )
+        warned = self._warned
+        if name in warned:
             return
         warned.add(name)
         warnings.warn(

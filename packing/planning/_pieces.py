@@ -39,7 +39,7 @@ def split_windows(
         split_windows(10, 4, multiple=2, overlap=2)
         -> [(0, 4, 0), (2, 6, 4), (4, 8, 6), (6, 10, 8)]
     """
-    check_int("num_steps", num_steps, min=1)
+    check_int("num_steps", num_steps, min=1, max=2**31, hint="steps of one episode")
     check_int("max_steps", max_steps, min=1)
     check_int("multiple", multiple, min=1)
     check_int("overlap", overlap, min=0, hint="a negative overlap would leave steps out")

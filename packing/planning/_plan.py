@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from packing._validate import check_choice, check_int, check_int_tuple, is_int
+from packing._validate import check_choice, check_int, check_int_tuple, check_optional_int, is_int
 from packing.planning._binpack import (
     best_fit_decreasing,
     first_fit_decreasing,
@@ -135,6 +135,40 @@ class PackPlan:
     algorithm: str = "lookahead"
     max_docs: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A plan is trusted by the sampler and the collator: one built by hand or read from a
+        # file is checked here, once (vectorised), so no pack trains an item twice or overflows.
+        budget = check_int("token_budget", self.token_budget, min=1, hint="tokens per pack")
+        max_docs = check_optional_int("max_docs", self.max_docs, min=1, hint="items per pack")
+        arrays = {"items_N": self.items_N, "offsets_P1": self.offsets_P1}
+        arrays["item_lengths"] = self.item_lengths
+        for name, a in arrays.items():
+            if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.kind not in "iu":
+                raise TypeError(f"PackPlan {name} must be a 1-D integer numpy array, got {a!r}")
+        items, off, n = self.items_N, self.offsets_P1, len(self.item_lengths)
+        if len(off) < 1 or off[0] != 0 or off[-1] != len(items) or (np.diff(off) < 0).any():
+            raise ValueError(
+                f"PackPlan offsets_P1 must rise from 0 to len(items_N)={len(items)}, got {off}"
+            )
+        if len(items) and (items.min() < 0 or items.max() >= n):
+            bad = int(items[(items < 0) | (items >= n)][0])
+            raise ValueError(f"PackPlan holds item {bad}; items index item_lengths, [0, {n})")
+        if len(np.unique(items)) != len(items):
+            vals, counts = np.unique(items, return_counts=True)
+            raise ValueError(f"PackPlan holds item {int(vals[counts > 1][0])} more than once")
+        cum = np.concatenate(([0], np.cumsum(self.item_lengths[items], dtype=np.int64)))
+        tokens = cum[off[1:]] - cum[off[:-1]]
+        if (tokens > budget).any():
+            p = int(np.flatnonzero(tokens > budget)[0])
+            raise ValueError(
+                f"PackPlan pack {p} holds {int(tokens[p])} tokens > token_budget={budget}"
+            )
+        if max_docs is not None and (np.diff(off) > max_docs).any():
+            p = int(np.flatnonzero(np.diff(off) > max_docs)[0])
+            raise ValueError(
+                f"PackPlan pack {p} holds {int(np.diff(off)[p])} items > max_docs={max_docs}"
+            )
 
     def __len__(self) -> int:
         return len(self.offsets_P1) - 1

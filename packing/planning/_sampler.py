@@ -222,6 +222,7 @@ class PackedBatchSampler(Sampler[list[int]]):
     def replan_packs(self, epoch: int) -> list[list[int]]:
         """The packs planned for ``epoch`` (``replan=True``), before equalising to the ranks:
         the plan's items shuffled by ``(seed, epoch)``, planned ``replan_window`` at a time."""
+        epoch = check_int("epoch", epoch, min=0)
         items = np.random.default_rng([self.seed, epoch, 1]).permutation(self.plan.items_N)
         packs: list[list[int]] = []
         for lo in range(0, len(items), self.replan_window):
@@ -250,7 +251,7 @@ class PackedBatchSampler(Sampler[list[int]]):
 
     def schedule(self, epoch: int | None = None) -> np.ndarray:
         """Pack ids of the epoch as a (steps, num_replicas) table; column r is rank r's order."""
-        epoch = self.epoch if epoch is None else epoch
+        epoch = self.epoch if epoch is None else check_int("epoch", epoch, min=0)
         packs, cost_P = self._epoch_packs(epoch)
         n, r = len(packs), self.num_replicas
         rng = np.random.default_rng([self.seed, epoch])
@@ -299,7 +300,9 @@ class PackedBatchSampler(Sampler[list[int]]):
         differently refuses the state instead of serving some episodes twice and others never.
         """
         if consumed is not None:
-            consumed = check_int("consumed", consumed, hint="packs used this epoch")
+            consumed = check_int(
+                "consumed", consumed, min=0, max=len(self), hint="packs used this epoch"
+            )
         return {
             "epoch": self.epoch,
             "consumed": self._yielded if consumed is None else consumed,
@@ -422,7 +425,9 @@ def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
         num_replicas = dist.get_world_size() if live else 1
     if rank is None:
         rank = dist.get_rank() if live else 0
-    num_replicas = check_int("num_replicas", num_replicas, min=1, hint="data-parallel ranks")
+    num_replicas = check_int(
+        "num_replicas", num_replicas, min=1, max=2**20, hint="data-parallel ranks"
+    )
     rank = check_int("rank", rank, min=0)
     if not 0 <= rank < num_replicas:
         raise ValueError(f"rank={rank} is outside [0, num_replicas={num_replicas})")

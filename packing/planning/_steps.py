@@ -24,7 +24,22 @@ from typing import Any
 
 import numpy as np
 
-from packing.planning._plan import Algorithm, PackPlan, as_lengths, plan_packs, positive_int
+from packing._validate import (
+    check_choice,
+    check_int,
+    check_optional_int,
+    check_real,
+    check_sequence,
+    is_int,
+)
+from packing.planning._plan import (
+    _ALGORITHMS,
+    Algorithm,
+    PackPlan,
+    as_lengths,
+    plan_packs,
+    positive_int,
+)
 
 __all__ = ["compose_steps", "fill_packs", "pack_fill", "step_token_budget"]
 
@@ -55,21 +70,25 @@ def step_token_budget(
     if (episodes_per_step is None) == (step_seconds is None):
         raise ValueError("pass exactly one of episodes_per_step= or step_seconds=")
     mean = float(lengths_N.mean())
+    seconds_per_pair = check_real("seconds_per_pair", seconds_per_pair, min=0.0)
+    if episodes_per_step is not None and (seconds_per_token is not None or seconds_per_pair):
+        raise ValueError(
+            "seconds_per_token= and seconds_per_pair= are the cost model of step_seconds=; "
+            "with episodes_per_step= they would be ignored: drop them"
+        )
     if episodes_per_step is not None:
-        if not episodes_per_step > 0:
-            raise ValueError(f"episodes_per_step={episodes_per_step!r} must be > 0")
+        episodes_per_step = check_real(
+            "episodes_per_step", episodes_per_step, above=0.0, hint="episodes in a step, e.g. 16"
+        )
         tokens = episodes_per_step * mean
     else:
-        if seconds_per_token is None or not seconds_per_token > 0:
+        if seconds_per_token is None:
             raise ValueError(
-                f"step_seconds needs seconds_per_token > 0 (got {seconds_per_token!r}): the cost "
-                "of one token through the model, e.g. fitted by benchmarks/fit_microsteps.py"
+                "step_seconds needs seconds_per_token > 0 (got None): the cost of one token "
+                "through the model, e.g. fitted by benchmarks/fit_microsteps.py"
             )
-        if not step_seconds or not step_seconds > 0 or seconds_per_pair < 0:
-            raise ValueError(
-                f"step_seconds={step_seconds!r} must be > 0 and seconds_per_pair="
-                f"{seconds_per_pair!r} >= 0"
-            )
+        seconds_per_token = check_real("seconds_per_token", seconds_per_token, above=0.0)
+        step_seconds = check_real("step_seconds", step_seconds, above=0.0)
         pairs_per_token = float((lengths_N.astype(np.float64) ** 2).mean()) / mean
         tokens = step_seconds / (seconds_per_token + seconds_per_pair * pairs_per_token)
     budget = max(math.ceil(tokens / multiple), 1) * multiple
@@ -79,6 +98,37 @@ def step_token_budget(
 
 def pack_fill(packs: list[list[int]], lengths: np.ndarray, token_budget: int) -> np.ndarray:
     """Real tokens / ``token_budget`` per pack, float64 ``(P,)``."""
+    lengths = as_lengths(lengths)
+    token_budget = positive_int("token_budget", token_budget, "tokens per pack")
+    packs = check_packs(packs, len(lengths))
+    return _fill(packs, lengths, token_budget)
+
+
+def check_packs(packs: Any, num_items: int) -> list[list[int]]:
+    """``packs`` as lists of item indices, each in ``[0, num_items)`` and in one pack once:
+    ``[[0, 1], [1]]`` (item 1 twice) or ``[[-1]]`` would train an episode twice, or another
+    one than meant (``-1`` is the last item to numpy)."""
+    out = []
+    seen: dict[int, int] = {}
+    for p, pack in enumerate(check_sequence("packs", packs)):
+        items = check_sequence(f"packs[{p}]", pack)
+        for i in items:
+            if not is_int(i) or not 0 <= i < num_items:
+                raise ValueError(
+                    f"packs[{p}] holds item {i!r}; items are indices into lengths, ints in "
+                    f"[0, {num_items})"
+                )
+            if int(i) in seen:
+                raise ValueError(
+                    f"item {int(i)} is in packs[{seen[int(i)]}] and packs[{p}]; each item goes "
+                    "in one pack once (plan_packs(...).packs does that)"
+                )
+            seen[int(i)] = p
+        out.append([int(i) for i in items])
+    return out
+
+
+def _fill(packs: list[list[int]], lengths: np.ndarray, token_budget: int) -> np.ndarray:
     sizes = np.fromiter(map(len, packs), dtype=np.int64, count=len(packs))
     flat = np.fromiter((i for p in packs for i in p), dtype=np.int64, count=int(sizes.sum()))
     pack_of = np.repeat(np.arange(len(packs)), sizes)
@@ -110,11 +160,22 @@ def fill_packs(
     """
     lengths_N = as_lengths(lengths)
     token_budget = positive_int("token_budget", token_budget, "tokens per pack")
-    if not 0.0 < min_fill <= 1.0:
-        raise ValueError(f"min_fill={min_fill!r} must be in (0, 1] (a fraction of the budget)")
-    packs = [list(p) for p in packs]
+    _check_fill(min_fill)
+    check_choice("algorithm", algorithm, sorted(_ALGORITHMS))
+    max_docs = check_optional_int("max_docs", max_docs, min=1, hint="episodes per pack")
+    rounds = check_int("rounds", rounds, min=0, hint="re-planning rounds")
+    packs = check_packs(packs, len(lengths_N))
+    for p, pack in enumerate(packs):  # the result keeps these invariants; so must the input
+        tokens = int(lengths_N[pack].sum()) if pack else 0
+        if tokens > token_budget:
+            raise ValueError(
+                f"packs[{p}] holds {tokens} tokens > token_budget={token_budget}; pass packs "
+                "planned for this budget (plan_packs(lengths, token_budget).packs)"
+            )
+        if max_docs is not None and len(pack) > max_docs:
+            raise ValueError(f"packs[{p}] holds {len(pack)} items > max_docs={max_docs}")
     for r in range(rounds):
-        fill = pack_fill(packs, lengths_N, token_budget)
+        fill = _fill(packs, lengths_N, token_budget)
         under = np.flatnonzero(fill < min_fill)
         if len(under) <= 1:
             break
@@ -127,15 +188,22 @@ def fill_packs(
         items = np.asarray([i for p in pool for i in packs[p]], dtype=np.int64)
         sub = plan_packs(lengths_N[items], token_budget, algorithm=algorithm, max_docs=max_docs)
         new = [sorted(items[p].tolist()) for p in sub.packs]
-        new_under = int((pack_fill(new, lengths_N, token_budget) < min_fill).sum())
+        new_under = int((_fill(new, lengths_N, token_budget) < min_fill).sum())
         if new_under >= len(under) or len(new) > len(pool):
             continue
         keep = np.setdiff1d(np.arange(len(packs)), pool)
         packs = [packs[i] for i in keep] + new
     packs = _swap_into_sink(packs, lengths_N, token_budget, min_fill, max_docs)
-    fill = pack_fill(packs, lengths_N, token_budget)
+    fill = _fill(packs, lengths_N, token_budget)
     order = np.argsort(fill < min_fill, kind="stable")  # underfull packs last
     return [packs[i] for i in order]
+
+
+def _check_fill(min_fill: Any) -> float:
+    value = check_real("min_fill", min_fill, above=0.0, hint="a fraction of the budget")
+    if value > 1.0:
+        raise ValueError(f"min_fill={min_fill!r} must be in (0, 1] (a fraction of the budget)")
+    return value
 
 
 def _swap_into_sink(
@@ -235,6 +303,18 @@ def compose_steps(
             "step_seconds= (the others follow from it)"
         )
     lengths_N = as_lengths(lengths)
+    _check_fill(min_fill)
+    multiple = positive_int("multiple", multiple, "tokens, e.g. 128")
+    if token_budget is not None and (seconds_per_token is not None or seconds_per_pair != 0.0):
+        raise ValueError(
+            "seconds_per_token= and seconds_per_pair= are the cost model of step_seconds=; "
+            "with token_budget= they would be ignored: drop them"
+        )
+    if token_budget is not None and multiple != 128:
+        raise ValueError(
+            "multiple= rounds a budget made from episodes_per_step= or "
+            "step_seconds=; with token_budget= it would be ignored: drop it"
+        )
     if token_budget is None:
         token_budget = step_token_budget(
             lengths_N,
@@ -256,7 +336,7 @@ def compose_steps(
         plan.packs, lengths_N, plan.token_budget, min_fill=min_fill, algorithm=algorithm,
         max_docs=max_docs,
     )  # fmt: skip
-    fill = pack_fill(packs, lengths_N, plan.token_budget)
+    fill = _fill(packs, lengths_N, plan.token_budget)
     sizes = np.fromiter(map(len, packs), dtype=np.int64, count=len(packs))
     meta = {
         "defined_by": defined_by,

@@ -40,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -187,11 +187,15 @@ def _stream_key(stream: str | int) -> int:
     return int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
 
 
+_KEY: dict[str, Any] = {"min": -(2**63), "max": 2**63 - 1, "hint": "an int64 key"}
+
+
 def _mix64(seed: int, step: int, episode_index: int, stream: str | int) -> int:
     # Keys are ints, never int()-ed: seed 2.5 or episode 3.7 would draw another key's noise.
-    h = _splitmix64(check_int("seed", seed) & _M64)
-    h = _splitmix64(h ^ (check_int("step", step) & _M64))
-    h = _splitmix64(h ^ (check_int("episode_index", episode_index) & _M64))
+    # They are int64 (two's complement below): 2**64 would alias 0, so it is refused.
+    h = _splitmix64(check_int("seed", seed, **_KEY) & _M64)
+    h = _splitmix64(h ^ (check_int("step", step, **_KEY) & _M64))
+    h = _splitmix64(h ^ (check_int("episode_index", episode_index, **_KEY) & _M64))
     return _splitmix64(h ^ _stream_key(stream))
 
 
@@ -263,10 +267,9 @@ def episode_timesteps(
     """
     if distribution not in ("uniform", "logit_normal"):
         raise ValueError(f"distribution={distribution!r}; choose 'uniform' or 'logit_normal'")
-    if not shift > 0:
-        raise ValueError(f"shift={shift} must be > 0 (1.0 means no shift)")
-    if not std > 0:
-        raise ValueError(f"std={std} must be > 0")
+    check_real("shift", shift, above=0.0, hint="1.0 means no shift")
+    check_real("mean", mean)
+    check_real("std", std, above=0.0)
     ts: list[float] = []
     for e in _indices(episode_index_K, "episode_timesteps"):
         h = _mix64(seed, step, e, stream)

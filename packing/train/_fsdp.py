@@ -57,7 +57,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from packing._validate import check_bool, check_int, check_optional_int
+from packing._validate import check_bool, check_dtype, check_int, check_optional_int
 
 __all__ = [
     "Checkpointing",
@@ -183,6 +183,8 @@ def shard_model(
     check_bool("reshard_after_forward", reshard_after_forward)
     if dynamic is not None:
         check_bool("dynamic", dynamic)
+    check_dtype("param_dtype", param_dtype, optional=True)
+    check_dtype("reduce_dtype", reduce_dtype, optional=True)
     if not torch.distributed.is_initialized():
         raise RuntimeError(
             "shard_model needs torch.distributed: call dist.init_process_group('nccl') (gloo "

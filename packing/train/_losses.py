@@ -148,6 +148,10 @@ def _mask(
 ) -> torch.Tensor:
     """Per-token mass m_i: the loss mask (bool, or float weights) times "is a real token"."""
     real = (doc_ids_T >= 0).to(dtype)
+    if loss_mask is not None and not isinstance(loss_mask, torch.Tensor):
+        raise TypeError(
+            f"loss_mask must be a torch.Tensor (T,) or None, got {type(loss_mask).__name__}"
+        )
     if loss_mask is None:
         return real
     if loss_mask.shape != doc_ids_T.shape:

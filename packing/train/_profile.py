@@ -461,6 +461,7 @@ class StepProfiler:
     def table(self, last: int | None = 20) -> str:
         """A markdown table of the (last) micro-steps."""
         recs = self.records
+        check_optional_int("last", last, min=1, hint="records")
         if last is not None:
             recs = recs[-last:]
         lines = [

@@ -17,6 +17,7 @@ the same steps up to the packs.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +27,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from packing._validate import check_finite
+from packing._validate import (
+    check_bool,
+    check_choice,
+    check_finite,
+    check_int,
+    check_optional_int,
+    check_real,
+)
 from packing.verify._harness import RunOptions, compare_batches
 from packing.verify._report import VerifyReport
 
@@ -61,6 +69,11 @@ _DTYPES = {
 
 
 DEFAULT_MODEL = "packing.model:tiny_reference_model"
+_NORMALISERS = ("global", "per-micro-step", "per-rank")
+# A verify run is a proof on a small dataset: a pack of 2**22 tokens is far above any real
+# step (about 0.5 GB of latents per pack), and 64 processes above any single host's GPUs.
+_MAX_BUDGET = 2**22
+_MAX_NPROC = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,34 +110,41 @@ class VerifyConfig:
     check_finite: bool = True  # a NaN/inf in the data is named before the run, not DIVERGED
 
     def __post_init__(self) -> None:
+        for name in ("device", "blocks"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a string")
         check_device(self.device)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; choose one of {sorted(_DTYPES)}")
-        if self.mask not in ("document", "frame-causal"):
-            raise ValueError(f"mask={self.mask!r}; choose 'document' or 'frame-causal'")
-        if self.reduction not in ("token", "frame", "episode"):
-            raise ValueError(f"reduction={self.reduction!r}; choose token, frame or episode")
-        if self.loss_normaliser not in ("global", "per-micro-step", "per-rank"):
-            raise ValueError(
-                f"loss_normaliser={self.loss_normaliser!r}; choose 'global', 'per-micro-step' "
-                "or 'per-rank'"
-            )
-        if self.nproc < 1:
-            raise ValueError(f"nproc={self.nproc} must be >= 1")
-        if self.checkpointing not in ("full", "ops", "attention", "none"):
-            raise ValueError(
-                f"checkpointing={self.checkpointing!r}; choose full, ops, attention or none"
-            )
-        if self.noise_key not in ("episode", "rank"):
-            raise ValueError(f"noise_key={self.noise_key!r}; choose 'episode' or 'rank'")
-        if self.steps < 1:
-            raise ValueError(f"steps={self.steps} must be >= 1")
-        if self.episodes is not None and self.episodes < 2:
-            raise ValueError(f"episodes={self.episodes}: packing needs at least 2 episodes")
-        if self.token_budget is not None and self.token_budget < 1:
-            raise ValueError(f"token_budget={self.token_budget} must be >= 1")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"--threads {self.threads} must be >= 1")
+        check_choice("dtype", self.dtype, sorted(_DTYPES))
+        check_choice("mask", self.mask, ("document", "frame-causal"))
+        check_choice("reduction", self.reduction, ("token", "frame", "episode"))
+        check_choice("loss_normaliser", self.loss_normaliser, _NORMALISERS)
+        check_choice("checkpointing", self.checkpointing, ("full", "ops", "attention", "none"))
+        check_choice("noise_key", self.noise_key, ("episode", "rank"))
+        for flag in ("compile", "document_mask", "leak_check", "fsdp_autocast", "check_finite"):
+            check_bool(flag, getattr(self, flag))
+        # Bounded resources: refused here, before a process, thread or buffer is made.
+        cores = _cores()
+        check_int("nproc", self.nproc, min=1, max=_MAX_NPROC, hint="processes")
+        check_optional_int(
+            "threads", self.threads, min=1, max=cores, hint=f"this machine has {cores} cores"
+        )
+        check_int("steps", self.steps, min=1, max=10_000, hint="AdamW steps")
+        check_optional_int(
+            "episodes", self.episodes, min=2, hint="packing needs at least 2 episodes"
+        )
+        check_optional_int(
+            "token_budget", self.token_budget, min=1, max=_MAX_BUDGET, hint="tokens per pack"
+        )
+        check_int("seed", self.seed, min=0, max=2**63 - 1)
+        check_real("lr", self.lr, above=0.0)
+        check_real("adam_eps", self.adam_eps, min=0.0)
+        for flag in ("dataset", "model", "reference"):
+            if getattr(self, flag) is not None and not isinstance(getattr(self, flag), str):
+                raise TypeError(f"{flag}={getattr(self, flag)!r} must be a string or None")
+        if not isinstance(self.features, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.features.items()
+        ):
+            raise TypeError(f"features={self.features!r} must map stream names to feature names")
         self._check_mode()
         for flag, spec in (("model", self.model), ("reference", self.reference)):
             if spec is not None and spec.count(":") != 1:
@@ -188,6 +208,13 @@ class VerifyConfig:
 class ModelFactoryError(RuntimeError):
     """The ``--model`` (or ``--reference``) factory raised; the message names the factory and
     the error."""
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on (its affinity, not the whole machine's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def check_device(device: str) -> torch.device:
@@ -502,6 +529,13 @@ def token_budget(
     """The packs' budget: ``given`` (``--token-budget``) or `default_token_budget` rounded up
     to whole steps of the primary stream; refused when an episode does not fit."""
     budget = given or -(-default_token_budget(lengths) // tokens_per_step) * tokens_per_step
+    total = -(-sum(lengths) // tokens_per_step) * tokens_per_step
+    if budget > total:  # refused before a pack of that size is allocated
+        raise ValueError(
+            f"--token-budget {budget:,} is more than the {sum(lengths):,} tokens of all "
+            f"{len(lengths)} episodes together: every pack would be mostly padding; pass at "
+            f"most {total:,} (packs hold several episodes when the budget is a fraction of it)"
+        )
     if max(lengths) > budget:
         worst = max(range(len(lengths)), key=lambda i: lengths[i])
         raise ValueError(

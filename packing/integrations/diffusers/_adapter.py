@@ -409,7 +409,7 @@ def _timestep_kind(timestep: Any, layout: StreamLayout) -> str:
     (a per-token timestep read as K per-episode values ran episodes at the wrong t)."""
     if not isinstance(timestep, Tensor) or not timestep.dtype.is_floating_point:
         raise TypeError(
-            f"timestep must be a float tensor in diffusers' units (1000 * t), got "
+            f"timestep_K must be a float tensor in diffusers' units (1000 * t), got "
             f"{type(timestep).__name__}"
             + (f" of dtype {timestep.dtype}" if isinstance(timestep, Tensor) else "")
         )
@@ -436,6 +436,7 @@ def per_token_timesteps(
         steps_K [2, 1], 2 tokens a frame, t_K [700, 300], padded to 8 tokens
         ->  [0, 0, 700, 700, 0, 0, 0, 0]
     """
+    check_bool("clean_first_frame", clean_first_frame)
     _timestep_kind(timestep_K, latent_layout)
     if timestep_K.shape[0] != latent_layout.num_docs:
         raise ValueError(

@@ -41,7 +41,7 @@ def patchify(x_SCHW: Tensor, patch_hw: tuple[int, int]) -> Tensor:
     """
     ph, pw = check_int_tuple("patch_hw", patch_hw, length=2)
     if not isinstance(x_SCHW, Tensor) or x_SCHW.dim() != 4:
-        raise ValueError(f"patchify takes latents (S, C, H, W), got {_shape(x_SCHW)}")
+        raise ValueError(f"patchify takes latents x_SCHW (S, C, H, W), got {_shape(x_SCHW)}")
     if x_SCHW.shape[-2] % ph or x_SCHW.shape[-1] % pw:
         raise ValueError(
             f"latents of shape {tuple(x_SCHW.shape)} do not split into {ph}x{pw} patches; "
@@ -55,7 +55,7 @@ def unpatchify(tokens_TF: Tensor, patch_hw: tuple[int, int], grid: tuple[int, in
     ph, pw = check_int_tuple("patch_hw", patch_hw, length=2)
     h, w = check_int_tuple("grid", grid, length=2)
     if not isinstance(tokens_TF, Tensor) or tokens_TF.dim() != 2:
-        raise ValueError(f"unpatchify takes tokens (T, F), got {_shape(tokens_TF)}")
+        raise ValueError(f"unpatchify takes tokens_TF (T, F), got {_shape(tokens_TF)}")
     if tokens_TF.shape[0] % (h * w) or tokens_TF.shape[1] % (ph * pw):
         raise ValueError(
             f"tokens of shape {tuple(tokens_TF.shape)} are not whole frames of grid {(h, w)} "
@@ -75,8 +75,9 @@ def pack_text_embeddings(
     ``padded_len`` fixes the length (a static shape for ``torch.compile``).
     """
     embeddings = check_sequence("embeddings", embeddings, of=Tensor)
-    check_int("pad_to_multiple", pad_to_multiple, min=1)
-    check_optional_int("padded_len", padded_len, min=1)
+    # 2**31 text tokens is beyond any encoder; larger would overflow torch's sizes.
+    check_int("pad_to_multiple", pad_to_multiple, min=1, max=2**31, hint="text tokens")
+    check_optional_int("padded_len", padded_len, min=1, max=2**31, hint="text tokens")
     if not embeddings:
         raise ValueError("pack_text_embeddings: no episodes; pass one (L_k, D) tensor per episode")
     dims = {tuple(e.shape[1:]) for e in embeddings}
