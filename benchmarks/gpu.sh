@@ -10,6 +10,7 @@
 #                                      #   Open-Sora's (STEP_LIMIT 270 s a regime)
 #   bash benchmarks/gpu.sh diffusers   # diffusers Wan, 30 blocks: packed vs batch 1 vs bucketed
 #                                      #   (WAN_LIMIT 480 s; carry .whl/diffusers)
+#   bash benchmarks/gpu.sh cache       # benchmarks/serving/bench_cache.py at 5B widths, 30 blocks (220 s)
 #   bash benchmarks/gpu.sh encode      # benchmarks/data/bench_encode.py, when present (300 s)
 #   bash benchmarks/gpu.sh attention | blockmask | fillprobe | tests | verify | budget
 #   NPROC=2 REGIME=seed bash benchmarks/gpu.sh fsdp     # two GPUs (nvidia-h200-x2)
@@ -110,6 +111,11 @@ for STAGE in "$@"; do
     t "${SERVE_LIMIT:-290}" $PY $B/serving/bench_serve.py --configs "${SERVE_CONFIGS:-small}" \
       --requests "${REQUESTS:-200}" --long-requests "${LONG_REQUESTS:-48}" \
       --deadline-s "${SERVE_DEADLINE:-250}" --out "$R/serve.json" ${SERVE_ARGS:-}
+    ;;
+  cache)
+    # the context cache (issue 34's goals): 5B widths, 30 blocks, short mix, 10 steps, graphs
+    t "${CACHE_LIMIT:-220}" $PY $B/serving/bench_cache.py --device cuda --config 5b --blocks 30 \
+      --cuda-graphs --deadline-s "${CACHE_DEADLINE:-180}" --out "$R/serve_cache_h200.json"
     ;;
   step)
     # one process a regime, each with its own limit and deadline, so a slow compile in one
