@@ -257,6 +257,8 @@ def _base() -> dict[str, Base]:
         "packing.serve.DiTAdapter": lambda: (S.DiTAdapter, (), {}),
         "packing.serve.WanAdapter": lambda: (S.WanAdapter, (), {}),
         "packing.serve.ServerConfig": lambda: (S.ServerConfig, (), {}),
+        "packing.serve.ContextCache": lambda: (S.ContextCache, (), {"pages": 4}),
+        "packing.serve.ContextCache.pass_size": lambda: (S.ContextCache(pages=4).pass_size, (3,), {}),
         "packing.serve.FlowScheduler.sigmas": lambda: (S.FlowScheduler().sigmas, (4,), {}),
         "packing.serve.FlowScheduler.coefficients": lambda: (S.FlowScheduler().coefficients, (4,), {}),
         "packing.serve.EngineConfig": lambda: (
@@ -470,27 +472,11 @@ allow("packing.VerifyConfig", "seed", "zero", "seed 0 is the default")
 # an entry that passes fails its case, naming it (still open after merging main: these).
 _HUGE = "a huge step count hangs (a list of 2**70 sigmas is built): not called until fixed"
 _OPEN = "accepted at construction; the engine fails later (validate at the boundary)"
-FIXED_BY_SERVE_BRANCHES: dict[tuple[str, str, str], str] = {
-    ("packing.serve.FlowScheduler.sigmas", "steps", "huge"): _HUGE,
-    ("packing.serve.FlowScheduler.coefficients", "steps", "huge"): _HUGE,
-    **{(n, p, "huge"): _OPEN for n, ps in [
-        ("packing.serve.EngineConfig", "max_steps"),
-        ("packing.serve.PackShape", "frames actions requests"),
-        ("packing.serve.VideoShape", "frames text requests"),
-        ("packing.serve.Request", "frames actions steps"),
-        ("packing.serve.VideoRequest", "frames steps"),
-        ("packing.serve.DiTAdapter", "frames actions steps seed"),
-        ("packing.serve.WanAdapter", "frames steps seed"),
-        ("packing.serve.ServerConfig", "max_message_bytes max_connections max_queue"),
-    ] for p in ps.split()},
-    ("packing.serve.DiTAdapter", "frames", "zero"): "frames=0 accepted (no context frame?)",
-    ("packing.serve.EngineConfig", "shapes", "int"): "iteration error, shapes not named",
-    ("packing.serve.EngineConfig", "shapes", "None"): "iteration error, shapes not named",
-    ("packing.serve.Request", "keep_frames", "int"): "iteration error, keep_frames not named",
-}  # fmt: skip
+FIXED_BY_SERVE_BRANCHES: dict[tuple[str, str, str], str] = {}
 allow("packing.serve.DiTAdapter", "seed", "zero", "seed 0 is a seed")
 allow("packing.serve.WanAdapter", "seed", "zero", "seed 0 is a seed")
 allow("packing.serve.ServerConfig", "port", "zero", "port 0: the OS picks a free port")
+allow("packing.serve.DiTAdapter", "frames", "zero", "a chunk may generate no frames (actions only)")
 allow("packing.serve.Request", "frames", "zero", "a request may generate no frames")
 allow("packing.serve.Request", "seed", "zero", "seed 0 is a seed")
 allow("packing.serve.VideoRequest", "seed", "zero", "seed 0 is a seed")

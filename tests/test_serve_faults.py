@@ -126,14 +126,22 @@ def test_engine_config_refuses_what_a_step_would_fail_on():
         EngineConfig(shapes=(shape,), attention="flash")  # type: ignore[arg-type]
 
 
-def test_buffers_too_large_for_the_device_fail_at_construction_naming_the_field():
+def test_buffers_too_large_for_the_device_fail_at_construction_naming_the_field(monkeypatch):
     model = _model()
     ok = PackShape(frames=2, actions=2, requests=2)
+    with pytest.raises(ValueError, match=r"EngineConfig\.max_steps=1000000000000 must be <= 10000"):
+        EngineConfig(shapes=(ok,), max_steps=10**12)  # past any size: refused by the config
+    with pytest.raises(ValueError, match=r"PackShape\.frames=1000000000000 must be <= 1048576"):
+        PackShape(frames=10**12, actions=2, requests=2)
+    # within the limits but past the device's free memory (here: 1 MiB free)
+    monkeypatch.setattr("packing.serve._device._free_bytes", lambda device: 1 << 20)
+    wide = PackShape(frames=2, actions=2, requests=64)  # 64 x 10,000 steps of tables: 7.7 MB
     with pytest.raises(ValueError, match=r"schedule tables\); lower EngineConfig\.max_steps"):
-        Engine(model, EngineConfig(shapes=(ok,), max_steps=10**12))
-    huge = PackShape(frames=10**12, actions=2, requests=2)
-    with pytest.raises(ValueError, match=r"lower PackShape\(frames=1000000000000, .*'s sizes"):
-        Engine(model, EngineConfig(shapes=(ok, huge)))
+        Engine(model, EngineConfig(shapes=(wide,), max_steps=10_000))
+    big = PackShape(frames=4096, actions=2, requests=2)
+    with pytest.raises(ValueError, match=r"lower PackShape\(frames=4096, .*'s sizes"):
+        Engine(model, EngineConfig(shapes=(ok, big)))
+    monkeypatch.undo()
     engine = Engine(model, EngineConfig(shapes=(ok,), max_steps=4))  # allocated up front
     assert set(engine._buffers) == {ok}
 
@@ -366,10 +374,10 @@ def _video_alone(model, r: VideoRequest):
 def test_video_engine_refuses_bad_config_and_nan_at_the_door(wan):
     with pytest.raises(TypeError, match=r"scheduler='euler' must be a FlowScheduler"):
         VideoEngine(wan, [VideoShape(frames=2, text=2, requests=1)], scheduler="euler")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"lower max_steps"):
+    with pytest.raises(ValueError, match=r"max_steps=1000000000000 must be <= 10000"):
         VideoEngine(wan, [VideoShape(frames=2, text=2, requests=1)], max_steps=10**12)
-    with pytest.raises(ValueError, match=r"lower VideoShape\(frames=1000000000000"):
-        VideoEngine(wan, [VideoShape(frames=10**12, text=2, requests=1)])
+    with pytest.raises(ValueError, match=r"VideoShape\.frames=1000000000000 must be <= 1048576"):
+        VideoShape(frames=10**12, text=2, requests=1)
     text = torch.zeros(3, D_TXT)
     text[2, 5] = float("inf")
     with pytest.raises(ValueError, match=r"VideoRequest 'text' holds inf at index \(2, 5\)"):

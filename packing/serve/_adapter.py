@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from packing._validate import check_bool, check_int
-from packing.serve._request import Request, Result
+from packing.serve._limits import MAX_ACTIONS, MAX_FRAMES, MAX_STEPS
+from packing.serve._request import SEED_MAX, Request, Result
 from packing.serve._video_request import VideoRequest
 
 __all__ = ["Adapter", "DiTAdapter", "WanAdapter", "episode_control"]
@@ -106,8 +107,9 @@ class DiTAdapter:
                       "keep_frames", "episode"})  # fmt: skip
 
     def __post_init__(self) -> None:
-        for name, low in (("frames", 0), ("actions", 1), ("steps", 1), ("seed", 0)):
-            check_int(f"DiTAdapter.{name}", getattr(self, name), min=low)
+        for name, low, top in (("frames", 0, MAX_FRAMES), ("actions", 1, MAX_ACTIONS),
+                               ("steps", 1, MAX_STEPS), ("seed", 0, SEED_MAX)):  # fmt: skip
+            check_int(f"DiTAdapter.{name}", getattr(self, name), min=low, max=top)
         check_bool("DiTAdapter.latents", self.latents)
 
     def request(self, observation: dict[str, Any], session: str) -> Request:
@@ -149,8 +151,9 @@ class WanAdapter:
                       "episode"})  # fmt: skip
 
     def __post_init__(self) -> None:
-        for name in ("frames", "steps", "seed"):
-            check_int(f"WanAdapter.{name}", getattr(self, name), min=1 if name != "seed" else 0)
+        for name, low, top in (("frames", 1, MAX_FRAMES), ("steps", 1, MAX_STEPS),
+                               ("seed", 0, SEED_MAX)):  # fmt: skip
+            check_int(f"WanAdapter.{name}", getattr(self, name), min=low, max=top)
 
     def request(self, observation: dict[str, Any], session: str) -> VideoRequest:
         defaults = {"frames": self.frames, "steps": self.steps, "seed": self.seed}

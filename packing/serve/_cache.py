@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from packing._validate import check_int
+from packing.serve._limits import MAX_FRAMES
 from packing.serve._pack import PackShape
 from packing.serve._request import Request
 
@@ -58,14 +59,18 @@ class ContextCache:
     prefill_frames: int | tuple[int, ...] = (4, 32)
 
     def __post_init__(self) -> None:
-        for name in ("pages", "page_frames"):
-            v = check_int(f"ContextCache.{name}", getattr(self, name), min=1)
+        for name, top in (("pages", 1 << 24), ("page_frames", MAX_FRAMES)):
+            v = check_int(f"ContextCache.{name}", getattr(self, name), min=1, max=top)
             object.__setattr__(self, name, v)
         sizes = self.prefill_frames
         sizes = (sizes,) if not isinstance(sizes, tuple | list) else tuple(sizes)
         if not sizes:
             raise ValueError("ContextCache.prefill_frames=(); give one or more pass sizes")
-        sizes = tuple(sorted({check_int("ContextCache.prefill_frames", n, min=1) for n in sizes}))
+        sizes = tuple(
+            sorted(
+                {check_int("ContextCache.prefill_frames", n, min=1, max=MAX_FRAMES) for n in sizes}
+            )
+        )
         object.__setattr__(self, "prefill_frames", sizes)
 
     @property
@@ -77,6 +82,7 @@ class ContextCache:
     def pass_size(self, frames: int) -> int:
         """The prefill pass for ``frames`` frames still to prefill: the smallest that holds
         them, else the largest (``(4, 32)``: 2 -> 4, 20 -> 32, 80 -> 32)."""
+        frames = check_int("frames", frames, min=1, max=MAX_FRAMES, hint="frames still to prefill")
         return next((n for n in self.pass_sizes if n >= frames), self.pass_sizes[-1])
 
 

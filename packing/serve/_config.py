@@ -52,8 +52,9 @@ class ServerConfig:
                 f"binding {self.host!r} serves the network, which needs an API key: pass "
                 "api_key= (packing serve: set PACKING_API_KEY), or bind 127.0.0.1"
             )
-        for name in ("max_message_bytes", "max_connections", "max_queue"):
-            check_int(f"ServerConfig.{name}", getattr(self, name), min=1)
+        for name, top in (("max_message_bytes", 1 << 40), ("max_connections", 1 << 20),
+                          ("max_queue", 1 << 20)):  # fmt: skip
+            check_int(f"ServerConfig.{name}", getattr(self, name), min=1, max=top)
         check_real("ServerConfig.drain_s", self.drain_s, min=0.0)
         for name in ("deadline_s", "send_timeout_s", "handshake_timeout_s", "summary_every_s"):
             check_real(f"ServerConfig.{name}", getattr(self, name), above=0.0)

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from packing._validate import check_bool, check_choice, check_int
+from packing._validate import check_bool, check_choice, check_int, check_sequence
 from packing.attention._masks import frame_causal
 from packing.attention._packed import _BACKENDS, Backend, _resolve
 from packing.model._dit import DiT
 from packing.serve._batching import ContinuousBatcher
 from packing.serve._cache import ContextCache
 from packing.serve._device import allocate, pinned
+from packing.serve._limits import MAX_STEPS
 from packing.serve._pack import HostPack, PackShape, build_pack, initial_tokens
 from packing.serve._request import Request, Result, host_copy
 from packing.serve._schedulers import FlowScheduler, check_scheduler
@@ -54,12 +55,14 @@ class EngineConfig:
     context_cache: ContextCache | None = None
 
     def __post_init__(self) -> None:
-        shapes = tuple(self.shapes)
+        shapes = tuple(check_sequence("EngineConfig.shapes", self.shapes))
         if not shapes or not all(isinstance(s, PackShape) for s in shapes):
             raise ValueError(f"EngineConfig.shapes={self.shapes!r}; give one or more PackShape")
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(
-            self, "max_steps", check_int("EngineConfig.max_steps", self.max_steps, min=1)
+            self,
+            "max_steps",
+            check_int("EngineConfig.max_steps", self.max_steps, min=1, max=MAX_STEPS),
         )
         check_scheduler("EngineConfig.scheduler", self.scheduler)
         object.__setattr__(

@@ -34,6 +34,7 @@ from packing.data._joint import joint_layout
 from packing.data._layout import PackedBatch, layout_from_lengths
 from packing.data._layout_math import local_positions
 from packing.model._dit import text_tokens
+from packing.serve._limits import MAX_ACTIONS, MAX_FRAMES, MAX_REQUESTS
 from packing.serve._request import Request
 
 __all__ = ["HostPack", "PackShape", "build_pack"]
@@ -49,10 +50,10 @@ class PackShape:
     requests: int
 
     def __post_init__(self) -> None:
-        for name in ("frames", "actions", "requests"):
-            object.__setattr__(
-                self, name, check_int(f"PackShape.{name}", getattr(self, name), min=1)
-            )
+        for name, top in (("frames", MAX_FRAMES), ("actions", MAX_ACTIONS),
+                          ("requests", MAX_REQUESTS)):  # fmt: skip
+            v = check_int(f"PackShape.{name}", getattr(self, name), min=1, max=top)
+            object.__setattr__(self, name, v)
 
     def fits(self, requests: Sequence[Request]) -> bool:
         frames = sum(len(r.kept) + r.frames for r in requests)

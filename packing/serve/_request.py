@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from packing._validate import check_finite, check_int, is_int
+from packing._validate import check_finite, check_int, check_sequence, is_int
+from packing.serve._limits import MAX_ACTIONS, MAX_FRAMES, MAX_STEPS
 
-__all__ = ["Request", "Result", "check_seed", "check_tensor_finite", "host_copy"]
+__all__ = ["SEED_MAX", "Request", "Result", "check_seed", "check_tensor_finite", "host_copy"]
 
 # `torch.Generator.manual_seed` takes [-2**63, 2**64 - 1] and maps a negative seed s to
 # 2**64 + s (so -1 and 2**64 - 1 give one noise): a request's seed is in [0, 2**64 - 1].
@@ -87,8 +88,9 @@ class Request:
         if not self.context.is_floating_point():
             raise TypeError(f"Request.context must be floating point, got {self.context.dtype}")
         check_tensor_finite("Request", "context", self.context)
-        for name, low in (("frames", 0), ("actions", 1), ("steps", 1)):
-            v = check_int(f"Request.{name}", getattr(self, name), min=low)
+        for name, low, top in (("frames", 0, MAX_FRAMES), ("actions", 1, MAX_ACTIONS),
+                               ("steps", 1, MAX_STEPS)):  # fmt: skip
+            v = check_int(f"Request.{name}", getattr(self, name), min=low, max=top)
             object.__setattr__(self, name, v)  # numpy ints welcome, stored as int
         object.__setattr__(self, "seed", check_seed("Request.seed", self.seed))
         if not isinstance(self.task, str):
@@ -98,7 +100,7 @@ class Request:
                 f"Request.session must be a str or None, got {type(self.session).__name__}"
             )
         if self.keep_frames is not None:
-            keep = tuple(self.keep_frames)
+            keep = tuple(check_sequence("Request.keep_frames", self.keep_frames))
             f_c = self.context.shape[0]
             ints = all(is_int(i) for i in keep)
             if not ints or list(keep) != sorted(set(keep)) or any(not 0 <= i < f_c for i in keep):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from packing._validate import check_int, check_real
+from packing.serve._limits import MAX_STEPS
 
 __all__ = ["FlowScheduler", "check_scheduler", "reference_sample"]
 
@@ -112,4 +113,4 @@ def reference_sample(
 
 
 def _check_steps(steps: int) -> None:
-    check_int("steps", steps, min=1, hint="denoising steps of a request")
+    check_int("steps", steps, min=1, max=MAX_STEPS, hint="denoising steps of a request")

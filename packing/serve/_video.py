@@ -30,6 +30,7 @@ from torch import Tensor
 from packing._validate import check_int
 from packing.serve._batching import ContinuousBatcher
 from packing.serve._device import allocate, pinned, quarantine
+from packing.serve._limits import MAX_STEPS
 from packing.serve._request import Result, host_copy
 from packing.serve._schedulers import FlowScheduler, check_scheduler
 from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
@@ -126,7 +127,7 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
         shapes = tuple(shapes)
         if not shapes or not all(isinstance(s, VideoShape) for s in shapes):
             raise ValueError(f"shapes={shapes!r}; give one or more VideoShape")
-        self.model, self.max_steps = model, check_int("max_steps", max_steps, min=1)
+        self.model, self.max_steps = model, check_int("max_steps", max_steps, min=1, max=MAX_STEPS)
         self.scheduler = (
             FlowScheduler() if scheduler is None else check_scheduler("scheduler", scheduler)
         )

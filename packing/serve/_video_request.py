@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from packing._validate import check_int
+from packing.serve._limits import MAX_FRAMES, MAX_REQUESTS, MAX_STEPS, MAX_TEXT
 from packing.serve._request import check_seed, check_tensor_finite
 
 __all__ = ["VideoModel", "VideoPack", "VideoRequest", "VideoShape"]
@@ -63,10 +64,9 @@ class VideoShape:
     requests: int
 
     def __post_init__(self) -> None:
-        for name in ("frames", "text", "requests"):
-            object.__setattr__(
-                self, name, check_int(f"VideoShape.{name}", getattr(self, name), min=1)
-            )
+        for name, top in (("frames", MAX_FRAMES), ("text", MAX_TEXT), ("requests", MAX_REQUESTS)):
+            v = check_int(f"VideoShape.{name}", getattr(self, name), min=1, max=top)
+            object.__setattr__(self, name, v)
 
     def fits(self, requests: Sequence[VideoRequest]) -> bool:
         frames = sum(r.context.shape[0] + r.frames for r in requests)
@@ -99,8 +99,8 @@ class VideoRequest:
             check_tensor_finite("VideoRequest", name, v)
         if self.text.shape[0] < 1:
             raise ValueError("VideoRequest.text has no rows; give the text encoder's output")
-        for name in ("frames", "steps"):
-            v = check_int(f"VideoRequest.{name}", getattr(self, name), min=1)
+        for name, top in (("frames", MAX_FRAMES), ("steps", MAX_STEPS)):
+            v = check_int(f"VideoRequest.{name}", getattr(self, name), min=1, max=top)
             object.__setattr__(self, name, v)
         object.__setattr__(self, "seed", check_seed("VideoRequest.seed", self.seed))
 
