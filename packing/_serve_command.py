@@ -93,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
         config.metadata.update(latent_shape=shape, action_dim=model_config.action_dim)
     cache = getattr(engines[0].config, "context_cache", None) if model_config else None
     if cache is not None:  # a robot learns that sending context + new frames is cheap
-        config.metadata.update(context_cache={"pages": cache.pages, "page_frames": cache.page_frames})
+        config.metadata.update(
+            context_cache={"pages": cache.pages, "page_frames": cache.page_frames}
+        )
     server = PolicyServer(engines, built[0][1], config)
     server.serve_forever()
     return 0
@@ -148,7 +150,9 @@ def _context_cache(args: argparse.Namespace) -> Any:
         given = [f for f, v in (("--page-frames", args.page_frames),
                                 ("--prefill-frames", args.prefill_frames)) if v is not None]  # fmt: skip
         if given:
-            raise ValueError(f"{', '.join(given)} sizes the context cache; add --context-cache PAGES")
+            raise ValueError(
+                f"{', '.join(given)} sizes the context cache; add --context-cache PAGES"
+            )
         return None
     extra: dict[str, Any] = {}
     if args.page_frames is not None:

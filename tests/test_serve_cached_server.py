@@ -37,7 +37,10 @@ SCHED = FlowScheduler(solver="multistep2")
 def cached_engine() -> Engine:
     """Shapes count generated frames only (ADAPTER: 1 frame, 4 actions a chunk)."""
     cc = ContextCache(pages=PAGES, page_frames=2, prefill_frames=(1, 2))
-    shapes = (PackShape(frames=1, actions=4, requests=1), PackShape(frames=2, actions=8, requests=2))
+    shapes = (
+        PackShape(frames=1, actions=4, requests=1),
+        PackShape(frames=2, actions=8, requests=2),
+    )
     return Engine(model(), EngineConfig(shapes=shapes, scheduler=SCHED, context_cache=cc))
 
 
