@@ -53,7 +53,7 @@ EXIT_STATUS = """exit status:
 # The flags ``packing verify --inference`` reads; any other verify flag is refused with it
 # (a --model would otherwise be dropped and the built-in model proven in its place).
 INFERENCE_FLAGS = frozenset(
-    {"inference", "mask", "document_mask", "seed", "json", "threads", "traceback"}
+    {"inference", "mask", "document_mask", "seed", "json", "threads", "traceback", "context_cache"}
 )
 
 

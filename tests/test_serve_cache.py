@@ -361,3 +361,29 @@ def test_the_benchmark_flop_count_matches_flop_counter_mode():
     table = bench.flops_rows({"5B": bench.model_config("5b", 30)}, 10)
     short = {r["case"]: r["ratio"] for r in table if r["mix"] == "short"}
     assert 4 < short["first chunk"] < short["next chunk"]  # ~5x and ~8x (issue 34)
+
+
+class _PrefillCrash(DiT):
+    """Raises in a prefill (a model call with a cache) that holds the marked context."""
+
+    def velocity(self, tokens, t_R, row_J, pack, cache=None):  # type: ignore[override]
+        if cache is not None and bool((tokens["latents"] == 7.5).any()):
+            raise RuntimeError("boom")
+        return super().velocity(tokens, t_R, row_J, pack, cache)
+
+
+def test_a_request_whose_prefill_raises_fails_alone():
+    torch.manual_seed(0)
+    cfg = _model().config
+    model = _PrefillCrash(cfg).eval()
+    model.load_state_dict(_model().state_dict())
+    engine = Engine(model, _cached(pages=8))
+    reqs = [Request(context=_frames(2, i), frames=1, actions=2, seed=i, steps=3, session=f"s{i}")
+            for i in range(3)]  # fmt: skip
+    reqs[1].context[0, 0, 0, 0] = 7.5  # the marked one (copied at submit with the mark)
+    ids = [engine.submit(r) for r in reqs]
+    out = {r.request_id: r for r in engine.run()}
+    assert out[ids[1]].error is not None and "prefilling its context raised" in out[ids[1]].error
+    assert "s1" not in engine.pages.entries
+    for i in (0, 2):
+        assert out[ids[i]].error is None and _rel(out[ids[i]], _alone(_model(), reqs[i])) <= 1e-5

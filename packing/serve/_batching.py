@@ -106,14 +106,18 @@ class ContinuousBatcher(Generic[R, S]):
         those that failed: ``Result.error`` set). Never raises for a request's fault.
 
         On CUDA a finished request comes back once its last step's non-finite flag has
-        reached the host (read without waiting, so possibly a step or two later)."""
+        reached the host (read without waiting, so possibly a step or two later), except
+        that a step that leaves nothing active or waiting waits for every flag: a loop
+        ``while engine.active or engine.waiting: engine.step()`` gets every result."""
         with torch.no_grad():
             self._admit()
             if self._members:
                 self.last_pack = tuple((m.rid, m.step) for m in self._members)
                 self._advance(list(self._members))
                 self.clock += 1
-            self._read_flags(wait=False)
+            # Nothing left to run: wait for the last flags (there is no GPU work to overlap),
+            # so an engine with no active or waiting request has handed out every result.
+            self._read_flags(wait=not (self._members or self._waiting))
         out, self._out = self._out, []
         return out
 

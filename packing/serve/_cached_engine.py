@@ -25,6 +25,7 @@ import torch
 
 from packing.attention._masks import InnerMask
 from packing.model._dit import DiT
+from packing.serve._batching import _log
 from packing.serve._cache import CachedShape, Key, PagePool, frame_hashes, pages_for
 from packing.serve._cached_step import DevicePool, PrefillBlock, cached_step, prefill_step
 from packing.serve._engine import Engine, EngineConfig, _Member
@@ -154,7 +155,23 @@ class CachedEngine(Engine):
         self._prefill(shape, prefill)
 
     def _prefill(self, shape: PackShape, todo: list[tuple[int, _CachedMember, int]]) -> None:
-        """The frames ``reuse..`` of each joining request, in passes of the cache's sizes."""
+        """Prefill the joining requests together; if a pass raises, each one alone, and a
+        request whose own prefill raises fails alone (``Result.error``), the others go on."""
+        try:
+            self._prefill_frames(shape, todo)
+        except Exception:
+            for one in todo:
+                try:
+                    self._prefill_frames(shape, [one])
+                except Exception as err:
+                    m = one[1]
+                    why = f"prefilling its context raised {type(err).__name__}: {err}"
+                    _log.error("request %d failed: %s", m.rid, why, exc_info=err)
+                    self._out.append(self._failed(m.rid, m.admitted, why))
+                    self._drop(m.rid)  # its pages freed; its rows leave at the next step
+
+    def _prefill_frames(self, shape: PackShape, todo: list[tuple[int, _CachedMember, int]]) -> None:
+        """The frames ``reuse..`` of each of ``todo``, in passes of the cache's sizes."""
         cfg, tpf, pf = self.model.config, self.model.config.tokens_per_frame, self.cache.page_frames
         frames = [(k, m, j) for k, m, reuse in todo for j in range(reuse, len(m.hashes))]
         gh, gw = cfg.grid
