@@ -6,6 +6,7 @@ engines, until SIGINT/SIGTERM (then it drains and exits 0).
     packing serve                                   # the tiny reference DiT, 127.0.0.1:8000, CPU
     PACKING_API_KEY=... packing serve --host 0.0.0.0 --model wan_2_2_5b --checkpoint dit.pt \\
         --device cuda:0 --device cuda:1 --cuda-graphs --shape 96,128,8
+    packing serve --mask frame-causal --context-cache 256   # each episode's context cached
     packing serve --model my_robot.policy:build     # build(device) -> Engine | VideoEngine
                                                     #   or (engine, adapter)
 
@@ -37,7 +38,17 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--device", action="append", help="repeatable: one engine each (default cpu)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     s.add_argument("--shape", action="append", metavar="FRAMES,ACTIONS,REQUESTS",
-                   help="a static pack (repeatable; default 1, 2, 4 and 8 requests)")  # fmt: skip
+                   help="a static pack (repeatable; default 1, 2, 4 and 8 requests); FRAMES: "
+                        "context + generated frames, with --context-cache generated only")  # fmt: skip
+    s.add_argument("--mask", default="document", choices=["document", "frame-causal"],
+                   help="a preset's attention inside an episode (as it was trained)")  # fmt: skip
+    s.add_argument("--context-cache", type=int, default=None, metavar="PAGES",
+                   help="cache each episode's context in a pool of PAGES pages (frame-causal "
+                        "presets; docs/serving.md)")  # fmt: skip
+    s.add_argument("--page-frames", type=int, default=None,
+                   help="with --context-cache: latent frames a page (default 4)")  # fmt: skip
+    s.add_argument("--prefill-frames", type=int, action="append",
+                   help="with --context-cache: a prefill pass's frames (repeatable; default 4, 32)")  # fmt: skip
     s.add_argument("--cuda-graphs", action="store_true", help="capture each shape's step")
     s.add_argument("--compile", action="store_true", help="compile the DiT's blocks")
     s.add_argument("--max-steps", type=int, default=50, help="most denoising steps a request asks")
@@ -45,7 +56,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--actions", type=int, default=16, help="action steps a chunk generates (16)")
     s.add_argument("--steps", type=int, default=10, help="denoising steps by default (10)")
     s.add_argument("--context-frames", type=int, default=4,
-                   help="context frames the default shape leaves room for (4)")  # fmt: skip
+                   help="context frames the default shape leaves room for (4; not with "
+                        "--context-cache: the pool holds the contexts)")  # fmt: skip
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")
     s.add_argument("--api-key", default=os.environ.get("PACKING_API_KEY"),
@@ -79,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if model_config is not None:  # a robot reads what to send from the metadata
         shape = [model_config.latent_channels, *model_config.latent_hw]
         config.metadata.update(latent_shape=shape, action_dim=model_config.action_dim)
+    cache = getattr(engines[0].config, "context_cache", None) if model_config else None
+    if cache is not None:  # a robot learns that sending context + new frames is cheap
+        config.metadata.update(
+            context_cache={"pages": cache.pages, "page_frames": cache.page_frames}
+        )
     server = PolicyServer(engines, built[0][1], config)
     server.serve_forever()
     return 0
@@ -92,15 +109,19 @@ def _build(args: argparse.Namespace, device: str) -> tuple[Any, Any]:
     from packing.serve import DiTAdapter, Engine, EngineConfig
 
     adapter = DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps)
+    cache = _context_cache(args)
     if args.model not in PRESETS:
         if args.checkpoint is not None:
             raise ValueError("--checkpoint loads a preset's weights; a factory loads its own")
+        if cache is not None or args.mask != "document":
+            raise ValueError("--context-cache and --mask build a preset's engine; a factory "
+                             "builds its own (EngineConfig(context_cache=ContextCache(...)))")  # fmt: skip
         from packing.verify._command import load_factory
 
         out = load_factory(args.model)(device)
         return out if isinstance(out, tuple) else (out, None)
     torch.manual_seed(0)  # the same random weights in every engine without a checkpoint
-    model = DiT(getattr(DiTConfig, args.model)())
+    model = DiT(getattr(DiTConfig, args.model)(frame_causal=args.mask == "frame-causal"))
     if args.checkpoint is not None:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)  # no pickle code
         model.load_state_dict(state)
@@ -108,16 +129,47 @@ def _build(args: argparse.Namespace, device: str) -> tuple[Any, Any]:
     if args.compile:
         for block in model.blocks:
             block.compile(dynamic=False)
-    config = EngineConfig(shapes=_shapes(args), max_steps=args.max_steps,
-                          cuda_graphs=args.cuda_graphs)  # fmt: skip
-    return Engine(model, config), adapter
+    config = EngineConfig(shapes=_shapes(args, cached=cache is not None),
+                          max_steps=args.max_steps, cuda_graphs=args.cuda_graphs,
+                          context_cache=cache)  # fmt: skip
+    try:
+        return Engine(model, config), adapter
+    except ValueError as e:
+        if cache is None or model.config.frame_causal:
+            raise
+        raise ValueError(f"--context-cache: {e} (packing serve: --mask frame-causal, for a "
+                         "model trained so)") from e  # fmt: skip
 
 
-def _shapes(args: argparse.Namespace) -> tuple[Any, ...]:
+def _context_cache(args: argparse.Namespace) -> Any:
+    """``--context-cache PAGES`` (with ``--page-frames``, ``--prefill-frames``) as a
+    `ContextCache`, or None; a cache flag without ``--context-cache`` is refused."""
+    from packing.serve import ContextCache
+
+    if args.context_cache is None:
+        given = [f for f, v in (("--page-frames", args.page_frames),
+                                ("--prefill-frames", args.prefill_frames)) if v is not None]  # fmt: skip
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} sizes the context cache; add --context-cache PAGES"
+            )
+        return None
+    extra: dict[str, Any] = {}
+    if args.page_frames is not None:
+        extra["page_frames"] = args.page_frames
+    if args.prefill_frames is not None:
+        extra["prefill_frames"] = tuple(args.prefill_frames)
+    return ContextCache(pages=args.context_cache, **extra)
+
+
+def _shapes(args: argparse.Namespace, cached: bool = False) -> tuple[Any, ...]:
+    """``--shape``s, or packs of 1, 2, 4 and 8 requests (a lone robot is not computed as 8);
+    with the context cache a shape's frames are the generated ones (the pool holds the rest)."""
     from packing.serve import PackShape
 
-    if not args.shape:  # 1, 2, 4 and 8 requests: a lone robot is not computed as 8
-        return tuple(PackShape(frames=n * (args.context_frames + args.frames),
+    if not args.shape:
+        per = args.frames if cached else args.context_frames + args.frames
+        return tuple(PackShape(frames=n * per,
                                actions=n * args.actions, requests=n) for n in (1, 2, 4, 8))  # fmt: skip
     shapes = []
     for spec in args.shape:

@@ -22,8 +22,10 @@ H200's measured bf16 matmul peak), with the fraction reached. Then engine steps 
 arrivals checked for host syncs (``torch.cuda.set_sync_debug_mode``) and for blocking
 host-to-device copies from pageable memory (the profiler's memcpy records), each check with
 a control it must see (`benchmarks/serving/checks.py`), and recompiles (dynamo's graph
-count). bf16 packed vs alone: cosine per request. ``--context-cache`` serves with the
-engine's context cache (issue 34's EngineConfig option, where the tree has it).
+count). bf16 packed vs alone: cosine per request. The context cache is measured by
+`benchmarks/serving/bench_cache.py` (its engines sized for generated frames, robots whose
+chunks continue an episode) and `benchmarks/serving/robots.py --context-cache`, not here:
+these requests are each a fresh episode, their shapes hold the whole context.
 
     python benchmarks/serving/bench_serve.py --configs small --requests 200   # H200
     python benchmarks/serving/bench_serve.py --quick --device cpu   # smoke (CPU, tiny, eager)
@@ -100,15 +102,9 @@ def padded(r: Request, frames: int) -> Request:
                    steps=r.steps)  # fmt: skip
 
 
-CONTEXT_CACHE = False  # --context-cache: every engine of the run gets the option
-
-
 def engine_for(model: DiT, shapes: list[PackShape], graphs: bool, steps: int) -> Engine:
-    extra: dict[str, Any] = {}
-    if CONTEXT_CACHE:
-        extra["context_cache"] = True  # issue 34's option; main() checked the tree has it
     config = EngineConfig(shapes=tuple(shapes), scheduler=FlowScheduler(solver="multistep2",
-                          shift=5.0), max_steps=steps, cuda_graphs=graphs, **extra)  # fmt: skip
+                          shift=5.0), max_steps=steps, cuda_graphs=graphs)  # fmt: skip
     return Engine(model, config)
 
 
@@ -299,19 +295,8 @@ def main() -> None:
     p.add_argument("--sync-steps", type=int, default=1000)
     p.add_argument("--deadline-s", type=float, default=1e9, help="start no arm after this")
     p.add_argument("--only", default="", help="run only these arms, e.g. 'packed/graphs@4/short'")
-    p.add_argument(
-        "--context-cache",
-        action="store_true",
-        help="serve with the engine's context cache (EngineConfig(context_cache=True))",
-    )
     args = p.parse_args()
     args.quick = args.quick or args.smoke
-    if args.context_cache:
-        if "context_cache" not in getattr(EngineConfig, "__dataclass_fields__", {}):
-            raise SystemExit("--context-cache: this tree's EngineConfig has no context_cache "
-                             "option (issue 34's engine cache): merge it first")  # fmt: skip
-        global CONTEXT_CACHE
-        CONTEXT_CACHE = True
     dev = torch.device(args.device)
     t_start = time.perf_counter()
     torch._dynamo.config.recompile_limit = 64  # one graph per pack shape, many shapes here
@@ -322,8 +307,7 @@ def main() -> None:
         args.requests, args.open_max_s, args.loads = min(args.requests, 12), 4.0, "0.5,1.0"
         args.long_requests = min(args.long_requests, 12) if args.long_requests else 0
     rows: list[dict[str, Any]] = []
-    extra: dict[str, Any] = {"skipped": [], "cosine": {}, "open_loop": [],
-                             "context_cache": CONTEXT_CACHE}  # fmt: skip
+    extra: dict[str, Any] = {"skipped": [], "cosine": {}, "open_loop": []}
     configs = args.configs.split(",")
 
     def out(row: dict[str, Any]) -> None:

@@ -15,8 +15,15 @@ robot idle time (latency over latency + execution). The robots' chunk durations 
 over ``--chunk-x`` x [0.75, 1.25] x one request's latency alone (measured first), so one robot
 alone idles ~1 / (1 + chunk_x) of the time.
 
+A robot's episode is ``--episode-chunks`` chunks: the first sends ``--context-frames``
+frames, each next one the previous context + ``--frames`` new frames (what it observed while
+the last chunk ran), the last one ends the episode (``"episode": "end"``). ``--context-cache
+PAGES`` serves BOTH arms through the engine's context cache (a frame-causal model; a chunk
+prefills only its new frames); the JSON records it and each row's cache counters.
+
     python benchmarks/serving/robots.py --quick --max-pack 4    # CPU, tiny DiT, < 3 minutes
     python benchmarks/serving/robots.py --device cuda --config 5b --compile --cuda-graphs
+    python benchmarks/serving/robots.py --quick --context-cache 64    # both arms cached
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks.harness import base_parser, markdown_table, summarize, write_json
 from packing.model import DiT, DiTConfig
 from packing.serve import (
+    ContextCache,
     DiTAdapter,
     Engine,
     EngineConfig,
@@ -46,32 +54,54 @@ from packing.serve import (
 )
 
 
-def model_config(name: str) -> DiTConfig:
+def model_config(name: str, frame_causal: bool) -> DiTConfig:
     if name == "tiny":
-        return DiTConfig.tiny(latent_channels=8, latent_hw=(4, 8), action_dim=6)
+        return DiTConfig.tiny(latent_channels=8, latent_hw=(4, 8), action_dim=6,
+                              frame_causal=frame_causal)  # fmt: skip
     base = DiTConfig.wan_2_2_5b if name == "5b" else DiTConfig.wan_1_3b
-    return base(depth=30, attention="flex")
+    return base(depth=30, attention="flex", frame_causal=frame_causal)
+
+
+def longest_context(args: Any) -> int:
+    return args.context_frames + (args.episode_chunks - 1) * args.frames
 
 
 def build_engine(model: DiT, args: Any, requests: list[int]) -> Engine:
-    per = args.context_frames + args.frames
+    cache = None
+    per = longest_context(args) + args.frames  # uncached: a shape holds context + generated
+    if args.context_cache is not None:  # cached: generated frames only, contexts in the pool
+        cache, per = (
+            ContextCache(pages=args.context_cache, page_frames=args.page_frames),
+            args.frames,
+        )
     shapes = tuple(PackShape(frames=n * per, actions=n * args.actions, requests=n)
                    for n in requests)  # fmt: skip
     config = EngineConfig(shapes=shapes, max_steps=args.steps, cuda_graphs=args.cuda_graphs,
-                          scheduler=FlowScheduler(solver="multistep2", shift=5.0))  # fmt: skip
+                          scheduler=FlowScheduler(solver="multistep2", shift=5.0),
+                          context_cache=cache)  # fmt: skip
     engine = Engine(model, config)
     adapter = DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps)
     for n in requests:  # warm each shape (compile, capture) before any robot is timed
-        for k in range(n):
-            engine.submit(adapter.request(observation(k, args, model.config), session="warm"))
+        for k in range(n):  # each its own session: two chunks of one never share a pack
+            obs = observation(k, args, model.config, args.episode_chunks - 1)
+            engine.submit(adapter.request(obs, session=f"warm {k}"))
         engine.run()
+        for k in range(n):
+            engine.end_session(f"warm {k}")
     return engine
 
 
-def observation(robot: int, args: Any, cfg: DiTConfig) -> dict[str, Any]:
-    rng = np.random.default_rng(robot)
-    frames = rng.standard_normal((args.context_frames, cfg.latent_channels, *cfg.latent_hw))
-    return {"context": frames.astype(np.float32), "seed": robot, "prompt": f"robot {robot}"}
+def observation(robot: int, args: Any, cfg: DiTConfig, chunk: int = 0,
+                episode: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Chunk ``chunk`` of the robot's episode ``episode``: its first ``--context-frames`` +
+    ``chunk * --frames`` frames (the previous chunk's context and the frames since)."""
+    rng = np.random.default_rng([robot, episode])
+    frames = rng.standard_normal((longest_context(args), cfg.latent_channels, *cfg.latent_hw))
+    seen = args.context_frames + chunk * args.frames
+    obs = {"context": frames[:seen].astype(np.float32), "seed": robot, "prompt": f"robot {robot}"}
+    if chunk == args.episode_chunks - 1:
+        obs["episode"] = "end"  # the episode ends after this chunk: its pages are free
+    return obs
 
 
 def step_costs(model: DiT, args: Any, counts: list[int]) -> list[dict[str, Any]]:
@@ -83,7 +113,7 @@ def step_costs(model: DiT, args: Any, counts: list[int]) -> list[dict[str, Any]]
     for n in (k for k in (1, 2, 4, 8, 16, 32, 64) if k <= max(counts)):
         engine = build_engine(model, args, [n])
         for k in range(n):
-            engine.submit(adapter.request(observation(k, args, model.config), session="cost"))
+            engine.submit(adapter.request(observation(k, args, model.config), session=f"cost {k}"))
         times = []
         while engine.active or engine.waiting:
             t0 = time.perf_counter()
@@ -106,9 +136,12 @@ def run_robots(address: tuple[str, int], n: int, chunk_s: float, args: Any,
 
     def robot(i: int) -> None:
         duration = chunk_s * (0.75 + 0.5 * i / max(n - 1, 1))  # its own control rate
-        obs = observation(i, args, cfg)
+        sent = 0
         with PolicyClient(*address, timeout_s=600) as policy:
             while time.monotonic() < stop:
+                episode, chunk = divmod(sent, args.episode_chunks)
+                obs = observation(i, args, cfg, chunk, episode)
+                sent += 1
                 t0 = time.monotonic()
                 policy.infer(obs)
                 latency = time.monotonic() - t0
@@ -147,7 +180,24 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU default 1)")
+    p.add_argument("--episode-chunks", type=int, default=4, help="chunks an episode (1: none "
+                   "continues, every chunk the same --context-frames)")  # fmt: skip
+    p.add_argument(
+        "--context-cache",
+        type=int,
+        default=None,
+        metavar="PAGES",
+        help="both arms through the engine's context cache, a pool of PAGES pages",
+    )
+    p.add_argument("--page-frames", type=int, default=4, help="with --context-cache (4)")
+    p.add_argument(
+        "--frame-causal",
+        action="store_true",
+        help="a frame-causal model without the cache (the uncached comparison)",
+    )
     args = p.parse_args()
+    if args.episode_chunks < 1:
+        raise SystemExit(f"--episode-chunks {args.episode_chunks}: give 1 or more")
     if args.quick:
         args.config = "tiny"
     dev = torch.device(args.device)
@@ -158,7 +208,7 @@ def main() -> None:
     if dev.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     counts = [int(n) for n in args.robots.split(",")]
-    cfg = model_config(args.config)
+    cfg = model_config(args.config, args.frame_causal or args.context_cache is not None)
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = DiT(cfg).to(dev, dtype).eval()
@@ -181,8 +231,8 @@ def main() -> None:
                                   ServerConfig(port=0, max_queue=4 * max(counts), deadline_s=600))  # fmt: skip
             with server.running() as address:
                 if lone_s is None:  # one request alone through the server: the time unit
-                    with PolicyClient(*address) as c:
-                        obs = observation(0, args, cfg)
+                    with PolicyClient(*address) as c:  # a whole context each time
+                        obs = {**observation(0, args, cfg), "episode": "end"}
                         c.infer(obs)
                         t = time.monotonic()
                         for _ in range(3):
@@ -191,7 +241,8 @@ def main() -> None:
                 row = run_robots(address, n, args.chunk_x * lone_s, args, cfg)
             s = server.summary()
             row.update(arm=arm, robots=n, lone_ms=1e3 * lone_s, warmup_s=warm_s,
-                       requests_per_call=s["requests_per_call"], pack_fill=s["pack_fill"])  # fmt: skip
+                       requests_per_call=s["requests_per_call"], pack_fill=s["pack_fill"],
+                       context_cache=args.context_cache, cache_stats=getattr(engine, "stats", None))  # fmt: skip
             rows.append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
                   flush=True)  # fmt: skip
@@ -203,6 +254,8 @@ def main() -> None:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None  # a shared machine says so
     print(markdown_table(costs, ["requests", "step_ms", "per_request_ms"]))
     write_json("serving_robots", args, {"rows": rows, "step_costs": costs, "config": args.config,
+                                        "context_cache": args.context_cache,
+                                        "frame_causal": cfg.frame_causal,
                                         "load_average_after": load}, device=dev)  # fmt: skip
 
 
