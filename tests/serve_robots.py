@@ -118,6 +118,11 @@ def wait_until(predicate: Any, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def cli_engine8(device: str) -> tuple[Engine, DiTAdapter]:
+    """``packing serve --model serve_robots:cli_engine8``: packs of up to 8 robots."""
+    return engine(requests=8, device=device), ADAPTER
+
+
 def cli_engine(device: str) -> tuple[Engine, DiTAdapter]:
     """``packing serve --model serve_robots:cli_engine``: the tiny engine for the CLI test."""
     return engine(requests=2, device=device), ADAPTER

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
+import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -122,3 +127,52 @@ def _wait(predicate, procs, timeout_s: float = 60.0) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"not true within {timeout_s} s")
         time.sleep(0.02)
+
+
+def test_eight_openpi_robots_against_packing_serve_on_the_command_line(tmp_path):
+    """What a robot fleet runs: ``packing serve`` as its own process, the unmodified client
+    in eight others; each robot's actions equal its request run alone, and model calls held
+    several robots' requests (the periodic summary says how many at most)."""
+    python = openpi_python()
+    cmd = [sys.executable, "-m", "packing", "serve", "--port", "0", "--model",
+           "serve_robots:cli_engine8", "--summary-every-s", "0.2"]  # fmt: skip
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in server.stderr], daemon=True).start()
+    procs: list[subprocess.Popen] = []
+    try:
+        port = int(_line(lines, r"serving on ws://127\.0\.0\.1:(\d+)").group(1))
+        procs = [launch(python, ("127.0.0.1", port), s, tmp_path) for s in range(8)]
+        _wait(lambda: all((tmp_path / f"ready{s}").exists() for s in range(8)), procs)
+        (tmp_path / "go").write_text("")
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0, out
+        most = int(_line(lines, r"summary: .*'answered': 16.*'max_requests_per_call': (\d+)")
+                   .group(1))  # fmt: skip
+        assert most >= 2, most  # the robots shared model calls
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+    finally:
+        for p in [*procs, server]:
+            p.kill()
+    for s in range(8):
+        got = np.load(tmp_path / f"robot{s}.npz", allow_pickle=False)
+        for k in range(2):
+            obs = {"context": got[f"context{k}"], "seed": 10 * s + k, "prompt": f"robot {s}"}
+            ref = alone(obs)
+            np.testing.assert_allclose(got[f"actions{k}"], ref.action.numpy(), rtol=0, atol=1e-5)
+
+
+def _line(lines: queue.Queue, pattern: str) -> re.Match:
+    end = time.monotonic() + 90
+    while time.monotonic() < end:
+        try:
+            m = re.search(pattern, lines.get(timeout=1))
+        except queue.Empty:
+            continue
+        if m:
+            return m
+    raise AssertionError(f"no log line matching {pattern!r}")
