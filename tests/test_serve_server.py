@@ -71,10 +71,15 @@ def one(address, obs, **kw) -> dict:
 
 
 def test_robots_share_model_calls_and_each_gets_its_own_answer():
-    srv = server()
+    e = GateEngine(*_engine_args())  # the first model call waits until all four are queued
+    srv = server(e)
     obs = [[observation(10 * r + k) for k in range(2)] for r in range(4)]
     with srv.running() as address:
+        opener = threading.Thread(target=lambda: (wait_until(lambda: srv.summary()["queued"] == 4),
+                                                  e.gate.set()))  # fmt: skip
+        opener.start()
         replies = robots(address, obs)
+        opener.join(T)
     for mine, theirs in zip(obs, replies, strict=True):
         for o, reply in zip(mine, theirs, strict=True):
             assert_alone(o, reply)
