@@ -3,6 +3,8 @@ observations, and the reference (the same request alone through a fresh engine).
 
 from __future__ import annotations
 
+import queue
+import re
 import threading
 import time
 from typing import Any
@@ -126,3 +128,17 @@ def cli_engine8(device: str) -> tuple[Engine, DiTAdapter]:
 def cli_engine(device: str) -> tuple[Engine, DiTAdapter]:
     """``packing serve --model serve_robots:cli_engine``: the tiny engine for the CLI test."""
     return engine(requests=2, device=device), ADAPTER
+
+
+def log_line(lines: Any, pattern: str, timeout_s: float = 90.0) -> re.Match:
+    """The first line from the queue ``lines`` (a server's stderr, read by a thread) that
+    matches ``pattern``; an AssertionError naming it after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            m = re.search(pattern, lines.get(timeout=1))
+        except queue.Empty:
+            continue
+        if m:
+            return m
+    raise AssertionError(f"no log line matching {pattern!r}")

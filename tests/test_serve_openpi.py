@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("websockets", reason="needs packing[serve]")
-from serve_robots import ADAPTER, GateEngine, alone, engine
+from serve_robots import ADAPTER, GateEngine, alone, engine, log_line
 
 from packing.serve import PolicyServer, ServerConfig
 
@@ -143,14 +142,14 @@ def test_eight_openpi_robots_against_packing_serve_on_the_command_line(tmp_path)
     threading.Thread(target=lambda: [lines.put(x) for x in server.stderr], daemon=True).start()
     procs: list[subprocess.Popen] = []
     try:
-        port = int(_line(lines, r"serving on ws://127\.0\.0\.1:(\d+)").group(1))
+        port = int(log_line(lines, r"serving on ws://127\.0\.0\.1:(\d+)").group(1))
         procs = [launch(python, ("127.0.0.1", port), s, tmp_path) for s in range(8)]
         _wait(lambda: all((tmp_path / f"ready{s}").exists() for s in range(8)), procs)
         (tmp_path / "go").write_text("")
         for p in procs:
             out, _ = p.communicate(timeout=120)
             assert p.returncode == 0, out
-        most = int(_line(lines, r"summary: .*'answered': 16.*'max_requests_per_call': (\d+)")
+        most = int(log_line(lines, r"summary: .*'answered': 16.*'max_requests_per_call': (\d+)")
                    .group(1))  # fmt: skip
         assert most >= 2, most  # the robots shared model calls
         server.send_signal(signal.SIGTERM)
@@ -164,15 +163,3 @@ def test_eight_openpi_robots_against_packing_serve_on_the_command_line(tmp_path)
             obs = {"context": got[f"context{k}"], "seed": 10 * s + k, "prompt": f"robot {s}"}
             ref = alone(obs)
             np.testing.assert_allclose(got[f"actions{k}"], ref.action.numpy(), rtol=0, atol=1e-5)
-
-
-def _line(lines: queue.Queue, pattern: str) -> re.Match:
-    end = time.monotonic() + 90
-    while time.monotonic() < end:
-        try:
-            m = re.search(pattern, lines.get(timeout=1))
-        except queue.Empty:
-            continue
-        if m:
-            return m
-    raise AssertionError(f"no log line matching {pattern!r}")

@@ -9,7 +9,6 @@ import http.client
 import logging
 import os
 import queue
-import re
 import signal
 import socket
 import subprocess
@@ -29,6 +28,7 @@ from serve_robots import (
     SlowEngine,
     assert_alone,
     engine,
+    log_line,
     observation,
     wait_until,
 )
@@ -336,12 +336,12 @@ def test_packing_serve_runs_until_a_signal_drains_and_closes_the_port(sig):
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
     try:
-        port = int(_line(lines, r"serving on ws://127\.0\.0\.1:(\d+)").group(1))
+        port = int(log_line(lines, r"serving on ws://127\.0\.0\.1:(\d+)").group(1))
         with PolicyClient("127.0.0.1", port, timeout_s=T) as c:
             assert c.metadata["model"] == "serve_robots:cli_engine"
             obs = observation(1, steps=20)
             assert_alone(obs, c.infer(obs))
-            _line(lines, r"summary: .*'answered': 1")  # the periodic summary
+            log_line(lines, r"summary: .*'answered': 1")  # the periodic summary
             c._ws.send(encode(obs))  # in flight when the signal comes
             time.sleep(0.05)
             proc.send_signal(sig)
@@ -351,18 +351,6 @@ def test_packing_serve_runs_until_a_signal_drains_and_closes_the_port(sig):
         proc.kill()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=T)
-
-
-def _line(lines: queue.Queue, pattern: str):
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        try:
-            m = re.search(pattern, lines.get(timeout=1))
-        except queue.Empty:
-            continue
-        if m:
-            return m
-    raise AssertionError(f"no log line matching {pattern!r}")
 
 
 def test_the_example_robots_get_what_each_request_gives_alone(capsys):

@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from benchmarks.harness import base_parser, markdown_table, write_json
+from benchmarks.serving.loops import Clock
 from packing.model import DiT, DiTConfig
 from packing.model._dit import text_tokens
 from packing.serve import (
@@ -181,28 +182,6 @@ def robot_chunks(robots: int, chunks: int, mix: tuple[int, int], cfg: DiTConfig,
             c += NEW
         out.append(mine)
     return out
-
-
-class Clock:
-    """Stream-ordered time stamps: CUDA events (resolved once, at the end), else perf_counter."""
-
-    def __init__(self, dev: torch.device) -> None:
-        self.cuda, self.marks = dev.type == "cuda", []  # type: ignore[var-annotated]
-
-    def mark(self) -> int:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-        return len(self.marks) - 1
-
-    def seconds(self) -> list[float]:
-        if not self.cuda:
-            return [t - self.marks[0] for t in self.marks]
-        torch.cuda.synchronize()
-        return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks]
 
 
 def closed_loop(engine: Engine, robots: list[list[Request]], dev: torch.device) -> dict[str, Any]:
