@@ -323,7 +323,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("--context-cache is a flag of --inference; add --inference")
     import dataclasses
 
-    from packing.verify._command import VerifyConfig, run_verify
+    from packing.verify import VerifyConfig, run_verify
     from packing.verify._distributed import launched_by_torchrun, verify_rank
 
     # Every VerifyConfig field is a flag of the same name (--feature is parsed first).

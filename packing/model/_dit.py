@@ -572,7 +572,7 @@ class DiT(nn.Module):
         cfg = self.config
         x_v = self.patch_embed(tokens["latents"])
         x_a = self.action_embed(tokens["action"])
-        # The joint order is one gather (packing.data._joint.JointLayout.join, unchecked).
+        # The joint order is one gather (packing.data.JointLayout.join, unchecked).
         x = torch.cat([x_v, x_a], dim=0).index_select(0, pack.src_index_J)
         angles = rope_angles(pack.thw_J3, cfg.head_dim, cfg.rope_theta)
         ctx = self.text_mlp(self.text_embed(pack.text_X))
