@@ -371,7 +371,7 @@ def _run_inference(args: argparse.Namespace) -> int:
             "--inference to verify your model's training; the bf16 GPU inference comparison "
             "is benchmarks/bench_serve.py)"
         )
-    from packing.serve._proof import verify_inference
+    from packing.serve import verify_inference
 
     report = verify_inference(
         mask=args.mask, document_mask=args.document_mask, seed=args.seed,

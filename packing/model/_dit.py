@@ -33,13 +33,23 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from packing._validate import check_bool, check_int, check_int_tuple, check_real, check_sequence
-from packing.attention._masks import frame_causal
-from packing.attention._packed import AttentionMask, Backend, packed_attention, prepare_attention
-from packing.data._collate import PackedCollator, Stream
-from packing.data._joint import joint_layout
-from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
+from packing.attention import (
+    AttentionMask,
+    Backend,
+    frame_causal,
+    packed_attention,
+    prepare_attention,
+)
+from packing.data import (
+    PackedBatch,
+    PackedCollator,
+    Stream,
+    StreamLayout,
+    joint_layout,
+    layout_from_lengths,
+)
 from packing.model._rope import apply_rope, rope_angles, rope_split
-from packing.train._conditioning import (
+from packing.train import (
     batch_rng_keys,
     broadcast_to_tokens,
     episode_timesteps,

@@ -359,7 +359,7 @@ def dataset_features(config: VerifyConfig) -> tuple[Path, str, dict[str, dict[st
     from packing.datasets._lerobot import _check_root, _load_info
 
     if config.dataset is None:
-        from packing.datasets._default import default_dataset_root
+        from packing.datasets import default_dataset_root
 
         root, where = default_dataset_root(), "embedded default dataset"
     else:
@@ -442,7 +442,7 @@ def load_episodes(
     ``mapping`` ``{stream: feature}`` renames features to the model's stream names (with
     their ``_loss_mask``), so ``observation.latent`` reaches the model as ``latents``.
     """
-    from packing.datasets._lerobot import LeRobotEpisodes
+    from packing.datasets import LeRobotEpisodes
 
     root, where, features = dataset_features(config)
     mapping = {k: (mapping or {}).get(k, config.features.get(k, k)) for k in keys}
@@ -561,7 +561,7 @@ def prepare(config: VerifyConfig) -> Setup:
     One-episode batches pad to a multiple of 128 tokens when every stream's step fits it; a
     grid of 15 tokens would pad to lcm(128, 15) = 1,920 (3% real), so such streams use 8.
     """
-    from packing.data._collate import PackedCollator
+    from packing.data import PackedCollator
 
     torch.manual_seed(config.seed)
     model, episodes, where, mapping = model_and_episodes(config)

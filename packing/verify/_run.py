@@ -20,7 +20,7 @@ __all__ = ["run_verify"]
 def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = None) -> VerifyReport:
     """``packing verify`` in one process: load data and model, plan packs, compare, check
     leaks (``config.nproc > 1``: `packing.verify._distributed.run_verify_distributed`)."""
-    from packing.planning._plan import plan_packs
+    from packing.planning import plan_packs
 
     if config.nproc > 1:
         # Imported here, as before the split: the one-process path never loads that module.
