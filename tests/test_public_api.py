@@ -3,7 +3,9 @@ their imports, and ``import packing`` light.
 
 The specification of the layout (docs/index.md draws it): ``packing`` re-exports at most ~35
 names, each from the facade of its folder; every module inside a folder is private (``_name``)
-except ``packing.integrations.diffusers.testing``; no folder imports a folder above it.
+except ``packing.integrations.diffusers.testing``; no folder imports a folder above it, and
+one folder uses another through its facade (the private imports that remain are listed);
+inside a folder the modules import each other one way.
 """
 
 from __future__ import annotations
