@@ -323,7 +323,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("--context-cache is a flag of --inference; add --inference")
     import dataclasses
 
-    from packing.verify._command import VerifyConfig, run_verify
+    from packing.verify import VerifyConfig, run_verify
     from packing.verify._distributed import launched_by_torchrun, verify_rank
 
     # Every VerifyConfig field is a flag of the same name (--feature is parsed first).
@@ -371,7 +371,7 @@ def _run_inference(args: argparse.Namespace) -> int:
             "--inference to verify your model's training; the bf16 GPU inference comparison "
             "is benchmarks/bench_serve.py)"
         )
-    from packing.serve._proof import verify_inference
+    from packing.serve import verify_inference
 
     report = verify_inference(
         mask=args.mask, document_mask=args.document_mask, seed=args.seed,

@@ -3,7 +3,9 @@ their imports, and ``import packing`` light.
 
 The specification of the layout (docs/index.md draws it): ``packing`` re-exports at most ~35
 names, each from the facade of its folder; every module inside a folder is private (``_name``)
-except ``packing.integrations.diffusers.testing``; no folder imports a folder above it.
+except ``packing.integrations.diffusers.testing``; no folder imports a folder above it, and
+one folder uses another through its facade (the private imports that remain are listed);
+inside a folder the modules import each other one way.
 """
 
 from __future__ import annotations
@@ -139,3 +141,145 @@ def test_no_shims_for_old_names():
             continue
         raise AssertionError(f"{old} still imports")
     assert not hasattr(packing, "_MODULES")
+
+
+# One folder uses another through its facade. These private imports across folders remain,
+# each for a reason; the list may only shrink (an entry that no longer occurs fails too).
+CROSS_FOLDER_PRIVATE = {
+    # Index arithmetic of the layout, shared by its consumers; not a user's API.
+    ("packing/attention/_block_tables.py", "packing.data._layout_math", "ceil_div"),
+    ("packing/attention/_masks.py", "packing.data._layout_math", "ceil_div"),
+    ("packing/attention/_masks.py", "packing.data._layout_math", "local_positions"),
+    ("packing/attention/_packed.py", "packing.data._layout_math", "round_up"),
+    ("packing/planning/_binpack.py", "packing.data._layout_math", "ceil_div"),
+    ("packing/train/_losses.py", "packing.data._layout_math", "ceil_div"),
+    ("packing/train/_losses.py", "packing.data._layout_math", "doc_starts"),
+    ("packing/serve/_pack.py", "packing.data._layout_math", "local_positions"),
+    ("packing/integrations/diffusers/_streams.py", "packing.data._layout_math", "padded_length"),
+    # The document-run check behind every loss's validation; users call the losses.
+    ("packing/train/_losses.py", "packing.attention._masks", "check_doc_runs"),
+    # Compiled-call plumbing of the attention kernels; the harness times the same call.
+    ("packing/verify/_harness.py", "packing.attention._compile", "call_compiled"),
+    # Backend resolution (the auto choice and its table): the engine and the served Wan
+    # resolve once, up front; users pass a Backend name.
+    ("packing/serve/_engine.py", "packing.attention._packed", "_BACKENDS"),
+    ("packing/serve/_engine.py", "packing.attention._packed", "_resolve"),
+    ("packing/integrations/diffusers/_serve.py", "packing.attention._packed", "_resolve"),
+    # The paged block tables of the context cache; built by the engine, not by users.
+    ("packing/serve/_cached_step.py", "packing.attention._block_tables", "tables_from_flags"),
+    # The per-layer pool view DiT takes from the engine's context cache, filled by serve only.
+    ("packing/serve/_cached_step.py", "packing.model._dit", "KVCache"),
+    ("packing/serve/_step.py", "packing.model._dit", "KVCache"),
+    # The engine's mask builder for one step, reused by the served Wan for the same masks.
+    ("packing/integrations/diffusers/_serve.py", "packing.serve._step", "step_masks"),
+    # The LeRobot v3 on-disk readers: encode reads a source dataset the way datasets does.
+    ("packing/encode/_source.py", "packing.datasets._lerobot", "_check_root"),
+    ("packing/encode/_source.py", "packing.datasets._lerobot", "_episodes_table"),
+    ("packing/encode/_source.py", "packing.datasets._lerobot", "_load_info"),
+    ("packing/encode/_source.py", "packing.datasets._lerobot", "_read_parquet"),
+    ("packing/verify/_command.py", "packing.datasets._lerobot", "_check_root"),
+    ("packing/verify/_command.py", "packing.datasets._lerobot", "_load_info"),
+    # The latent dataset's format (row counts, staging name): encode writes what datasets reads.
+    ("packing/encode/_encode.py", "packing.datasets._latent", "latent_count"),
+    ("packing/encode/_write.py", "packing.datasets._latent", "ENCODE_STAGING"),
+    ("packing/encode/_write.py", "packing.datasets._latent", "latent_rows"),
+    # The commands' plumbing: the --model factory loader and the torchrun rank entry.
+    ("packing/_serve_command.py", "packing.verify._command", "load_factory"),
+    ("packing/cli.py", "packing.verify._distributed", "launched_by_torchrun"),
+    ("packing/cli.py", "packing.verify._distributed", "verify_rank"),
+}
+
+
+def _folder(path: Path) -> str | None:
+    """``packing/serve/_engine.py`` -> ``serve``; a top-level module is in no folder."""
+    parts = path.relative_to(ROOT).parts
+    return parts[0] if len(parts) > 1 else None
+
+
+def _private_cross_folder_imports() -> set[tuple[str, str, str]]:
+    found = set()
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):  # function-level imports too
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            parts = node.module.split(".")
+            if parts[0] != "packing" or len(parts) < 3 or parts[1] == _folder(path):
+                continue
+            if any(p.startswith("_") for p in parts[2:]):
+                rel = path.relative_to(ROOT.parent).as_posix()
+                found |= {(rel, node.module, a.name) for a in node.names}
+    return found
+
+
+def test_folders_use_each_other_through_their_facades():
+    found = _private_cross_folder_imports()
+    new = sorted(found - CROSS_FOLDER_PRIVATE)
+    gone = sorted(CROSS_FOLDER_PRIVATE - found)
+    assert new == [], f"import these from the folder's facade (or export them there): {new}"
+    assert gone == [], f"no longer imported; drop them from CROSS_FOLDER_PRIVATE: {gone}"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The ``modules`` that ``path`` imports, at module level or inside a function
+    (``from packing.attention import _masks`` imports the module ``_masks``, not the facade)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            subs = {f"{node.module}.{a.name}" for a in node.names}
+            out |= subs & modules  # a private module imported from its package
+            if not subs <= modules:
+                out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out & modules
+
+
+# Circles inside a folder that remain, each a whole cycle as the DFS prints it.
+FOLDER_CYCLES = {
+    # Engine.__new__ hands back the CachedEngine subclass when config.context_cache is set
+    # (one constructor for both); the subclass module imports the base at module level.
+    "packing.serve._engine -> packing.serve._cached_engine -> packing.serve._engine",
+}
+
+
+def _cycles(graph: dict[str, set[str]]) -> set[str]:
+    """Each circle a depth-first walk of ``graph`` meets, as ``a -> b -> a``."""
+    cycles = set()
+    state: dict[str, int] = {}  # 1: on the walk's stack, 2: done
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.add(" -> ".join([*stack[stack.index(n) :], n]))
+            elif n not in state:
+                visit(n, [*stack, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return cycles
+
+
+def _folder_cycles() -> set[str]:
+    cycles = set()
+    for folder in sorted(p for p in ROOT.iterdir() if (p / "__init__.py").exists()):
+        paths = {_module_name(p): p for p in folder.rglob("*.py")}
+        cycles |= _cycles({m: _imports_of(p, set(paths)) - {m} for m, p in paths.items()})
+    return cycles
+
+
+def test_no_import_cycles_inside_a_folder():
+    """Inside one folder the modules import each other one way (the facade included).
+    Function-level and ``TYPE_CHECKING`` imports count: a circle hidden in a function is
+    still a circle. `FOLDER_CYCLES` lists the ones that remain; it may only shrink."""
+    found = _folder_cycles()
+    assert sorted(found - FOLDER_CYCLES) == [], "modules of one folder import each other"
+    assert sorted(FOLDER_CYCLES - found) == [], "gone; drop it from FOLDER_CYCLES"

@@ -56,7 +56,7 @@ from packing.attention import _compile
 from packing.attention import _masks as masks
 from packing.attention._fa4 import fa4_varlen, zero_rows_from
 from packing.attention._masks import InnerMask
-from packing.data._layout import StreamLayout
+from packing.data import StreamLayout
 from packing.data._layout_math import round_up
 
 __all__ = [

@@ -14,8 +14,8 @@ Legend (the sequence axis is first; a stream has T tokens, K documents)::
 """
 
 from packing.data._collate import PackedCollator, Stream, pack, unpack
-from packing.data._joint import JointLayout, joint_layout
-from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
+from packing.data._joint import joint_layout
+from packing.data._layout import JointLayout, PackedBatch, StreamLayout, layout_from_lengths
 
 __all__ = [
     "JointLayout",

@@ -26,17 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from packing._validate import check_int, check_int_tuple, check_optional_int, check_sequence
 from packing.data._layout_math import layout_arrays
 
-if TYPE_CHECKING:  # packing.data._joint builds on this module
-    from packing.data._joint import JointLayout
-
-__all__ = ["PackedBatch", "StreamLayout", "layout_from_lengths"]
+__all__ = ["JointLayout", "PackedBatch", "StreamLayout", "layout_from_lengths"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +94,57 @@ class StreamLayout:
             position_ids_T=self.position_ids_T.pin_memory(),
             cu_seqlens_K1=self.cu_seqlens_K1.pin_memory(),
             thw_T3=pin(self.thw_T3),
+        )
+
+
+@dataclass(frozen=True)
+class JointLayout:
+    """Several token-level streams laid out as one sequence, each episode's tokens contiguous.
+
+    Streams V (video) and A (action) of episodes 0 and 1, padded tails v. and a.::
+
+        V: v0 v0 v0 v1 v1 .        A: a0 a1 a1 .
+        joint: v0 v0 v0 a0 | v1 v1 a1 a1 | . .       (doc ids 0 0 0 0 1 1 1 1 -1 -1)
+
+    ``join`` gathers the streams into the joint order, ``split`` returns them; both are one
+    index_select, differentiable and compile-friendly. ``stream_ids_J`` says which stream
+    each joint token came from (in the order of ``streams``).
+    """
+
+    streams: tuple[str, ...]
+    padded_lens: tuple[int, ...]  # each stream's padded_len (tokens, padding included)
+    src_index_J: torch.Tensor  # joint position -> position in cat(streams)
+    dest_index: dict[str, torch.Tensor]  # stream token -> joint position
+    stream_ids_J: torch.Tensor
+    layout: StreamLayout
+
+    def join(self, xs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``{"latents": (T_v, ...), "action": (T_a, ...)}`` -> ``(T_v + T_a, ...)``."""
+        for name, n in zip(self.streams, self.padded_lens, strict=True):
+            if name not in xs:
+                raise KeyError(f"join needs stream {name!r}; got {sorted(xs)}")
+            if xs[name].shape[0] != n:
+                raise ValueError(
+                    f"stream {name!r} has {xs[name].shape[0]} tokens, the layout expects {n} "
+                    f"(token level: patchify grid streams before joining)"
+                )
+        cat = torch.cat([xs[n] for n in self.streams], dim=0)
+        return cat.index_select(0, self.src_index_J)
+
+    def split(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Inverse of `join`."""
+        return {n: x.index_select(0, self.dest_index[n]) for n in self.streams}
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> JointLayout:
+        return JointLayout(
+            streams=self.streams,
+            padded_lens=self.padded_lens,
+            src_index_J=self.src_index_J.to(device, non_blocking=non_blocking),
+            dest_index={
+                k: v.to(device, non_blocking=non_blocking) for k, v in self.dest_index.items()
+            },
+            stream_ids_J=self.stream_ids_J.to(device, non_blocking=non_blocking),
+            layout=self.layout.to(device, non_blocking),
         )
 
 

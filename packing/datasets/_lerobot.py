@@ -734,7 +734,7 @@ class LeRobotEpisodes(Dataset):
         the feature, ``latent_hw`` must be given. For a latent feature of ``packing encode``
         (F video-frame rows, L latent frames) the tokens count its L latent frames, the
         frames its items hold, so ``temporal_compression`` is the dataset's and not given."""
-        from packing.planning._plan import frames_to_tokens
+        from packing.planning import frames_to_tokens
 
         feature = self.features.get(latent_key)
         frames = self.lengths

@@ -33,13 +33,23 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from packing._validate import check_bool, check_int, check_int_tuple, check_real, check_sequence
-from packing.attention._masks import frame_causal
-from packing.attention._packed import AttentionMask, Backend, packed_attention, prepare_attention
-from packing.data._collate import PackedCollator, Stream
-from packing.data._joint import joint_layout
-from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
+from packing.attention import (
+    AttentionMask,
+    Backend,
+    frame_causal,
+    packed_attention,
+    prepare_attention,
+)
+from packing.data import (
+    PackedBatch,
+    PackedCollator,
+    Stream,
+    StreamLayout,
+    joint_layout,
+    layout_from_lengths,
+)
 from packing.model._rope import apply_rope, rope_angles, rope_split
-from packing.train._conditioning import (
+from packing.train import (
     batch_rng_keys,
     broadcast_to_tokens,
     episode_timesteps,
@@ -572,7 +582,7 @@ class DiT(nn.Module):
         cfg = self.config
         x_v = self.patch_embed(tokens["latents"])
         x_a = self.action_embed(tokens["action"])
-        # The joint order is one gather (packing.data._joint.JointLayout.join, unchecked).
+        # The joint order is one gather (packing.data.JointLayout.join, unchecked).
         x = torch.cat([x_v, x_a], dim=0).index_select(0, pack.src_index_J)
         angles = rope_angles(pack.thw_J3, cfg.head_dim, cfg.rope_theta)
         ctx = self.text_mlp(self.text_embed(pack.text_X))

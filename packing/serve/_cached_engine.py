@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from packing.attention._masks import InnerMask
-from packing.model._dit import DiT
+from packing.attention import InnerMask
+from packing.model import DiT
 from packing.serve._batching import _log
 from packing.serve._cache import CachedShape, Key, PagePool, frame_hashes, pages_for
 from packing.serve._cached_step import DevicePool, PrefillBlock, cached_step, prefill_step

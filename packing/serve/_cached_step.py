@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from packing.attention import AttentionMask, InnerMask
 from packing.attention._block_tables import tables_from_flags
-from packing.attention._masks import InnerMask
-from packing.attention._packed import AttentionMask
-from packing.model._dit import DiT, KVCache, PackInputs
+from packing.model import DiT, PackInputs
+from packing.model._dit import KVCache
 from packing.serve._cache import ContextCache
 from packing.serve._step import Buffers, cross_mask, schedule, velocity_update
 

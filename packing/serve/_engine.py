@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from packing._validate import check_bool, check_choice, check_int, check_sequence
-from packing.attention._masks import frame_causal
-from packing.attention._packed import _BACKENDS, Backend, _resolve
-from packing.model._dit import DiT
+from packing.attention import Backend, frame_causal
+from packing.attention._packed import _BACKENDS, _resolve
+from packing.model import DiT
 from packing.serve._batching import ContinuousBatcher
 from packing.serve._cache import ContextCache
 from packing.serve._device import allocate, pinned

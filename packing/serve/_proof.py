@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from packing.model._dit import DiT, DiTConfig
+from packing.model import DiT, DiTConfig
 from packing.serve._cache import ContextCache
 from packing.serve._engine import Engine, EngineConfig
 from packing.serve._pack import PackShape

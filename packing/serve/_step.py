@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from packing.attention._masks import InnerMask, dense_mask, make_block_mask
-from packing.attention._packed import AttentionMask
-from packing.model._dit import DiT, KVCache, PackInputs
+from packing.attention import AttentionMask, InnerMask, dense_mask, make_block_mask
+from packing.model import DiT, PackInputs
+from packing.model._dit import KVCache
 from packing.serve._device import pinned, quarantine
 from packing.serve._pack import HostPack, PackShape
-from packing.train._conditioning import broadcast_to_tokens
+from packing.train import broadcast_to_tokens
 
 __all__ = [
     "Buffers", "GraphedStep", "cross_mask", "run_step", "schedule", "step_masks",

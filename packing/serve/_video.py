@@ -34,7 +34,7 @@ from packing.serve._limits import MAX_STEPS
 from packing.serve._request import Result, host_copy
 from packing.serve._schedulers import FlowScheduler, check_scheduler
 from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
-from packing.train._conditioning import broadcast_to_tokens
+from packing.train import broadcast_to_tokens
 
 __all__ = ["VideoEngine", "video_step"]
 

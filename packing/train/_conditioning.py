@@ -53,7 +53,7 @@ from packing._validate import (
     check_sequence,
     is_int,
 )
-from packing.data._layout import PackedBatch, StreamLayout
+from packing.data import PackedBatch, StreamLayout
 
 __all__ = [
     "batch_rng_keys",

@@ -70,7 +70,7 @@ from packing._validate import (
     check_sequence,
 )
 from packing.attention._masks import check_doc_runs
-from packing.data._layout import StreamLayout
+from packing.data import StreamLayout
 from packing.data._layout_math import ceil_div, doc_starts
 
 __all__ = [

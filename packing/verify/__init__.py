@@ -7,10 +7,11 @@
   another episode's input?
 """
 
-from packing.verify._command import VerifyConfig, run_verify
+from packing.verify._command import VerifyConfig
 from packing.verify._harness import compare_packed_unpacked
 from packing.verify._leak import Leak, LeakReport, assert_no_leaks, find_leaks
 from packing.verify._report import Tolerances, VerifyReport
+from packing.verify._run import run_verify
 
 __all__ = [
     "Leak",

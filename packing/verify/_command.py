@@ -1,7 +1,7 @@
 """`packing verify` as a command: its options, the model factory, the dataset, the run.
 
-``packing.cli`` parses the flags into a `VerifyConfig`; `run_verify` turns it into a call of
-`packing.verify._harness.compare_packed_unpacked`::
+``packing.cli`` parses the flags into a `VerifyConfig`; `run_verify` (`packing.verify._run`)
+turns it into a call of `packing.verify._harness.compare_packed_unpacked`::
 
     VerifyConfig  --build_model-->       model (the --model factory, or the reference DiT sized
                                          from the dataset's features by reference_streams)
@@ -35,8 +35,7 @@ from packing._validate import (
     check_optional_int,
     check_real,
 )
-from packing.verify._harness import RunOptions, compare_batches
-from packing.verify._report import VerifyReport
+from packing.verify._harness import RunOptions
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -54,7 +53,6 @@ __all__ = [
     "model_and_episodes",
     "prepare",
     "reference_streams",
-    "run_verify",
     "token_budget",
 ]
 
@@ -361,7 +359,7 @@ def dataset_features(config: VerifyConfig) -> tuple[Path, str, dict[str, dict[st
     from packing.datasets._lerobot import _check_root, _load_info
 
     if config.dataset is None:
-        from packing.datasets._default import default_dataset_root
+        from packing.datasets import default_dataset_root
 
         root, where = default_dataset_root(), "embedded default dataset"
     else:
@@ -444,7 +442,7 @@ def load_episodes(
     ``mapping`` ``{stream: feature}`` renames features to the model's stream names (with
     their ``_loss_mask``), so ``observation.latent`` reaches the model as ``latents``.
     """
-    from packing.datasets._lerobot import LeRobotEpisodes
+    from packing.datasets import LeRobotEpisodes
 
     root, where, features = dataset_features(config)
     mapping = {k: (mapping or {}).get(k, config.features.get(k, k)) for k in keys}
@@ -563,7 +561,7 @@ def prepare(config: VerifyConfig) -> Setup:
     One-episode batches pad to a multiple of 128 tokens when every stream's step fits it; a
     grid of 15 tokens would pad to lcm(128, 15) = 1,920 (3% real), so such streams use 8.
     """
-    from packing.data._collate import PackedCollator
+    from packing.data import PackedCollator
 
     torch.manual_seed(config.seed)
     model, episodes, where, mapping = model_and_episodes(config)
@@ -585,30 +583,4 @@ def prepare(config: VerifyConfig) -> Setup:
         packed=PackedCollator(streams, token_budget=budget),
         lengths=lengths,
         budget=budget,
-    )
-
-
-def run_verify(config: VerifyConfig, progress: Callable[[str], None] | None = None) -> VerifyReport:
-    """``packing verify`` in one process: load data and model, plan packs, compare, check
-    leaks (``config.nproc > 1``: `packing.verify._distributed.run_verify_distributed`)."""
-    from packing.planning._plan import plan_packs
-
-    if config.nproc > 1:
-        from packing.verify._distributed import run_verify_distributed
-
-        return run_verify_distributed(config, progress)
-    setup = prepare(config)
-    reference, reference_name = build_reference(config, setup.model)
-    packs = plan_packs(setup.lengths, setup.budget).packs
-    singles = [setup.unpacked([ep]) for ep in setup.episodes]
-    packed = [setup.packed([setup.episodes[i] for i in p]) for p in packs]
-    return compare_batches(
-        setup.model,
-        reference,
-        singles,
-        packed,
-        packs,
-        config.run_options(),
-        config=setup.info(config, reference=reference_name),
-        progress=progress,
     )

@@ -168,7 +168,7 @@ def verify_rank(
 
 def _packs_by_rank(lengths: list[int], budget: int, seed: int, world: int) -> list[list[list[int]]]:
     """Every rank's packs for one epoch of the distributed sampler (same on every rank)."""
-    from packing.planning._sampler import PackedBatchSampler
+    from packing.planning import PackedBatchSampler
 
     out = []
     for r in range(world):
@@ -219,7 +219,7 @@ def _sides(
     setup: Setup, config: VerifyConfig, opts: RunOptions, dev: torch.device, rank: int
 ) -> tuple[Side | None, Side]:
     """The packed side, FSDP2 on every rank; the unpacked ground truth, rank 0 alone."""
-    from packing.train._fsdp import gathered_named_parameters, shard_model
+    from packing.train import gathered_named_parameters, shard_model
 
     model_u = copy.deepcopy(setup.model).to(dev) if rank == 0 else None
     model_p = setup.model.to(dev)

@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from packing.attention._compile import call_compiled
-from packing.data._layout import PackedBatch
-from packing.train._losses import LossNormalizer, local_denominator
+from packing.data import PackedBatch
+from packing.train import LossNormalizer, local_denominator
 from packing.verify._leak import LeakReport, find_leaks
 from packing.verify._report import (
     NO_MULTI_EPISODE_PACK,
@@ -539,7 +539,7 @@ def _command_line() -> str:
 def _fa4_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    from packing.attention._packed import fa4_available
+    from packing.attention import fa4_available
 
     if not fa4_available():
         return "not importable"

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from packing.data._layout import PackedBatch, StreamLayout
+from packing.data import PackedBatch, StreamLayout
 
 __all__ = ["Leak", "LeakReport", "assert_no_leaks", "find_leaks"]
 

@@ -31,9 +31,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from packing._validate import check_bool, check_int_tuple, check_real
-from packing.attention._packed import AttentionMask, Backend, prepare_attention
-from packing.data._collate import Stream
-from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
+from packing.attention import AttentionMask, Backend, prepare_attention
+from packing.data import PackedBatch, Stream, StreamLayout, layout_from_lengths
 from packing.integrations.diffusers._processor import (
     QKV,
     Rotate,
@@ -45,7 +44,7 @@ from packing.integrations.diffusers._streams import (
     pack_text_embeddings,
     patchify,
 )
-from packing.train._conditioning import (
+from packing.train import (
     batch_rng_keys,
     broadcast_to_tokens,
     episode_timesteps,
@@ -519,7 +518,7 @@ def toy_text_encoder(text_dim: int = 24, seed: int = 0) -> TextEncoder:
     """A stand-in for a text encoder (umT5, T5) in tests: byte tokens of the task
     (`packing.model._dit.text_tokens`) looked up in a fixed seeded table, ``(len + 1, text_dim)``
     per task. Deterministic, not trained."""
-    from packing.model._dit import text_tokens
+    from packing.model import text_tokens
 
     table = torch.randn(257, text_dim, generator=torch.Generator().manual_seed(seed))
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from packing._lazy import require
-from packing.attention._packed import AttentionMask
+from packing.attention import AttentionMask
 from packing.integrations.diffusers._adapter import (
     EpisodeReference,
     FamilyParts,
@@ -39,7 +39,7 @@ from packing.integrations.diffusers._adapter import (
 )
 from packing.integrations.diffusers._processor import separate_qkv
 from packing.integrations.diffusers._streams import patchify, unpatchify
-from packing.train._conditioning import broadcast_to_tokens
+from packing.train import broadcast_to_tokens
 
 _ltx = require("diffusers.models.transformers.transformer_ltx", extra="diffusers")
 

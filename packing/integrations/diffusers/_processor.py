@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from packing.attention._packed import AttentionMask, packed_attention
+from packing.attention import AttentionMask, packed_attention
 
 __all__ = ["PackedAttnProcessor", "install_processors", "separate_qkv", "uninstall_processors"]
 

@@ -27,9 +27,8 @@ from packing._validate import check_int_tuple
 from packing.attention._packed import _resolve
 from packing.integrations.diffusers._adapter import TIMESTEP_SCALE
 from packing.integrations.diffusers._wan import PackedWan
-from packing.serve._schedulers import FlowScheduler
+from packing.serve import FlowScheduler, VideoPack, VideoRequest
 from packing.serve._step import step_masks
-from packing.serve._video_request import VideoPack, VideoRequest
 
 __all__ = ["ServedWan", "reference_generate"]
 

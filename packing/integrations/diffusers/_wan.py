@@ -42,7 +42,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from packing._lazy import require
-from packing.attention._packed import AttentionMask
+from packing.attention import AttentionMask
 from packing.integrations.diffusers._adapter import (
     EpisodeReference,
     FamilyParts,
@@ -50,7 +50,7 @@ from packing.integrations.diffusers._adapter import (
     toy_text_encoder,
 )
 from packing.integrations.diffusers._streams import unpatchify
-from packing.train._conditioning import broadcast_to_tokens
+from packing.train import broadcast_to_tokens
 
 _wan = require("diffusers.models.transformers.transformer_wan", extra="diffusers")
 
