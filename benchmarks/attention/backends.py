@@ -20,7 +20,6 @@ Candidates take ``(B, H, L, D)`` q, k, v and a mask (None, or what the masked on
 from __future__ import annotations
 
 import functools
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -133,22 +132,10 @@ def shape_key(shape: Sequence[int]) -> str:
 
 
 def _time_ms(fn: Callable[[], Any], dev: torch.device, iters: int) -> float:
-    import time
+    """Median ms of ``iters`` calls (the first call, which compiled, ran before)."""
+    from benchmarks.harness.timing import time_fn
 
-    samples = []
-    for _ in range(iters):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            samples.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return time_fn(fn, device=dev, warmup=0, iters=iters).median_ms
 
 
 def choose(
