@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-# Fitted on one H200 (benchmarks/fsdp_budget.py, 2026-12-01, packing_src_sha1 7eae458a7111):
+# Fitted on one H200 (benchmarks/distributed/fsdp_budget.py, 2026-12-01, packing_src_sha1 7eae458a7111):
 # bytes = fixed + tokens * (per_token + per_token_block * depth) on top of the sharded states.
 MEASURED_H200 = {
     "full": {"fixed": 320_931_232.0, "per_token": 356_849.7, "per_token_block": 66.857_812_5},

@@ -369,7 +369,7 @@ def _run_inference(args: argparse.Namespace) -> int:
             f"--inference proves packing.serve on the built-in tiny model, fp32 CPU; it does "
             f"not take {flags} (flags of the training comparison: drop them, or drop "
             "--inference to verify your model's training; the bf16 GPU inference comparison "
-            "is benchmarks/bench_serve.py)"
+            "is benchmarks/serving/bench_serve.py)"
         )
     from packing.serve import verify_inference
 

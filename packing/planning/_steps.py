@@ -58,7 +58,7 @@ def step_token_budget(
     ``episodes_per_step=K``: ``K * mean(lengths)`` rounded up to ``multiple`` (so a step
     holds K episodes on average). ``step_seconds=S`` with a linear cost model
     ``seconds = seconds_per_token * tokens + seconds_per_pair * sum(length**2)`` (fit it
-    with ``benchmarks/fit_microsteps.py``): the budget whose expected cost, at the lengths'
+    with ``benchmarks/distributed/fit_microsteps.py``): the budget whose expected cost, at the lengths'
     mean ``length**2 / length``, is ``S``. Never below the longest episode.
 
         lengths [100, 300, 200], episodes_per_step=4, multiple=128 -> 4 * 200 = 800 -> 896
@@ -85,7 +85,7 @@ def step_token_budget(
         if seconds_per_token is None:
             raise ValueError(
                 "step_seconds needs seconds_per_token > 0 (got None): the cost of one token "
-                "through the model, e.g. fitted by benchmarks/fit_microsteps.py"
+                "through the model, e.g. fitted by benchmarks/distributed/fit_microsteps.py"
             )
         seconds_per_token = check_real("seconds_per_token", seconds_per_token, above=0.0)
         step_seconds = check_real("step_seconds", step_seconds, above=0.0)

@@ -80,7 +80,7 @@ def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
 def source_sha1() -> str:
     """sha1 (12 hex digits) of the installed ``packing`` package's ``*.py`` files, names and
     bytes: which library code produced a report or a benchmark JSON, also where a copied tree's
-    git HEAD is stale or absent (``benchmarks/common.py`` records the same hash)."""
+    git HEAD is stale or absent (``benchmarks/harness/provenance.py`` records a hash of the whole tree)."""
     h = hashlib.sha1()
     root = Path(__file__).resolve().parent
     for f in sorted(root.rglob("*.py")):
