@@ -3,10 +3,14 @@ observations, and the reference (the same request alone through a fresh engine).
 
 from __future__ import annotations
 
+import os
 import queue
 import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -142,3 +146,32 @@ def log_line(lines: Any, pattern: str, timeout_s: float = 90.0) -> re.Match:
         if m:
             return m
     raise AssertionError(f"no log line matching {pattern!r}")
+
+
+def start_packing_serve(model: str) -> tuple[subprocess.Popen, queue.Queue, int]:
+    """``packing serve --model MODEL`` (a ``serve_robots`` factory) as its own process on a
+    free port: the process, a queue of its stderr lines (read by a thread) and the port."""
+    cmd = [sys.executable, "-m", "packing", "serve", "--port", "0", "--model", model,
+           "--summary-every-s", "0.2"]  # fmt: skip
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
+    try:
+        port = int(log_line(lines, r"serving on ws://127\.0\.0\.1:(\d+)").group(1))
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, lines, port
+
+
+def run_without_host_sync(engine: Any) -> list[Result]:
+    """``engine.run()`` with torch's sync debug mode at "error": a host-device sync in a step
+    (a blocking copy included) raises. CUDA only; capture and warm-up must come before."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return engine.run()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from serve_robots import run_without_host_sync
 
 from packing.cli import main
 from packing.model import DiT, DiTConfig
@@ -253,12 +254,7 @@ def test_cuda_graph_engine_equals_eager_and_makes_no_sync():
         engine.step()  # capture (graphs) happens here, before the checked steps
         for r in reqs[1:]:
             engine.submit(r)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = engine.run()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        out = run_without_host_sync(engine)
         results[graphs] = {r.request_id: r for r in out}
     for rid, r in results[True].items():
         torch.testing.assert_close(r.latents, results[False][rid].latents, rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from serve_robots import run_without_host_sync
 
 from packing.cli import main
 from packing.model import DiT, DiTConfig
@@ -310,12 +311,7 @@ def test_cuda_graph_cached_engine_equals_uncached_and_makes_no_sync():
     engine.run()  # capture happens here, before the checked steps
     for r in reqs[1:]:
         engine.submit(r)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = engine.run()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    out = run_without_host_sync(engine)
     ref_cfg = EngineConfig(shapes=(PackShape(frames=12, actions=12, requests=4),), max_steps=4)
     for r, got in zip(reqs[1:], out, strict=True):
         alone = Engine(model, ref_cfg)

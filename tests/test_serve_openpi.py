@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,7 +18,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("websockets", reason="needs packing[serve]")
-from serve_robots import ADAPTER, GateEngine, alone, engine, log_line
+from serve_robots import ADAPTER, GateEngine, alone, engine, log_line, start_packing_serve
 
 from packing.serve import PolicyServer, ServerConfig
 
@@ -133,16 +130,9 @@ def test_eight_openpi_robots_against_packing_serve_on_the_command_line(tmp_path)
     in eight others; each robot's actions equal its request run alone, and model calls held
     several robots' requests (the periodic summary says how many at most)."""
     python = openpi_python()
-    cmd = [sys.executable, "-m", "packing", "serve", "--port", "0", "--model",
-           "serve_robots:cli_engine8", "--summary-every-s", "0.2"]  # fmt: skip
-    here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
-    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in server.stderr], daemon=True).start()
+    server, lines, port = start_packing_serve("serve_robots:cli_engine8")
     procs: list[subprocess.Popen] = []
     try:
-        port = int(log_line(lines, r"serving on ws://127\.0\.0\.1:(\d+)").group(1))
         procs = [launch(python, ("127.0.0.1", port), s, tmp_path) for s in range(8)]
         _wait(lambda: all((tmp_path / f"ready{s}").exists() for s in range(8)), procs)
         (tmp_path / "go").write_text("")

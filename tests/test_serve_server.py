@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import http.client
 import logging
-import os
-import queue
 import signal
 import socket
 import subprocess
@@ -30,6 +28,7 @@ from serve_robots import (
     engine,
     log_line,
     observation,
+    start_packing_serve,
     wait_until,
 )
 from websockets.exceptions import InvalidStatus
@@ -328,15 +327,8 @@ def test_stop_drains_in_flight_requests_then_refuses_connections():
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_packing_serve_runs_until_a_signal_drains_and_closes_the_port(sig):
-    cmd = [sys.executable, "-m", "packing", "serve", "--port", "0", "--model",
-           "serve_robots:cli_engine", "--summary-every-s", "0.2"]  # fmt: skip
-    here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here)])}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
+    proc, lines, port = start_packing_serve("serve_robots:cli_engine")
     try:
-        port = int(log_line(lines, r"serving on ws://127\.0\.0\.1:(\d+)").group(1))
         with PolicyClient("127.0.0.1", port, timeout_s=T) as c:
             assert c.metadata["model"] == "serve_robots:cli_engine"
             obs = observation(1, steps=20)

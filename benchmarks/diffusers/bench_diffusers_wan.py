@@ -227,24 +227,45 @@ def run_variant(kind: str, args: Any, state: dict[str, torch.Tensor],
     timed = steps_eps[args.warmup :]
     tpf = (LATENT_HW[0] // 2) * (LATENT_HW[1] // 2)
     tokens = sum(e["latents"].shape[0] * tpf for eps in timed for e in eps)
-    t = harness.summarize(ms)
     attention = backend
     if kind == "packed":
         mb = plans[-1][0].to(dev)
         mask = runner.prepare(mb.layout("latents"), mb.layout("text"), torch.bfloat16)["self_mask"]
         attention = f"packing {mask.backend} ({mask.kernel})"
+    variant = f"{kind}[{'auto' if kind == 'packed' else 'diffusers'}]"
     return {
-        "variant": f"{kind}[{'auto' if kind == 'packed' else 'diffusers'}]",
+        **_row(variant, attention, compiled, timed, plans[args.warmup :], ms, tokens, dev, g0),
+        "losses": torch.stack(losses).float().tolist(),
+    }
+
+
+def _row(
+    variant: str,
+    attention: str,
+    compiled: bool,
+    timed: list[Any],
+    timed_plans: list[Any],
+    ms: list[float],
+    tokens: float,
+    dev: torch.device,
+    g0: int,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The fields every variant reports: its timed steps' episodes, micro-steps, times,
+    tokens/s, peak memory and recompiles (``extra`` goes before the last three)."""
+    t = harness.summarize(ms)
+    return {
+        "variant": variant,
         "attention": attention,
         "compiled": compiled,
         "episodes/step": sum(len(e) for e in timed) / len(timed),
-        "micro-steps/step": sum(len(p) for p in plans[args.warmup :]) / len(timed),
+        "micro-steps/step": sum(len(p) for p in timed_plans) / len(timed),
         "step ms": t.median_ms,
         "p10-p90 ms": f"{t.p10_ms:.0f}-{t.p90_ms:.0f}",
         "tokens/s": tokens / (sum(ms) * 1e-3),
+        **extra,
         "peak GB": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0,
         "recompiles after warm-up": harness.dynamo_counters()["unique_graphs"] - g0,
-        "losses": torch.stack(losses).float().tolist(),
         "timing": t.as_dict(),
     }
 
@@ -325,25 +346,12 @@ def run_bucketed(args: Any, state: dict[str, torch.Tensor], steps_eps: list[list
     if dev.type == "cuda":
         torch.cuda.synchronize()
     ms = [_ms(dev, a, b) for a, b in times]
-    t = harness.summarize(ms)
     trained = sum(f * tpf * len(eps) for p in plans[args.warmup :] for f, eps in p)
     held = sum(e["latents"].shape[0] * tpf for eps in steps_eps[args.warmup :] for e in eps)
     timed = steps_eps[args.warmup :]
-    return {
-        "variant": "unpacked_bucketed[diffusers]",
-        "attention": backend,
-        "compiled": compiled,
-        "episodes/step": sum(len(e) for e in timed) / len(timed),
-        "micro-steps/step": sum(len(p) for p in plans[args.warmup :]) / len(timed),
-        "step ms": t.median_ms,
-        "p10-p90 ms": f"{t.p10_ms:.0f}-{t.p90_ms:.0f}",
-        "tokens/s": trained / (sum(ms) * 1e-3),
-        "cropped fraction": 1 - trained / held,
-        "shapes": len({(len(eps), f) for p in plans for f, eps in p}),
-        "peak GB": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0,
-        "recompiles after warm-up": harness.dynamo_counters()["unique_graphs"] - g0,
-        "timing": t.as_dict(),
-    }
+    return _row("unpacked_bucketed[diffusers]", backend, compiled, timed, plans[args.warmup :],
+                ms, trained, dev, g0, **{"cropped fraction": 1 - trained / held,
+                "shapes": len({(len(eps), f) for p in plans for f, eps in p})})  # fmt: skip
 
 
 def _clock(dev: torch.device) -> Any:
