@@ -329,6 +329,7 @@ def run_bucketed(args: Any, state: dict[str, torch.Tensor], steps_eps: list[list
     g0 = 0
     for s, batches in enumerate(plans):
         if s == args.warmup:
+            warm_unseen_shapes(model, plans, args, dev)
             g0 = harness.dynamo_counters()["unique_graphs"]
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -352,6 +353,23 @@ def run_bucketed(args: Any, state: dict[str, torch.Tensor], steps_eps: list[list
     return _row("unpacked_bucketed[diffusers]", backend, compiled, timed, plans[args.warmup :],
                 ms, trained, dev, g0, **{"cropped fraction": 1 - trained / held,
                 "shapes": len({(len(eps), f) for p in plans for f, eps in p})})  # fmt: skip
+
+
+def warm_unseen_shapes(model: torch.nn.Module, plans: list[list[tuple[int, list[dict[str, Any]]]]],
+                       args: Any, dev: torch.device) -> None:  # fmt: skip
+    """Compile, before the timed steps, every ``(rows, frames)`` batch shape they hold that the
+    warm-up steps did not: dynamo specialises on a batch of 1 even under ``dynamic=True``, so
+    without this a timed step can hold a recompile (the 2026-12-01 H200 run held 2). One forward
+    and backward a shape, the gradients then dropped: the weights are left as they were."""
+    seen = {(len(eps), f) for p in plans[: args.warmup] for f, eps in p}
+    for p in plans[args.warmup :]:
+        for f, eps in p:
+            if (len(eps), f) in seen:
+                continue
+            seen.add((len(eps), f))
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                bucketed_loss(model, f, eps, args.seed, len(plans), 1.0, dev).backward()
+    model.zero_grad(set_to_none=True)
 
 
 def _clock(dev: torch.device) -> Any:
