@@ -79,9 +79,11 @@ def test_script_runs_quick_on_cpu(script: str, extra: list[str], tmp_path: Path)
     if script == "serving/bench_serve.py":
         # the CPU run is eager fp32: packed and alone agree, and the sync check ran
         assert doc["cosine"]["small"]["min"] > 0.999999, doc["cosine"]
+        assert doc["cosine"]["small packed_shapes"]["min"] > 0.999999, doc["cosine"]
         assert doc["sync_check"]["engine_steps"] >= 20, doc["sync_check"]
         arms = {(r["arm"], r["mix"]): r for r in rows}
         assert arms[("alone/graphs", "short")]["shapes"] > 1  # one shape per request length
+        assert arms[("packed_shapes/graphs", "short")]["shapes"] > 1  # several pack shapes
         bucketed = arms[("padded_bucketed/graphs", "short")]
         assert bucketed["tokens_mean"] < arms[("padded/graphs", "short")]["tokens_mean"]
         assert len(doc["open_loop"]) == 2 and all("p99_ms" in r for r in doc["open_loop"])

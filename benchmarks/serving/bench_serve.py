@@ -10,8 +10,12 @@ careful user writes: static shapes, no host sync, schedule tables on the device)
   cost of padding everything to one length: an upper bound, not a fair baseline);
 - ``padded_bucketed/graphs@B``: the fair padded baseline: requests in ``--buckets`` length
   buckets, a static batch of B requests of one bucket, each padded to its bucket's longest;
-- ``packed/graphs@C``: continuous batching, at most C requests in flight (``/drop33``: the
-  middle third of every context dropped, ~33% fewer tokens);
+- ``packed/graphs@C``: continuous batching, at most C requests in flight, one pack shape of
+  C x the mean request + 15% (``/drop33``: the middle third of every context dropped, ~33%
+  fewer tokens);
+- ``packed_shapes/graphs@C``: the same with ``--buckets`` pack shapes from C x the mean to
+  the one above (the engine runs each pack in the smallest that holds it): packing given as
+  many shapes as bucketed padding, so neither arm pays for one shape's slack;
 - ``open``: the packed engine under an open loop, Poisson arrivals at fractions of its
   closed-loop capacity: offered rate against p50/p99 (`benchmarks/serving/loops.py`).
 
@@ -153,7 +157,7 @@ def bucketed_batches(reqs: list[Request], B: int, edges: list[int],
 
 def run_arm(name: str, model: DiT, cfg: DiTConfig, reqs: list[Request], C: int,
             dev: torch.device, graphs: bool, steps: int, batch: int = 0,
-            buckets: int = 0) -> dict[str, Any]:  # fmt: skip
+            buckets: int = 0, packed_shapes: int = 0) -> dict[str, Any]:  # fmt: skip
     """Warm up (compile, capture) each shape, then the closed loop over ``reqs``."""
     graphs = graphs and dev.type == "cuda"
     real = reqs
@@ -165,6 +169,10 @@ def run_arm(name: str, model: DiT, cfg: DiTConfig, reqs: list[Request], C: int,
         shapes = [PackShape(frames=batch * fmax, actions=batch * ACTIONS, requests=batch)]
     elif C == 1:
         shapes = exact_shapes(reqs)
+    elif packed_shapes > 1:  # from C x the mean (1 / 1.15 of the top) up to the top
+        lo = 1 / 1.15
+        fracs = tuple(lo + (1 - lo) * i / (packed_shapes - 1) for i in range(packed_shapes))
+        shapes = list({s.frames: s for s in shapes_for(reqs, C, fracs)}.values())  # distinct
     else:
         shapes = shapes_for(reqs, C)
     engine = engine_for(model, shapes, graphs, steps)
@@ -284,7 +292,12 @@ def main() -> None:
         help="requests an arm on the long mix (default --requests): its rows are "
         "about rates, at 2-3 requests/s",
     )
-    p.add_argument("--buckets", type=int, default=3, help="length buckets of padded_bucketed")
+    p.add_argument(
+        "--buckets",
+        type=int,
+        default=3,
+        help="length buckets of padded_bucketed, pack shapes of packed_shapes",
+    )
     p.add_argument(
         "--loads",
         default="0.3,0.5,0.7,0.85,1.0,1.2",
@@ -401,8 +414,10 @@ def run_config(name: str, args: Any, dev: torch.device, conc: list[int], out: An
                 rq = reqs[: n(C)]
             batch = C if arm.startswith("padded") else 0
             buckets = args.buckets if arm.startswith("padded_bucketed") else 0
+            shapes = args.buckets if arm.startswith("packed_shapes") else 0
             row = run_arm(arm, model, cfg, rq, 1 if arm.startswith("alone") else C, dev,
-                          graphs, args.steps, batch=batch, buckets=buckets)  # fmt: skip
+                          graphs, args.steps, batch=batch, buckets=buckets,
+                          packed_shapes=shapes)  # fmt: skip
             outputs[f"{arm}@{C}/{kind}"] = row.pop("outputs")
             rates[f"{arm}@{C}/{kind}"] = row["req_per_s"]
             row.update(config=name, mix=kind, compiled=compiled, dtype=str(dtype))
@@ -419,6 +434,12 @@ def run_config(name: str, args: Any, dev: torch.device, conc: list[int], out: An
         extra["cosine"][name] = {"min": min(cs), "n": len(cs), "values": cs,
                                  "what": "packed/graphs@8 vs alone/graphs, per request"}  # fmt: skip
         print("cosine packed vs alone: min", min(cs), flush=True)
+    shaped = outputs.get(f"packed_shapes/graphs@{8 if not args.quick else 2}/short")
+    if alone and shaped:
+        cs = cosines(shaped, alone)
+        extra["cosine"][f"{name} packed_shapes"] = {
+            "min": min(cs), "n": len(cs), "values": cs,
+            "what": "packed_shapes/graphs@8 vs alone/graphs, per request"}  # fmt: skip
 
 
 def run_plan(name: str, conc: list[int], quick: bool,
@@ -437,6 +458,7 @@ def run_plan(name: str, conc: list[int], quick: bool,
         ("packed/graphs", c8, True, True, "short"),
         ("padded/graphs", c8, True, True, "short"),
         ("padded_bucketed/graphs", c8, True, True, "short"),
+        ("packed_shapes/graphs", c8, True, True, "short"),
         ("syncs", c8, True, True, "short"),
     ]
     if name == "small" or quick:
@@ -445,6 +467,7 @@ def run_plan(name: str, conc: list[int], quick: bool,
             *short,
             ("packed/graphs", c8, True, True, "long"),
             ("padded_bucketed/graphs", c8, True, True, "long"),
+            ("packed_shapes/graphs", c8, True, True, "long"),
             ("open", c8, True, True, "short"),
             ("padded/graphs", c8, True, True, "long"),
             ("packed/graphs/drop33", c8, True, True, "drop"),
@@ -452,7 +475,7 @@ def run_plan(name: str, conc: list[int], quick: bool,
             ("packed/compiled", c8, False, True, "short"),
         ]
     return [
-        *short[:4],
+        *short[:5],
         ("packed/graphs/drop33", 8, True, True, "drop"),
         *[("packed/graphs", c, True, True, "short") for c in cs if c != 8],
     ]
