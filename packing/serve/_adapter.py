@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from packing._validate import check_bool, check_int
+from packing.serve._device import to_host
 from packing.serve._limits import MAX_ACTIONS, MAX_FRAMES, MAX_STEPS
 from packing.serve._request import SEED_MAX, Request, Result
 from packing.serve._video_request import VideoRequest
@@ -128,9 +129,9 @@ class DiTAdapter:
         )
 
     def reply(self, result: Result) -> dict[str, Any]:
-        out = {"actions": result.action.detach().float().cpu().numpy()}
+        out = {"actions": to_host(result.action.detach()).float().numpy()}
         if self.latents:
-            out["latents"] = result.latents.detach().float().cpu().numpy()
+            out["latents"] = to_host(result.latents.detach()).float().numpy()
         return out
 
 
@@ -168,4 +169,4 @@ class WanAdapter:
         return VideoRequest(text=text, context=_context(observation, self.encoder), **fields)
 
     def reply(self, result: Result) -> dict[str, Any]:
-        return {"latents": result.latents.detach().float().cpu().numpy()}
+        return {"latents": to_host(result.latents.detach()).float().numpy()}

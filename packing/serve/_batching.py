@@ -59,6 +59,12 @@ class ContinuousBatcher(Generic[R, S]):
     joins with that state), ``_run``, ``_flags``, ``_save`` and ``_result``, and set
     ``shapes``, ``scheduler``, ``max_steps``, ``device`` before calling ``_start()``."""
 
+    # Model calls whose flags the host leaves unread, still running on the device: after
+    # launching call k, step() waits for call k - 1. Unbounded, the host would queue every
+    # member's remaining calls at once (a step on the host takes ~1 ms, on the GPU 15-100 ms)
+    # and a request arriving meanwhile could join only after all of them: static batching.
+    _in_flight = 1
+
     shapes: list[Any]
     scheduler: FlowScheduler
     max_steps: int
@@ -227,18 +233,9 @@ class ContinuousBatcher(Generic[R, S]):
         self._recompose(shape, [], group)
 
     def _ran(self, ran: list[Any]) -> None:
-        """After a model call over ``ran``: its flags on their way, steps counted, the
-        finished ones read back (their last flag still to come)."""
-        flags = self._flags(self._shape)  # type: ignore[arg-type]
-        if flags.device.type == "cuda":
-            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            host.copy_(flags, non_blocking=True)
-            event: Any = torch.cuda.Event()
-            event.record()
-        else:
-            host, event = flags.clone(), None
-        self._copies.append(_Flags(host, event, [(m, m.step) for m in ran], self._seq))
-        self._seq += 1
+        """After a model call over ``ran``: steps counted, the finished ones read back (their
+        last flag still to come), then the call's flags on their way."""
+        ran_at = [(m, m.step) for m in ran]
         for m in ran:
             m.step += 1
             if m.step == m.request.steps:
@@ -248,13 +245,30 @@ class ContinuousBatcher(Generic[R, S]):
                     why = f"reading its result back raised {type(err).__name__}: {err}"
                     _log.error("request %d failed: %s", m.rid, why, exc_info=err)
                     result = self._failed(m.rid, m.admitted, why)
-                self._finishing[m.rid] = (result, self._seq - 1)
+                self._finishing[m.rid] = (result, self._seq)
                 self._drop(m.rid)
+        # Queued after the results' copies: when its event has completed, so have they, and a
+        # reader on another stream (`packing.serve._device.to_host`) waits for nothing more.
+        host, event = self._copy_flags(self._flags(self._shape))  # type: ignore[arg-type]
+        self._copies.append(_Flags(host, event, ran_at, self._seq))
+        self._seq += 1
+
+    def _copy_flags(self, flags: Tensor) -> tuple[Tensor, Any]:
+        """The flags on their way to the host: a pinned copy and the event after it (CUDA),
+        or a clone and None (already there)."""
+        if flags.device.type != "cuda":
+            return flags.clone(), None
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
     def _read_flags(self, *, wait: bool) -> None:
         """Read the flag copies that have arrived (all of them if ``wait``), fail the
         requests they flag, and hand out the finished results whose last flag is read."""
-        while self._copies and (wait or self._copies[0].event is None
+        while self._copies and (wait or len(self._copies) > self._in_flight
+                                or self._copies[0].event is None
                                 or self._copies[0].event.query()):  # fmt: skip
             c = self._copies.popleft()
             if c.event is not None:

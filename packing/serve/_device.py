@@ -1,6 +1,7 @@
 """What the engines do on the device to stay robust: static buffers allocated (and bounded)
 at construction, host-to-device copies from pinned memory, and the quarantine of a request
-whose state is no longer finite, all without a host sync in the step."""
+whose state is no longer finite, all without a host sync in the step; and a result's read
+back that waits for no later model call."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["allocate", "pinned", "quarantine"]
+__all__ = ["allocate", "pinned", "quarantine", "to_host"]
 
 S = TypeVar("S")  # the pack shape type
 B = TypeVar("B")  # an engine's static buffers
@@ -21,6 +22,18 @@ def pinned(src: Tensor, device: torch.device) -> Tensor:
     is CUDA, because from pageable memory a "non-blocking" copy first waits for the stream
     (every kernel queued before it), which is a host sync in all but name."""
     return src.pin_memory() if device.type == "cuda" else src
+
+
+def to_host(t: Tensor) -> Tensor:
+    """A `Result`'s tensor on the host. On CUDA the copy runs on a side stream: on the
+    engine's stream it would first wait for the model call the engine has queued after the
+    result (it keeps the next call queued), a whole pack's call added to every reply. Safe
+    because a result is handed out only once the event queued after its copy has completed
+    (`ContinuousBatcher._ran`); nothing then remains for the side stream to wait for."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    with torch.cuda.stream(torch.cuda.Stream(t.device)):
+        return t.cpu()
 
 
 def quarantine(bad_K: Tensor, states: Sequence[tuple[Tensor, Tensor]]) -> None:
