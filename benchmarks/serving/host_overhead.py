@@ -23,17 +23,19 @@ pack fill and the device's busy fraction, for
 and the packed arm twice: shapes of 1, 2, 4, 8 requests (``packed``) and one shape per
 request count 1..8 (``packed_every``: no padded request slot).
 
-    python benchmarks/serving/host_overhead.py                 # both parts, ~3 minutes
+    python benchmarks/serving/host_overhead.py                 # both parts, ~4 minutes
     python benchmarks/serving/host_overhead.py --quick         # smoke
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-from benchmarks.harness import base_parser, markdown_table, write_json
+import packing.serve._engine as engine_module
+from benchmarks.harness import base_parser, markdown_table, summarize, write_json
 from benchmarks.serving.robots import longest_context, observation, run_robots
 from packing.model import DiT, DiTConfig
 from packing.serve import (
@@ -50,13 +53,17 @@ from packing.serve import (
     EngineConfig,
     FlowScheduler,
     PackShape,
+    PolicyClient,
     PolicyServer,
     Result,
     ServerConfig,
 )
+from packing.serve._step import Buffers
 
-PHASES = ("_member", "_recompose", "_run", "_result", "_copy_flags", "_read_flags")
-OUTER = {"_admit": ("_member", "_recompose"), "_ran": ("_result", "_copy_flags")}
+PHASE_COLUMNS = ["noise_tokens_ms", "layout_ms", "state_copies_ms", "admit_other_ms", "call_ms",
+                 "results_ms", "flags_ms", "other_ms"]  # fmt: skip
+TIMED = ("_admit", "_member", "_recompose", "_run", "_ran", "_result", "_copy_flags",
+         "_read_flags")  # fmt: skip
 
 
 class Device:
@@ -64,7 +71,8 @@ class Device:
     queue reaches it; ``drain`` waits for everything queued (a read on the engine's stream)."""
 
     def __init__(self) -> None:
-        self.free_at, self.busy = 0.0, list[tuple[float, float]]()
+        self.free_at = 0.0
+        self.busy: list[tuple[float, float]] = []  # (start, end) of every call
         self.lock = threading.Lock()
 
     def launch(self, seconds: float) -> None:
@@ -147,19 +155,30 @@ def engine_for(model: DiT, args: Any, counts: list[int], variant: str) -> StandI
     return engine
 
 
-def timed(engine: Any, totals: dict[str, float]) -> None:
-    """Wrap the engine's phases (instance attributes shadow the methods) to sum their time."""
-    for name in (*PHASES, *OUTER):
-        fn = getattr(engine, name)
+def _timer(fn: Any, name: str, totals: dict[str, float]) -> Any:
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            totals[name] += time.perf_counter() - t0
 
-        def wrapper(*a: Any, _fn: Any = fn, _name: str = name, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                totals[_name] += time.perf_counter() - t0
+    return wrapper
 
-        setattr(engine, name, wrapper)
+
+@contextlib.contextmanager
+def timed(engine: Any, totals: dict[str, float]) -> Iterator[None]:
+    """Sum the time of the engine's phases (instance attributes shadow the methods) and of
+    the state copies of a recomposition (device work on a GPU, host work here)."""
+    for name in TIMED:
+        setattr(engine, name, _timer(getattr(engine, name), name, totals))
+    carry, load = engine_module._carry, Buffers.load
+    engine_module._carry = _timer(carry, "_carry", totals)  # type: ignore[assignment]
+    Buffers.load = _timer(load, "_load", totals)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        engine_module._carry, Buffers.load = carry, load  # type: ignore[method-assign]
 
 
 def engine_part(model: DiT, args: Any) -> list[dict[str, Any]]:
@@ -170,22 +189,35 @@ def engine_part(model: DiT, args: Any) -> list[dict[str, Any]]:
         reqs = [adapter.request(observation(k % 8, args, model.config, k % args.episode_chunks),
                                 session=None) for k in range(args.requests)]  # fmt: skip
         totals: dict[str, float] = defaultdict(float)
-        timed(engine, totals)
         steps, nxt, t0 = 0, 0, time.perf_counter()
-        while nxt < len(reqs) or engine.active or engine.waiting:
-            if nxt < len(reqs) and engine.active + engine.waiting < 8:
-                engine.submit(reqs[nxt])  # one a step: the members sit at different steps
-                nxt += 1
-            engine.step()
-            steps += 1
+        with timed(engine, totals):
+            while nxt < len(reqs) or engine.active or engine.waiting:
+                if nxt < len(reqs) and engine.active + engine.waiting < 8:
+                    engine.submit(reqs[nxt])  # one a step: the members sit at different steps
+                    nxt += 1
+                engine.step()
+                steps += 1
         total = time.perf_counter() - t0
-        ms = {k: 1e3 * v / steps for k, v in totals.items()}
-        for outer, inner in OUTER.items():
-            ms[f"{outer}_other"] = ms.pop(outer) - sum(ms[i] for i in inner)
+        ms = {k.strip("_"): 1e3 * v / steps for k, v in totals.items()}
+        phases = {  # exclusive host ms per engine step
+            "noise_tokens": ms["member"],  # the joining requests' noise, patchified
+            "layout": ms["recompose"] - ms["carry"] - ms["load"],  # build_pack, rows, tables
+            "state_copies": ms["carry"] + ms["load"],  # device work on a GPU (async there)
+            "admit_other": ms["admit"] - ms["member"] - ms["recompose"],
+            "call": ms["run"],  # the stand-in: nothing
+            "results": ms["result"],
+            "flags": ms["copy_flags"] + ms["read_flags"],
+            "other": 1e3 * total / steps
+            - ms["admit"]
+            - ms["run"]
+            - ms["result"]
+            - ms["copy_flags"]
+            - ms["read_flags"],  # the step's bookkeeping, the loop
+        }
         row = {"arm": arm, "steps": steps, "requests": len(reqs),
                "requests_per_step": args.steps * len(reqs) / steps,
                "step_ms": 1e3 * total / steps, "request_ms": 1e3 * total / len(reqs),
-               **{f"{k.strip('_')}_ms": v for k, v in ms.items()}}  # fmt: skip
+               **{f"{k}_ms": v for k, v in phases.items()}}  # fmt: skip
         rows.append(row)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     return rows
@@ -200,7 +232,8 @@ def served_part(model: DiT, args: Any, costs: dict[int, float]) -> list[dict[str
                 engine.stand_in, engine.costs = Device(), costs
                 adapter = StandInAdapter(
                     DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps),
-                    engine.stand_in, drains=variant == "before",
+                    engine.stand_in,
+                    drains=variant == "before",
                 )
                 server = PolicyServer(engine, adapter, ServerConfig(port=0, max_queue=64,
                                                                     deadline_s=600))  # fmt: skip
@@ -219,10 +252,34 @@ def served_part(model: DiT, args: Any, costs: dict[int, float]) -> list[dict[str
     return rows
 
 
+def round_trip(model: DiT, args: Any) -> list[dict[str, Any]]:
+    """One robot, one request at a time, the model call free: the server's own time for a
+    chunk (decode, adapter, hand-offs to and from the engine thread, the engine's host work
+    for its steps, reply), the median of ``--requests``."""
+    cfg, rows = model.config, []
+    for arm in ("one_at_a_time", "packed"):
+        engine = engine_for(model, args, sizes(arm, 8), "after")
+        engine.stand_in, engine.costs = Device(), dict.fromkeys(range(1, 9), 0.0)
+        adapter = DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps)
+        server = PolicyServer(engine, adapter, ServerConfig(port=0))
+        times = []
+        with server.running() as address, PolicyClient(*address) as client:
+            for k in range(args.requests + 2):
+                obs = observation(0, args, cfg, k % args.episode_chunks)
+                t0 = time.perf_counter()
+                client.infer(obs)
+                times.append(1e3 * (time.perf_counter() - t0))
+        rows.append({"arm": arm, "round_trip_ms": summarize(times[2:]).median_ms})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def load_costs(path: Path) -> dict[int, float]:
     """Seconds per model call by requests in the shape, 1..8; between two measured shapes
     linear in the requests (the H200's cost is close to linear at these widths)."""
-    measured = {r["requests"]: r["step_ms"] / 1e3 for r in json.loads(path.read_text())["step_costs"]}
+    measured = {
+        r["requests"]: r["step_ms"] / 1e3 for r in json.loads(path.read_text())["step_costs"]
+    }
     keys = sorted(measured)
     return {n: float(np.interp(n, keys, [measured[k] for k in keys])) for n in range(1, 9)}
 
@@ -252,10 +309,11 @@ def main() -> None:
     out: dict[str, Any] = {"costs_s": costs}
     if "engine" in parts:
         out["engine"] = engine_part(model, args)
-        print(markdown_table(out["engine"], ["arm", "step_ms", "request_ms", "member_ms",
-                                             "recompose_ms", "run_ms", "result_ms",
-                                             "copy_flags_ms", "read_flags_ms"]))  # fmt: skip
+        print(markdown_table(out["engine"], ["arm", "requests_per_step", "step_ms", "request_ms",
+                                             *PHASE_COLUMNS]))  # fmt: skip
     if "served" in parts:
+        out["round_trip"] = round_trip(model, args)
+        print(markdown_table(out["round_trip"], ["arm", "round_trip_ms"]))
         out["served"] = served_part(model, args, costs)
         print(markdown_table(out["served"], ["arm", "variant", "robots", "chunks_per_s",
                                              "p50_ms", "p99_ms", "requests_per_call",

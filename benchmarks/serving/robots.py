@@ -7,8 +7,11 @@ its rate), ask again. Both arms are the same `PolicyServer` over the same weight
 
 - ``one_at_a_time``: an engine whose only pack shape holds ONE request, so the server answers
   one request at a time (what openpi's server does);
-- ``packed``: an engine with shapes for 1, 2, 4, ... min(N, ``--max-pack``) requests; the
-  continuous batcher packs the waiting robots' requests into each model call.
+- ``packed``: an engine with shapes for 1, 2, 4, ... min(N, ``--max-pack``) requests
+  (``--pack-shapes every``: one for each request count up to it); the continuous batcher
+  packs the waiting robots' requests into each model call. A pack costs its shape's call,
+  empty request slots included: where a call's cost grows about linearly with its requests
+  (5B widths on an H200), 3 requests in a 4-request shape cost more than one at a time.
 
 Per arm and N: chunks/s (all robots), p50/p99 chunk latency (request sent to reply read), and
 robot idle time (latency over latency + execution). The robots' chunk durations are spread
@@ -127,6 +130,14 @@ def step_costs(model: DiT, args: Any, counts: list[int]) -> list[dict[str, Any]]
     return out
 
 
+def pack_sizes(top: int, rule: str) -> list[int]:
+    """The packed arm's shapes, in requests: powers of two up to ``top`` and ``top``, or
+    (``every``) each count 1..top (more shapes to compile and capture, no empty slot)."""
+    if rule == "every":
+        return list(range(1, top + 1))
+    return [k for k in (1, 2, 4, 8, 16, 32, 64) if k < top] + [top]
+
+
 def run_robots(address: tuple[str, int], n: int, chunk_s: float, args: Any,
                cfg: DiTConfig) -> dict[str, Any]:  # fmt: skip
     """N robots for ``--warmup-s`` + ``--duration-s``; chunks that start in the timed window."""
@@ -177,6 +188,8 @@ def main() -> None:
     p.add_argument("--duration-s", type=float, default=None, help="timed window per run")
     p.add_argument("--warmup-s", type=float, default=1.0)
     p.add_argument("--max-pack", type=int, default=16, help="most requests in a packed call")
+    p.add_argument("--pack-shapes", default="pow2", choices=["pow2", "every"],
+                   help="the packed arm's shapes: 1, 2, 4, ... requests, or every count")  # fmt: skip
     p.add_argument("--compile", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU default 1)")
@@ -213,6 +226,9 @@ def main() -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = DiT(cfg).to(dev, dtype).eval()
     if args.compile:
+        if args.pack_shapes == "every":  # a compiled block sees every shape: no eager fallback
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, 2 * args.max_pack)
         for block in model.blocks:
             block.compile(dynamic=False)
     costs = step_costs(model, args, counts)
@@ -221,8 +237,7 @@ def main() -> None:
     for n in counts:  # the arms side by side at each N: a shared machine drifts less between
         for arm in ("one_at_a_time", "packed"):
             top = min(n, args.max_pack)
-            sizes = [1] if arm == "one_at_a_time" else [k for k in (1, 2, 4, 8, 16, 32, 64)
-                                                         if k < top] + [top]  # fmt: skip
+            sizes = [1] if arm == "one_at_a_time" else pack_sizes(top, args.pack_shapes)
             t0 = time.perf_counter()
             engine = build_engine(model, args, sizes)
             warm_s = time.perf_counter() - t0
