@@ -44,6 +44,7 @@ SCRIPTS = [
         ["--regimes", "seed", "--variants", "unpacked,unpacked_bucketed,packed"],
     ),
     ("serving/bench_serve.py", ["--configs", "small", "--concurrency", "1,2"]),
+    ("serving/host_overhead.py", []),
 ]
 
 

@@ -306,19 +306,21 @@ def main() -> None:
     model = DiT(DiTConfig.tiny(depth=1, frame_causal=True, **latent)).eval()  # never called
     parts = args.parts.split(",")
     costs = load_costs(Path(args.costs))
-    out: dict[str, Any] = {"costs_s": costs}
+    rows: list[dict[str, Any]] = []  # each with its part: engine, round_trip, served
     if "engine" in parts:
-        out["engine"] = engine_part(model, args)
-        print(markdown_table(out["engine"], ["arm", "requests_per_step", "step_ms", "request_ms",
-                                             *PHASE_COLUMNS]))  # fmt: skip
+        engine_rows = [{"part": "engine", **r} for r in engine_part(model, args)]
+        print(markdown_table(engine_rows, ["arm", "requests_per_step", "step_ms", "request_ms",
+                                           *PHASE_COLUMNS]))  # fmt: skip
+        rows += engine_rows
     if "served" in parts:
-        out["round_trip"] = round_trip(model, args)
-        print(markdown_table(out["round_trip"], ["arm", "round_trip_ms"]))
-        out["served"] = served_part(model, args, costs)
-        print(markdown_table(out["served"], ["arm", "variant", "robots", "chunks_per_s",
-                                             "p50_ms", "p99_ms", "requests_per_call",
-                                             "pack_fill", "device_busy"]))  # fmt: skip
-    write_json("serving_host_overhead", args, out, device="cpu")
+        trips = [{"part": "round_trip", **r} for r in round_trip(model, args)]
+        print(markdown_table(trips, ["arm", "round_trip_ms"]))
+        served = [{"part": "served", **r} for r in served_part(model, args, costs)]
+        print(markdown_table(served, ["arm", "variant", "robots", "chunks_per_s", "p50_ms",
+                                      "p99_ms", "requests_per_call", "pack_fill",
+                                      "device_busy"]))  # fmt: skip
+        rows += trips + served
+    write_json("serving_host_overhead", args, {"rows": rows, "costs_s": costs}, device="cpu")
 
 
 if __name__ == "__main__":

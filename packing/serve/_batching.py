@@ -111,10 +111,11 @@ class ContinuousBatcher(Generic[R, S]):
         """Admit, run one model call over the pack, return the requests that finished (and
         those that failed: ``Result.error`` set). Never raises for a request's fault.
 
-        On CUDA a finished request comes back once its last step's non-finite flag has
-        reached the host (read without waiting, so possibly a step or two later), except
-        that a step that leaves nothing active or waiting waits for every flag: a loop
-        ``while engine.active or engine.waiting: engine.step()`` gets every result."""
+        On CUDA a step launches its model call and then waits for the call before it
+        (``_in_flight``), so a finished request comes back one step after its last (once
+        that call's non-finite flags reached the host), except that a step that leaves
+        nothing active or waiting waits for every flag: a loop ``while engine.active or
+        engine.waiting: engine.step()`` gets every result."""
         with torch.no_grad():
             self._admit()
             if self._members:

@@ -9,9 +9,11 @@ own step, then each request's solver update. A pack of three requests at three s
                    |  t = 0.10            |  t = 0.80            |  t = 1.00            |
     after it       request 4 finishes (its Result is returned), request 8 joins at step 0
 
-Nothing here waits for the GPU: the host mirrors every request's step count, so it knows when
-one finishes without reading a device value; a `Result` holds device tensors (call ``.cpu()``
-when you need the numbers). With ``cuda_graphs=True`` each shape's step is captured once and
+Nothing here reads a device value: the host mirrors every request's step count, so it knows
+when one finishes; it waits only for the model call before the one it just launched, so the
+GPU always has the next call queued while the host admits, and an arriving request joins
+within two calls. A `Result` holds device tensors (call ``.cpu()`` when you need the numbers;
+the policy server reads them on a side stream, `packing.serve._device.to_host`). With ``cuda_graphs=True`` each shape's step is captured once and
 replayed; admission copies the new composition into the captured buffers.
 """
 
