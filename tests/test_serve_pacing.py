@@ -116,3 +116,20 @@ def test_a_results_copies_are_queued_before_the_flags_that_hand_it_out(monkeypat
     assert finished
     for c in finished:
         assert log.index(("result", c)) < log.index(("flags", c))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream needs a GPU")
+def test_to_host_reads_a_result_without_waiting_for_the_calls_queued_after_it():
+    from packing.serve._device import to_host
+
+    x = torch.randn(64, 6, device="cuda")
+    want = x.cpu()
+    torch.cuda._sleep(2_000_000_000)  # cycles, about a second: the next model call, queued
+    got = to_host(x)
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy, "to_host waited for the work queued on the engine's stream after the result"
+    assert torch.equal(got, want)
+    torch.cuda._sleep(2_000_000_000)  # the control: .cpu() on the engine's stream waits
+    assert torch.equal(x.cpu(), want)
+    assert torch.cuda.current_stream().query()
