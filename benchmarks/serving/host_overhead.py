@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 import packing.serve._engine as engine_module
-from benchmarks.harness import base_parser, markdown_table, summarize, write_json
+from benchmarks.harness import RESULTS_DIR, base_parser, markdown_table, summarize, write_json
 from benchmarks.serving.robots import longest_context, observation, run_robots
 from packing.model import DiT, DiTConfig
 from packing.serve import (
@@ -207,13 +207,9 @@ def engine_part(model: DiT, args: Any) -> list[dict[str, Any]]:
             "call": ms["run"],  # the stand-in: nothing
             "results": ms["result"],
             "flags": ms["copy_flags"] + ms["read_flags"],
-            "other": 1e3 * total / steps
-            - ms["admit"]
-            - ms["run"]
-            - ms["result"]
-            - ms["copy_flags"]
-            - ms["read_flags"],  # the step's bookkeeping, the loop
         }
+        timed_ms = sum(ms[k] for k in ("admit", "run", "result", "copy_flags", "read_flags"))
+        phases["other"] = 1e3 * total / steps - timed_ms  # the step's bookkeeping, the loop
         row = {"arm": arm, "steps": steps, "requests": len(reqs),
                "requests_per_step": args.steps * len(reqs) / steps,
                "step_ms": 1e3 * total / steps, "request_ms": 1e3 * total / len(reqs),
@@ -237,10 +233,9 @@ def served_part(model: DiT, args: Any, costs: dict[int, float]) -> list[dict[str
                 )
                 server = PolicyServer(engine, adapter, ServerConfig(port=0, max_queue=64,
                                                                     deadline_s=600))  # fmt: skip
-                t0 = time.monotonic()
                 with server.running() as address:
+                    start = time.monotonic() + args.warmup_s  # run_robots' timed window
                     row = run_robots(address, n, args.chunk_s, args, cfg)
-                start = t0 + args.warmup_s
                 s = server.summary()
                 row.update(arm=arm, variant=variant, robots=n,
                            requests_per_call=s["requests_per_call"], pack_fill=s["pack_fill"],
@@ -289,7 +284,8 @@ def main() -> None:
     p.add_argument("--parts", default="engine,served")
     p.add_argument("--robots", default="8")
     p.add_argument("--requests", type=int, default=64, help="engine part: requests an arm")
-    p.add_argument("--costs", default="benchmarks/results/serving_robots_h200.json")
+    p.add_argument("--costs", default=str(RESULTS_DIR / "serving_robots_h200.json"),
+                   help="a robots.py result JSON: its step_costs are the call times")  # fmt: skip
     p.add_argument("--duration-s", type=float, default=12.0)
     p.add_argument("--warmup-s", type=float, default=1.0)
     args = p.parse_args()

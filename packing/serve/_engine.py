@@ -13,8 +13,9 @@ Nothing here reads a device value: the host mirrors every request's step count, 
 when one finishes; it waits only for the model call before the one it just launched, so the
 GPU always has the next call queued while the host admits, and an arriving request joins
 within two calls. A `Result` holds device tensors (call ``.cpu()`` when you need the numbers;
-the policy server reads them on a side stream, `packing.serve._device.to_host`). With ``cuda_graphs=True`` each shape's step is captured once and
-replayed; admission copies the new composition into the captured buffers.
+the policy server reads them on a side stream, `packing.serve._device.to_host`). With
+``cuda_graphs=True`` each shape's step is captured once and replayed; admission copies the
+new composition into the captured buffers.
 """
 
 from __future__ import annotations
