@@ -5,7 +5,7 @@ has the next call queued while the host admits, and a request that arrives joins
 within two calls. A host that never waits would queue every member's remaining calls at once
 (a step on the host takes ~1 ms, on a GPU 15-100 ms): a request arriving meanwhile could join
 only after all of them, and each result would come back only when the whole queue had run
-(what the H200 robots run showed: packed slower than one at a time).
+(part of what the H200 robots run lost: benchmarks/reports/2026-12-02_serve_host_overhead.md).
 
 The device is played by flag events that complete only when the host waits for them (a GPU
 far behind the host), so the tests see every wait the host makes, on the CPU.
