@@ -359,3 +359,59 @@ def test_a_nan_velocity_on_cuda_fails_only_its_request(graphs: bool) -> None:
         (want,) = alone.run()
         assert got[ids[i]].error is None
         torch.testing.assert_close(got[ids[i]].latents, want.latents, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["flex", "flex_flash"])
+def test_cached_engines_one_after_another_over_compiled_blocks(attention: str) -> None:
+    """benchmarks/serving/robots.py's step_costs at a small size, the sequence that crashed
+    on the H200 (illegal memory access at the second engine, 40b14ba): one bf16 model whose
+    blocks are compiled (dynamic=False), cached CUDA-graph engines for 1, 2 and 4 requests
+    built one after another (each kept alive while the next is built), each warmed with
+    sessions that then end. The pool's keys (N + J) and the pack's queries (J = 80 n) are
+    not multiples of the 128-token tile, as at 5B widths; every result must equal the
+    request alone through an eager uncached engine."""
+    from packing.model import DiT, DiTConfig
+    from packing.serve import ContextCache, Engine, EngineConfig, FlowScheduler, PackShape, Request
+
+    if attention == "flex_flash" and not fa4_available():
+        pytest.skip("flash-attn-4 is not installed")
+    torch.manual_seed(0)
+    cfg = DiTConfig.tiny(dim=128, heads=2, ffn_dim=256, latent_channels=8, latent_hw=(8, 16),
+                         action_dim=6, frame_causal=True)  # fmt: skip  # 32 tokens a frame
+    model = DiT(cfg).to(DEV, torch.bfloat16).eval()
+    eager = DiT(cfg).to(DEV, torch.bfloat16).eval()
+    eager.load_state_dict(model.state_dict())
+    for block in model.blocks:
+        block.compile(dynamic=False)
+    sched = FlowScheduler(solver="multistep2", shift=5.0)
+
+    def frames(n: int, seed: int) -> torch.Tensor:
+        return torch.randn(n, 8, 8, 16, generator=torch.Generator().manual_seed(seed))
+
+    engines = []  # kept: robots.py's previous engine is alive while the next is built
+    for n in (1, 2, 4):
+        shape = PackShape(frames=2 * n, actions=16 * n, requests=n)
+        engine = Engine(model, EngineConfig(
+            shapes=(shape,), max_steps=3, cuda_graphs=True, scheduler=sched, attention=attention,
+            context_cache=ContextCache(pages=16, page_frames=4)))  # fmt: skip
+        for k in range(n):  # warm-up: sessions with a longer context, then ended
+            engine.submit(Request(context=frames(8, 100 + k), frames=2, actions=16, steps=3,
+                                  session=f"warm {k}"))  # fmt: skip
+        engine.run()
+        for k in range(n):
+            engine.end_session(f"warm {k}")
+        reqs = [Request(context=frames(5, k), frames=2, actions=16, steps=3, seed=k,
+                        task=f"robot {k}", session=f"cost {k}") for k in range(n)]  # fmt: skip
+        ids = [engine.submit(r) for r in reqs]
+        got = {r.request_id: r for r in engine.run()}
+        torch.cuda.synchronize()  # a fault in this engine surfaces here, not in the next
+        engines.append(engine)
+        for rid, r in zip(ids, reqs, strict=True):
+            alone = Engine(eager, EngineConfig(
+                shapes=(PackShape(frames=7, actions=16, requests=1),), max_steps=3,
+                scheduler=sched, attention=attention))  # fmt: skip
+            alone.submit(r)
+            (want,) = alone.run()
+            assert got[rid].error is None, got[rid].error
+            for a, b in ((got[rid].latents, want.latents), (got[rid].action, want.action)):
+                assert rel(a, b) < 2e-2, (n, rid, rel(a, b))

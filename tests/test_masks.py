@@ -187,6 +187,23 @@ def test_mask_mod_traces_under_vmap_like_flex_does():
         assert torch.equal(via_vmap[0, 0], dense_mask(d, k, frame_causal(2)))
 
 
+def test_mask_mod_answers_the_padding_of_a_ragged_last_tile_with_false():
+    """flash-attn-4's Flex kernel calls the mask_mod on every pair of a tile before it masks
+    the rows and columns past the lengths: a ragged pack (here 7 queries, 5 keys, tiles of
+    4) must read inside its ids there and say False, never index past them."""
+    doc = torch.tensor([0, 0, 0, 1, 2, 2, -1], dtype=torch.int32)
+    kv = torch.tensor([0, 1, 1, 2, 2], dtype=torch.int32)
+    for d, k, inner in ((doc, None, None), (doc, kv, frame_causal(2)), (doc, None, causal())):
+        mm = document_mask_mod(d, k, inner)
+        tq, tk = d.shape[0], (d if k is None else k).shape[0]
+        q, kv_i = torch.arange(8)[:, None], torch.arange(8)[None, :]  # both last tiles ragged
+        got = mm(torch.tensor(0), torch.tensor(0), q, kv_i)  # raised IndexError before
+        want = torch.zeros(8, 8, dtype=torch.bool)
+        want[:tq, :tk] = dense_mask(d, k, inner)
+        assert torch.equal(got.expand(8, 8), want)
+        assert want.any()
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     name=st.sampled_from([n for n in INNERS if n is not None]),

@@ -320,6 +320,42 @@ def test_cuda_graph_cached_engine_equals_uncached_and_makes_no_sync():
         torch.testing.assert_close(got.latents, want.latents, rtol=1e-4, atol=1e-4)
 
 
+def test_the_pool_masks_can_be_read_on_every_pair_of_their_padded_tiles():
+    """A tiled kernel evaluates the mask_mod on the padding of a ragged last tile too (rows
+    up to R * 128 - 1, columns up to C * 128 - 1; FlexAttention's own Triton kernel wraps
+    them, a kernel that does not reads there). The pool's masks must answer such a pair with
+    False and never index past their id tensors: the cached step's keys (pool ++ tail) and
+    its queries are rarely a multiple of the tile (5B widths, 2 robots: 160 x 16,544)."""
+    from packing.serve._cached_step import pool_mask
+
+    model = _model()
+    engine = Engine(model, _cached(pages=17, page_frames=2))  # N = 17 * 2 * 8 = 272 pool keys
+    for i in range(2):
+        engine.submit(Request(context=_frames(3, i), frames=2, actions=6, steps=2, seed=i))
+    engine.step()  # admitted: page tables loaded, the pack laid out
+    b, pool = engine._buffers[engine._shape], engine.pool
+    doc_N, pos_N = pool.keys()
+    cases = {
+        "step": (b.doc_J, b.pos_J, torch.cat([doc_N, b.doc_J]), torch.cat([pos_N, b.pos_J])),
+        "prefill": (b.doc_J, b.pos_J, doc_N, pos_N),
+    }
+    for name, (q_doc, q_pos, kv_doc, kv_pos) in cases.items():
+        Tq, Tk = q_doc.shape[0], kv_doc.shape[0]
+        assert Tq % 128 and Tk % 128, (name, Tq, Tk)  # both last tiles ragged: the case
+        mask = pool_mask(q_doc, q_pos, kv_doc, kv_pos, backend="flex", inner=engine._inner,
+                         document_mask=True)  # fmt: skip
+        R, C = -(-Tq // 128), -(-Tk // 128)
+        q, kv = torch.arange(R * 128)[:, None], torch.arange(C * 128)[None, :]
+        zero = torch.zeros((), dtype=torch.int64)
+        got = mask.block_mask.mask_mod(zero, zero, q, kv)  # raised IndexError before
+        dense = pool_mask(q_doc, q_pos, kv_doc, kv_pos, backend="sdpa", inner=engine._inner,
+                          document_mask=True)  # fmt: skip
+        want = torch.zeros(R * 128, C * 128, dtype=torch.bool)
+        want[:Tq, :Tk] = dense.dense_TT & dense.keep_T[:, None]
+        assert torch.equal(got, want), name
+        assert got[:Tq, :Tk].any(), name  # not vacuous: the real pairs attend
+
+
 def test_a_request_removed_by_any_path_frees_its_pages_zeroed():
     model = _model()
     engine = Engine(model, _cached(pages=4, page_frames=2))

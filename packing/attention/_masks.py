@@ -202,7 +202,8 @@ def document_mask_mod(
     ``inner(b, h, q_local, kv_local)`` sees ``q - start[doc[q]]`` and ``kv - start[doc[kv]]``
     (precomputed per token, so the closure is pure tensor indexing and traces under vmap and
     torch.compile). ``kv_doc_ids`` (length may differ) gives packed cross-attention: queries of
-    one stream attend to the same episode's keys of another. Padding: see the module docstring.
+    one stream attend to the same episode's keys of another. Padding: see the module docstring;
+    a pair past the ids (``q >= T_q`` or ``kv >= T_kv``, a ragged last tile's padding) is False.
     The closure is named e.g. ``document_causal`` or ``cross_document_frame_causal_32``.
     """
     q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
@@ -214,7 +215,8 @@ def document_mask_mod(
     if inner is None:  # no positions needed: a document mask reads doc ids only
 
         def same_doc(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-            return (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0)
+            q, kv, inside = _in_range(q, kv, q_doc_T, kv_doc_T)
+            return (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0) & inside
 
     else:
         inner_fn = inner
@@ -222,13 +224,27 @@ def document_mask_mod(
         kv_pos_T = q_pos_T if self_attention else local_positions(kv_doc)
 
         def same_doc(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-            same = (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0)
+            q, kv, inside = _in_range(q, kv, q_doc_T, kv_doc_T)
+            same = (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0) & inside
             return same & inner_fn(b, h, q_pos_T[q], kv_pos_T[kv])
 
     mask_mod: MaskMod = same_doc
     prefix = "document" if self_attention else "cross_document"
     mask_mod.__name__ = prefix if inner is None else f"{prefix}_{_name(inner)}"
     return mask_mod
+
+
+def _in_range(
+    q: Tensor, kv: Tensor, q_doc: Tensor, kv_doc: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(q, kv, inside)``: indices past the ids redirected to 0, and which pairs were inside.
+
+    A tiled kernel may evaluate a mask_mod on the padding of a ragged last tile: flash-attn-4's
+    (``flex_flash``) does, before it masks rows >= T_q and columns >= T_kv, and reads the ids
+    there unchecked. Such a pair must read inside the id tensors and be False. ``where``,
+    not ``clamp``: Inductor's CuTe mask codegen has no ``minimum``."""
+    q_in, kv_in = q < q_doc.shape[0], kv < kv_doc.shape[0]
+    return torch.where(q_in, q, 0), torch.where(kv_in, kv, 0), q_in & kv_in
 
 
 def dense_mask(

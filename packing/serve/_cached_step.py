@@ -138,7 +138,14 @@ def pool_mask(
         q_doc, kv_doc = torch.where(q_doc >= 0, 0, -1), torch.where(kv_doc >= 0, 0, -1)
 
     def pool_document(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-        same = (q_doc[q] == kv_doc[kv]) & (q_doc[q] >= 0)
+        # A tiled kernel may call this on the padding of a ragged last tile: flash-attn-4's
+        # (flex_flash) evaluates it before masking rows >= Tq and columns >= Tk. Redirected
+        # to index 0, such a pair reads inside the four id tensors and is False; as it was, it
+        # read past their ends (the pool's keys and the pack's queries are rarely a multiple
+        # of the tile). `where`, not `clamp`: the CuTe mask codegen has no minimum.
+        q_in, kv_in = q < q_doc.shape[0], kv < kv_doc.shape[0]
+        q, kv = torch.where(q_in, q, 0), torch.where(kv_in, kv, 0)
+        same = (q_doc[q] == kv_doc[kv]) & (q_doc[q] >= 0) & q_in & kv_in
         return same & inner(b, h, q_pos[q], kv_pos[kv])
 
     pool_document.__name__ = f"pool_document_{getattr(inner, '__name__', 'inner')}"
