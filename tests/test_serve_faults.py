@@ -450,31 +450,12 @@ def test_isolating_one_culprit_among_four_costs_four_extra_model_calls():
     assert sorted(r.request_id for r in engine.run()) == [0, 1, 2]
 
 
-class _NotYet:
-    """A CUDA event stand-in whose copy has not arrived until someone waits for it."""
-
-    def __init__(self) -> None:
-        self.waited = False
-
-    def query(self) -> bool:
-        return self.waited
-
-    def synchronize(self) -> None:
-        self.waited = True
-
-
 def test_an_idle_engine_has_handed_out_every_result_even_with_late_flags(monkeypatch):
     """On CUDA the flags arrive late; a loop stepping while anything is active or waiting
     (the policy server's worker, the benchmarks) must still get every result."""
-    from packing.serve._batching import ContinuousBatcher
+    from late_flags import flags_arrive_late
 
-    ran = ContinuousBatcher._ran
-
-    def late(self, members):
-        ran(self, members)
-        self._copies[-1].event = _NotYet()
-
-    monkeypatch.setattr(ContinuousBatcher, "_ran", late)
+    flags_arrive_late(monkeypatch)
     engine = _engine()
     ids = [engine.submit(_req(i, steps=2 + i)) for i in range(2)]
     out: list[Result] = []

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from late_flags import LateEvent, flags_arrive_late
 from serve_robots import engine as tiny_engine
 
 from packing.serve import Request, Result
@@ -27,38 +28,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FRAME = (8, 4, 8)  # the tiny DiT's latent (C, H, W)
 
 
-class _Behind:
-    """A model call's flag event on a device that never catches up by itself."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
-
-
 def _request(i: int) -> Request:
     ctx = torch.randn(1 + i % 2, *FRAME, generator=torch.Generator().manual_seed(i))
     return Request(context=ctx, frames=1, actions=4, seed=i, steps=2 + i % 3)
 
 
 @pytest.fixture
-def behind(monkeypatch: pytest.MonkeyPatch) -> list[_Behind]:
-    """Every model call's flags come with a `_Behind` event, listed in call order."""
-    events: list[_Behind] = []
-
-    def copy(self: Any, flags: torch.Tensor) -> tuple[torch.Tensor, _Behind]:
-        events.append(_Behind())
-        return flags.clone(), events[-1]
-
-    monkeypatch.setattr(ContinuousBatcher, "_copy_flags", copy)
-    return events
+def behind(monkeypatch: pytest.MonkeyPatch) -> list[LateEvent]:
+    """Every model call's flags come with a `LateEvent`, listed in call order."""
+    return flags_arrive_late(monkeypatch)
 
 
-def _serve(engine: Any, events: list[_Behind]) -> tuple[list[Result], list[int]]:
+def _serve(engine: Any, events: list[LateEvent]) -> tuple[list[Result], list[int]]:
     """A request submitted before each of the first steps, then steps until idle; returns
     what came back and, after each step, the model calls launched and not waited for."""
     out: list[Result] = []
