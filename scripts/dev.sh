@@ -20,7 +20,11 @@
 #                 computer has), which tests/test_serve_openpi.py runs as real clients; its
 #                 python is exported as PACKING_OPENPI_PYTHON (PACKING_VENV_OPENPI moves it)
 # Each is made on first use and redone when pyproject.toml, its constraints file or this script
-# change. PACKING_VENV and PACKING_VENV_NEWEST move them.
+# change. PACKING_VENV and PACKING_VENV_NEWEST move them. A torch venv is about 6 GB (PyPI has
+# only the CUDA build for Linux x86_64) and its install downloads about 3 GB more;
+# PACKING_ONE_VENV_AT_A_TIME=1 makes `test` remove .venv after its suite, before .venv-newest is
+# made, so that one of them is on disk at a time (.ci/run sets it: CI's clean clone has no use
+# for a venv after its suite, and its disk is shared).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -54,11 +58,18 @@ setup() {
   if [ -f "$venv/pyvenv.cfg" ]; then rm -rf "$venv"; fi
   "$py" -m venv "$venv"
   log="$venv/install.log"
-  if ! { "$venv/bin/python" -m pip install --upgrade pip &&
-         "$venv/bin/python" -m pip install -c "$constraints" -e ".[$extras]"; } >"$log" 2>&1; then
+  if ! { "$venv/bin/python" -m pip install --no-cache-dir --upgrade pip &&
+         "$venv/bin/python" -m pip install --no-cache-dir -c "$constraints" -e ".[$extras]"; } \
+       >"$log" 2>&1; then
     grep -v '^WARNING: Location' "$log" | tail -n 40 >&2
     if grep -q "(constraint) torch<=" "$log"; then
       echo "note: a pip constraint of this machine caps torch below $constraints's pin" >&2
+    fi
+    if grep -q "No space left on device" "$log"; then
+      echo "note: the disk ran out: $(df -Ph "$venv" | awk 'NR == 2 {print $4 " free on " $6}')." \
+           "A torch venv takes about 6 GB and its install downloads about 3 GB more; free" \
+           "space, move the venvs (PACKING_VENV, PACKING_VENV_NEWEST), or set" \
+           "PACKING_ONE_VENV_AT_A_TIME=1 (what .ci/run does)" >&2
     fi
     echo "error: installing into $venv failed; the whole log is $log" >&2
     exit 1
@@ -123,6 +134,10 @@ case "$cmd" in
     "$venv/bin/mypy" packing
     rc=0
     suite "$venv" constraints.txt "$@" || rc=$?
+    if [ "${PACKING_ONE_VENV_AT_A_TIME:-0}" = 1 ] && [ -f "$venv/pyvenv.cfg" ]; then
+      echo "removing $venv before making the next (PACKING_ONE_VENV_AT_A_TIME=1)" >&2
+      rm -rf "$venv"
+    fi
     setup_newest
     suite "$venv_newest" constraints-newest.txt "$@" || rc=$?
     exit $rc
