@@ -162,6 +162,26 @@ def check_dtype(name: str, value: Any, *, optional: bool = False) -> torch.dtype
     return value
 
 
+def check_device(name: str, value: Any) -> torch.device:
+    """A ``torch.device``, or a string torch reads as one (``"cpu"``, ``"cuda"``, ``"cuda:1"``);
+    an int is refused (torch would read ``3`` as ``cuda:3``)."""
+    import torch
+
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError:
+            raise ValueError(
+                f"{name}={value!r} is not a device; pass 'cpu', 'cuda' or 'cuda:N'"
+            ) from None
+    raise TypeError(
+        f"{name} must be a torch.device or a device string such as 'cuda', "
+        f"got {type(value).__name__}"
+    )
+
+
 def check_doc_ids(name: str, value: Any) -> torch.Tensor:
     """An integer tensor of document ids, kept in its own dtype (never narrowed: ids 0 and
     2**32 stay two documents). Floats and bools are refused; values are checked by the caller."""

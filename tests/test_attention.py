@@ -246,6 +246,42 @@ def test_flex_flash_without_flash_attn_4_is_refused(monkeypatch: pytest.MonkeyPa
         pa._resolve("varlen", torch.device("cuda", 0), None, torch.float32)
 
 
+def test_resolve_backend_is_the_choice_prepare_attention_makes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The public answer to "what does auto run as here" is the one every step gets."""
+    import packing.attention._packed as pa
+    from packing.attention import resolve_backend
+
+    assert resolve_backend(device="cpu") == prepare_attention(lay([3, 2], 1)).backend == "sdpa"
+    assert resolve_backend("flex", device=torch.device("cpu")) == "flex"
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for fa4 in (False, True):
+        monkeypatch.setattr(pa, "fa4_available", lambda fa4=fa4: fa4)
+        for inner in (None, causal(), frame_causal(4)):
+            for dtype, head_dim in (
+                (torch.bfloat16, 128),
+                (torch.bfloat16, 16),
+                (torch.float32, 64),
+            ):
+                want = pa._resolve("auto", torch.device("cuda", 0), inner, dtype, head_dim)[0]
+                got = resolve_backend(device="cuda:0", dtype=dtype, head_dim=head_dim, inner=inner)
+                assert got == want != "auto"
+    with pytest.raises(ValueError, match=r"backend='varlen' supports document-only masks"):
+        resolve_backend("varlen", device="cuda:0", inner=causal())
+    bad = [
+        (dict(backend="fast"), ValueError, r"backend='fast'; choose one of"),
+        (dict(device=0), TypeError, r"device must be a torch.device"),
+        (dict(device="gpu"), ValueError, r"device='gpu' is not a device"),
+        (dict(dtype="bf16"), TypeError, r"dtype='bf16' must be a floating torch.dtype"),
+        (dict(head_dim=0), ValueError, r"head_dim=0 must be >= 1"),
+        (dict(inner="causal"), TypeError, r"inner must be a mask rule"),
+    ]
+    for kwargs, error, message in bad:
+        with pytest.raises(error, match=message):
+            resolve_backend(**{"device": "cpu", **kwargs})  # type: ignore[arg-type]
+
+
 def test_shape_mismatch_names_the_counts() -> None:
     mask = prepare_attention(lay([5, 3], 2), backend="sdpa")
     q, k, v = qkv(9, 10)

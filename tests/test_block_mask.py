@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import (
     or_masks,
 )
 
+from packing._layout_math import local_positions
 from packing.attention import (
     causal,
     dense_mask,
@@ -38,7 +39,6 @@ from packing.attention import (
 )
 from packing.attention._block_tables import block_tables
 from packing.attention._render import EMPTY, FULL, PARTIAL, ascii_blocks, block_classes
-from packing.data._layout_math import local_positions
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BLOCKS = st.sampled_from([1, 3, 16, 16, 32, 128, (16, 32), (32, 16)])

@@ -18,10 +18,6 @@ message names the parameter; or the triple (callable, parameter, kind) is in ``A
 with a one-line reason (accepted on purpose). A public callable with parameters that has no
 base call in ``BASE`` and no entry in ``NOT_CALLED`` FAILS ``test_every_public_callable_has_a_base_call``:
 a new public name is covered the day it is added, or the test says what is missing.
-
-Serve names the serve/faults branches are fixing are in ``FIXED_BY_SERVE_BRANCHES`` (an xfail
-each; a huge size is not even called, some hang today): an entry that passes fails the test,
-naming it, so the integrator removes it after the merge.
 """
 
 from __future__ import annotations
@@ -209,6 +205,7 @@ def _base() -> dict[str, Base]:
         "packing.frame_causal": lambda: (A.frame_causal, (2,), {}),
         "packing.sliding_window": lambda: (A.sliding_window, (2,), {}),
         "packing.attention.prepare_attention": lambda: (A.prepare_attention, (_layout(),), {}),
+        "packing.attention.resolve_backend": lambda: (A.resolve_backend, ("auto",), {"device": "cpu"}),
         "packing.attention.ascii_mask": lambda: (A.ascii_mask, (torch.eye(3, dtype=torch.bool),), {}),
         # train
         "packing.episode_noise": lambda: (T.episode_noise, (0, 0, 0, (2, 3)), {}),
@@ -321,6 +318,7 @@ NOT_CALLED: dict[str, str] = {
     "packing.datasets.episode_lengths": "needs a dataset on disk (tests/test_lerobot.py)",
     "packing.datasets.write_default_dataset": "writes a dataset (tests/test_lerobot.py)",
     "packing.model.PackInputs": "built by DiT.prepare",
+    "packing.model.KVCache": "a view over a pool the context cache allocates (tests/test_serve_cache.py)",
     "packing.model.tiny_reference_model": "builds a model (tests/test_verify.py)",
     "packing.verify.Leak": "a result record built by find_leaks",
     "packing.verify.Leak.describe": "a result record's rendering",
@@ -384,6 +382,7 @@ allow("packing.PackedBatchSampler", "rank", "zero", "rank 0 is a rank")
 allow("packing.Stream", "pad_value", "bool", "a bool stream pads with False or True")
 allow("packing.VerifyConfig", "episodes", "huge", "the first N episodes: all, when N is more")
 allow("packing.attention.prepare_attention", "head_dim", "huge", "a kernel-choice hint only")
+allow("packing.attention.resolve_backend", "head_dim", "huge", "a kernel-choice hint only")
 allow("packing.data.layout_from_lengths", "max_docs", "zero", "0 documents: an empty layout")
 allow(
     "packing.plan_packs",
@@ -468,11 +467,6 @@ allow("packing.model.text_tokens", "text_len", "huge", "refused when over the vo
 allow("packing.model.pack_text", "text_len pad_to_multiple", "huge", "a size")
 allow("packing.VerifyConfig", "seed", "zero", "seed 0 is the default")
 
-# Serve names the serve/faults branches fix (validation at submit, PackShape bounds): remove
-# an entry that passes fails its case, naming it (still open after merging main: these).
-_HUGE = "a huge step count hangs (a list of 2**70 sigmas is built): not called until fixed"
-_OPEN = "accepted at construction; the engine fails later (validate at the boundary)"
-FIXED_BY_SERVE_BRANCHES: dict[tuple[str, str, str], str] = {}
 allow("packing.serve.DiTAdapter", "seed", "zero", "seed 0 is a seed")
 allow("packing.serve.WanAdapter", "seed", "zero", "seed 0 is a seed")
 allow("packing.serve.ServerConfig", "port", "zero", "port 0: the OS picks a free port")
@@ -480,11 +474,6 @@ allow("packing.serve.DiTAdapter", "frames", "zero", "a chunk may generate no fra
 allow("packing.serve.Request", "frames", "zero", "a request may generate no frames")
 allow("packing.serve.Request", "seed", "zero", "seed 0 is a seed")
 allow("packing.serve.VideoRequest", "seed", "zero", "seed 0 is a seed")
-
-
-# Found by this contract and not fixed on this branch yet (each an xfail, so a fix shows up
-# as XPASS): remove an entry with its fix.
-KNOWN_OPEN: set[tuple[str, str, str]] = set()
 
 
 def _call(name: str, base: Base, param: inspect.Parameter, value: Any) -> BaseException | None:
@@ -558,16 +547,9 @@ def test_bad_value_is_packings_own_error_naming_it(
     name: str, param: str, kind: str, value: Any
 ) -> None:
     key = (name, param, kind)
-    if FIXED_BY_SERVE_BRANCHES.get(key) == _HUGE:  # some hang today: not called
-        pytest.xfail(f"fixed by the serve/faults branches: {_HUGE}")
     verdict = _verdict(_call(name, _base()[name], _param(name, param), value), param)
     if key in ALLOWED:
         return  # accepted on purpose, for the reason given
-    if key in FIXED_BY_SERVE_BRANCHES:
-        assert verdict is not None, f"{key} is fixed: remove it from FIXED_BY_SERVE_BRANCHES"
-        pytest.xfail(f"fixed by the serve/faults branches: {verdict}")
-    if verdict is not None and key in KNOWN_OPEN:
-        pytest.xfail(f"found by the contract, not fixed yet: {verdict}")
     assert verdict is None, f"{name}({param}={value!r}) [{kind}]: {verdict}"
 
 
@@ -576,21 +558,10 @@ def _param(name: str, param: str) -> inspect.Parameter:
     return next(p for p in _params(fn, name) if p.name == param)
 
 
-def test_known_open_cases_are_still_open() -> None:
-    """A KNOWN_OPEN case that is refused now is fixed: remove it (the list only shrinks)."""
-    cases = {(c[0], c[1], c[2]): c[3] for c in _cases()}
-    fixed = [
-        key for key in sorted(KNOWN_OPEN)
-        if key not in cases
-        or _verdict(_call(key[0], _base()[key[0]], _param(key[0], key[1]), cases[key]), key[1]) is None
-    ]  # fmt: skip
-    assert not fixed, f"fixed (or gone): remove from KNOWN_OPEN {fixed}"
-
-
 def test_allowances_are_still_needed() -> None:
     """An allowance for a value that is refused now is stale: remove it."""
     cases = {(c[0], c[1], c[2]): c[3] for c in _cases()}
-    unknown = sorted(k for k in [*ALLOWED, *FIXED_BY_SERVE_BRANCHES] if k not in cases)
+    unknown = sorted(k for k in ALLOWED if k not in cases)
     assert not unknown, (
         f"these allowances name no case (a typo, or a kind the type lacks): {unknown}"
     )

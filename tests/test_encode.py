@@ -17,8 +17,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from packing._latent import latent_count, latent_rows, latent_spans
 from packing.datasets import LeRobotEpisodes
-from packing.datasets._latent import latent_count, latent_rows, latent_spans
 
 try:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset

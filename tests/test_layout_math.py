@@ -1,4 +1,4 @@
-"""Spec of packing.data._layout_math: the one home of rounding up and of doc-local positions.
+"""Spec of packing._layout_math: the one home of rounding up and of doc-local positions.
 
 Every way in (host lengths -> numpy, device doc ids -> torch) must give what a per-document
 ``arange`` gives, on random ragged layouts with padding between and after documents.
@@ -11,8 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packing.data import layout_from_lengths
-from packing.data._layout_math import (
+from packing._layout_math import (
     ceil_div,
     doc_starts,
     local_positions,
@@ -21,6 +20,7 @@ from packing.data._layout_math import (
     round_up,
     thw_from_lengths,
 )
+from packing.data import layout_from_lengths
 from packing.planning._binpack import opener_index
 
 LENGTHS = st.lists(st.integers(1, 300), min_size=0, max_size=12)

@@ -146,43 +146,12 @@ def test_no_shims_for_old_names():
 # One folder uses another through its facade. These private imports across folders remain,
 # each for a reason; the list may only shrink (an entry that no longer occurs fails too).
 CROSS_FOLDER_PRIVATE = {
-    # Index arithmetic of the layout, shared by its consumers; not a user's API.
-    ("packing/attention/_block_tables.py", "packing.data._layout_math", "ceil_div"),
-    ("packing/attention/_masks.py", "packing.data._layout_math", "ceil_div"),
-    ("packing/attention/_masks.py", "packing.data._layout_math", "local_positions"),
-    ("packing/attention/_packed.py", "packing.data._layout_math", "round_up"),
-    ("packing/planning/_binpack.py", "packing.data._layout_math", "ceil_div"),
-    ("packing/train/_losses.py", "packing.data._layout_math", "ceil_div"),
-    ("packing/train/_losses.py", "packing.data._layout_math", "doc_starts"),
-    ("packing/serve/_pack.py", "packing.data._layout_math", "local_positions"),
-    ("packing/integrations/diffusers/_streams.py", "packing.data._layout_math", "padded_length"),
-    # The document-run check behind every loss's validation; users call the losses.
-    ("packing/train/_losses.py", "packing.attention._masks", "check_doc_runs"),
     # Compiled-call plumbing of the attention kernels; the harness times the same call.
     ("packing/verify/_harness.py", "packing.attention._compile", "call_compiled"),
-    # Backend resolution (the auto choice and its table): the engine and the served Wan
-    # resolve once, up front; users pass a Backend name.
-    ("packing/serve/_engine.py", "packing.attention._packed", "_BACKENDS"),
-    ("packing/serve/_engine.py", "packing.attention._packed", "_resolve"),
-    ("packing/integrations/diffusers/_serve.py", "packing.attention._packed", "_resolve"),
     # The paged block tables of the context cache; built by the engine, not by users.
     ("packing/serve/_cached_step.py", "packing.attention._block_tables", "tables_from_flags"),
-    # The per-layer pool view DiT takes from the engine's context cache, filled by serve only.
-    ("packing/serve/_cached_step.py", "packing.model._dit", "KVCache"),
-    ("packing/serve/_step.py", "packing.model._dit", "KVCache"),
     # The engine's mask builder for one step, reused by the served Wan for the same masks.
     ("packing/integrations/diffusers/_serve.py", "packing.serve._step", "step_masks"),
-    # The LeRobot v3 on-disk readers: encode reads a source dataset the way datasets does.
-    ("packing/encode/_source.py", "packing.datasets._lerobot", "_check_root"),
-    ("packing/encode/_source.py", "packing.datasets._lerobot", "_episodes_table"),
-    ("packing/encode/_source.py", "packing.datasets._lerobot", "_load_info"),
-    ("packing/encode/_source.py", "packing.datasets._lerobot", "_read_parquet"),
-    ("packing/verify/_command.py", "packing.datasets._lerobot", "_check_root"),
-    ("packing/verify/_command.py", "packing.datasets._lerobot", "_load_info"),
-    # The latent dataset's format (row counts, staging name): encode writes what datasets reads.
-    ("packing/encode/_encode.py", "packing.datasets._latent", "latent_count"),
-    ("packing/encode/_write.py", "packing.datasets._latent", "ENCODE_STAGING"),
-    ("packing/encode/_write.py", "packing.datasets._latent", "latent_rows"),
     # The commands' plumbing: the --model factory loader and the torchrun rank entry.
     ("packing/_serve_command.py", "packing.verify._command", "load_factory"),
     ("packing/cli.py", "packing.verify._distributed", "launched_by_torchrun"),

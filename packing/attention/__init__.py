@@ -7,7 +7,8 @@
   no host sync (``compile=`` "cuda_graph" for the fastest build on a GPU;
   ``BLOCK_MASK_GRAPHS.reset()`` frees the graphs it keeps, one per shape).
 - `packed_attention(q, k, v, mask)` over `prepare_attention(...)`'s `AttentionMask`:
-  ``backend`` "flex", "flex_flash", "varlen" (FA4), "sdpa" or "auto".
+  ``backend`` "flex", "flex_flash", "varlen" (FA4), "sdpa" or "auto";
+  `resolve_backend` says which one "auto" (or a request) runs as on a device.
 - `ascii_mask`, `ascii_blocks`, `save_png`: pictures of a mask (docs/img).
 """
 
@@ -29,6 +30,7 @@ from packing.attention._packed import (
     fa4_available,
     packed_attention,
     prepare_attention,
+    resolve_backend,
 )
 from packing.attention._render import ascii_blocks, ascii_mask, save_png
 
@@ -48,6 +50,7 @@ __all__ = [
     "make_block_mask",
     "packed_attention",
     "prepare_attention",
+    "resolve_backend",
     "save_png",
     "sliding_window",
     "with_block_rule",

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from packing.data._layout_math import ceil_div
+from packing._layout_math import ceil_div
 
 __all__ = [
     "BlockRule",

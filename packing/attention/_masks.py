@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from packing._layout_math import ceil_div, check_doc_runs, local_positions
 from packing._validate import check_bool, check_int, is_int
 from packing.attention._block_tables import (
     BlockRule,
@@ -51,7 +52,6 @@ from packing.attention._block_tables import (
     unknown_rule,
 )
 from packing.attention._compile import BLOCK_MASK_GRAPHS, check_torch_version
-from packing.data._layout_math import ceil_div, local_positions
 
 __all__ = [
     "BlockRule",
@@ -464,27 +464,6 @@ def _check_tensor(t: Tensor, name: str) -> None:
         )
     if t.shape[0] == 0:
         raise ValueError(f"{name} is empty; a pack needs at least one token")
-
-
-def check_doc_runs(t: Tensor, name: str) -> None:
-    """Raise unless ids are >= -1, each document one contiguous run, ids increasing."""
-    ids = t.detach().to("cpu", torch.int64)
-    if ids.min() < -1:
-        pos = int((ids < -1).nonzero()[0])
-        raise ValueError(f"{name}[{pos}] = {int(ids[pos])}; ids are >= 0, or -1 for padding")
-    real = ids >= 0
-    prev = torch.cat([ids.new_full((1,), -2), ids[:-1]])
-    run_start = (real & (ids != prev)).nonzero().flatten()  # first token of each run
-    run_ids = ids[run_start]
-    bad = (run_ids[1:] <= run_ids[:-1]).nonzero().flatten()
-    if bad.numel():
-        k = int(bad[0])
-        raise ValueError(
-            f"{name}: document {int(run_ids[k + 1])} at position {int(run_start[k + 1])} follows "
-            f"document {int(run_ids[k])}; each document must be one contiguous run and ids must "
-            "increase along the sequence (padding -1 may sit between documents); pack with "
-            "PackedCollator or renumber the documents in order"
-        )
 
 
 def _check_pair(doc_ids: Tensor, kv_doc_ids: Tensor | None) -> tuple[Tensor, Tensor, bool]:

@@ -43,21 +43,21 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from packing._layout_math import round_up
 from packing._lazy import probe
-from packing._validate import check_optional_int
+from packing._validate import check_choice, check_device, check_dtype, check_optional_int
 from packing.attention import _compile
 from packing.attention import _masks as masks
 from packing.attention._fa4 import fa4_varlen, zero_rows_from
 from packing.attention._masks import InnerMask
 from packing.data import StreamLayout
-from packing.data._layout_math import round_up
 
 __all__ = [
     "AttentionMask",
@@ -65,11 +65,12 @@ __all__ = [
     "fa4_available",
     "packed_attention",
     "prepare_attention",
+    "resolve_backend",
 ]
 
 
 Backend = Literal["auto", "sdpa", "flex", "flex_flash", "varlen"]
-_BACKENDS = ("auto", "sdpa", "flex", "flex_flash", "varlen")
+_BACKENDS: tuple[str, ...] = get_args(Backend)
 _HALF = (torch.float16, torch.bfloat16)
 # Head dims flash-attn-4's CuTe kernels support (its interface's "Supported features"); others
 # are not rejected by every entry point, and a tiny model's head dim 16 gave wrong gradients.
@@ -206,6 +207,38 @@ def _resolve(
             "backend='flex'"
         )
     return "varlen", "fa4" if fa4_available() else "torch", "requested"
+
+
+def resolve_backend(
+    backend: Backend = "auto",
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    inner: InnerMask | None = None,
+) -> str:
+    """The backend ``backend`` runs as on ``device``, for q/k/v of ``dtype`` and ``head_dim``
+    under ``inner``: ``auto``'s choice (never ``"auto"``), or ``backend`` itself when it can
+    run there. A backend that cannot (``varlen`` with an inner mask, ``flex_flash`` without
+    flash-attn-4, either on the CPU) is a ValueError that names the fix.
+
+    `prepare_attention` makes the same choice for every step (its ``AttentionMask.reason``
+    says why); an engine resolves once, up front, with this::
+
+        resolve_backend("auto", device="cpu")                       -> "sdpa"
+        resolve_backend("auto", device="cuda", dtype=torch.bfloat16,
+                        head_dim=128)    -> "varlen" with flash-attn-4, else "flex"
+    """
+    check_choice("backend", backend, _BACKENDS)
+    dev = check_device("device", device)
+    check_dtype("dtype", dtype, optional=True)
+    check_optional_int("head_dim", head_dim, min=1)
+    if inner is not None and not callable(inner):
+        raise TypeError(
+            f"inner must be a mask rule such as causal() or frame_causal(...), or None; got "
+            f"{type(inner).__name__}"
+        )
+    return _resolve(backend, dev, inner, dtype, head_dim)[0]
 
 
 def prepare_attention(

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info as _get_worker_info
 
+from packing._layout_math import padded_length
 from packing._validate import (
     check_bool,
     check_finite,
@@ -35,7 +36,6 @@ from packing._validate import (
 )
 from packing.data._joint import joint_layout as _joint_layout
 from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
-from packing.data._layout_math import padded_length
 
 __all__ = ["PackedCollator", "Stream", "check_batch", "pack", "unpack"]
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from packing._layout_math import positions_from_lengths
 from packing._validate import check_sequence
 from packing.data._layout import JointLayout, PackedBatch, layout_from_lengths
-from packing.data._layout_math import positions_from_lengths
 
 __all__ = ["joint_layout"]
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from packing._layout_math import layout_arrays
 from packing._validate import check_int, check_int_tuple, check_optional_int, check_sequence
-from packing.data._layout_math import layout_arrays
 
 __all__ = ["JointLayout", "PackedBatch", "StreamLayout", "layout_from_lengths"]
 
@@ -427,7 +427,7 @@ def layout_from_lengths(
     ``cu_seqlens`` is ``[0, 2, 6, 9, 9, 9]`` (empty documents at the end keep its shape).
 
     Runs in the collate of every step, so it costs a few numpy calls, not a few per document
-    or per token: positions (and ``thw``) come from `packing.data._layout_math`, K slices of one
+    or per token: positions (and ``thw``) come from `packing._layout_math`, K slices of one
     cached template joined by one ``np.concatenate`` (a memcpy); doc ids are one ``np.repeat``.
     """
     if not (

@@ -32,7 +32,6 @@ root path, and nothing is downloaded. A ``LeRobotDataset`` instance is read thro
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import warnings
@@ -45,96 +44,16 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from packing._latent import latent_count, latent_rows, latent_spec
 from packing._lazy import require
+from packing._lerobot_v3 import EPISODE_COLUMNS, check_root, episodes_table, load_info, read_parquet
 from packing._validate import check_bool, check_finite, check_sequence, is_int
 from packing.datasets._arrow import plan_columns, table_to_episode
-from packing.datasets._latent import ENCODE_STAGING, latent_count, latent_rows, latent_spec
 from packing.datasets._parquet_pages import ColumnChunks, Unsupported, fixed_shape
 
 __all__ = ["LeRobotEpisodes", "episode_lengths"]
 
 _MAX_OPEN_FILES = 64  # parquet handles kept open per process (least recently used closed)
-_EPISODE_COLUMNS = [
-    "episode_index",
-    "length",
-    "data/chunk_index",
-    "data/file_index",
-    "dataset_from_index",
-    "dataset_to_index",
-]
-
-
-def _check_root(root: Path) -> None:
-    """Fail before anything (lerobot included) can create directories or reach the network."""
-    info = root / "meta" / "info.json"
-    if not info.is_file() and (root / ENCODE_STAGING / "manifest.json").is_file():
-        raise FileNotFoundError(
-            f"{root} is an unfinished packing encode (no meta/info.json yet; "
-            f"{root / ENCODE_STAGING} holds its manifest): run the same packing encode "
-            "command again to finish it"
-        )
-    if not info.is_file():
-        what = "does not exist" if not root.exists() else f"has no {info.relative_to(root)}"
-        raise FileNotFoundError(
-            f"{root} {what}: expected a local LeRobot v3 dataset root containing "
-            "meta/info.json, meta/episodes/ and data/ (LeRobotEpisodes reads local files or a "
-            "LeRobotDataset instance, and never downloads). A hub dataset is downloaded first "
-            "(huggingface-cli download --repo-type dataset <repo_id> --local-dir <root>); its "
-            "camera videos are then encoded to latents with packing encode <root> "
-            "<latent root> --vae <path> (docs/encode.md): pass <latent root>"
-        )
-
-
-def _load_info(root: Path) -> dict[str, Any]:
-    path = root / "meta" / "info.json"
-    try:
-        info: dict[str, Any] = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(
-            f"{path} is not valid JSON ({e}); the file is truncated or corrupt: restore it from "
-            "the dataset's source or re-create the dataset"
-        ) from e
-    if not isinstance(info, dict) or not isinstance(info.get("features"), dict):
-        raise ValueError(
-            f"{path} has no 'features' table ({{name: {{dtype, shape}}}}); it is not a LeRobot "
-            "info.json: restore it from the dataset's source or re-create the dataset"
-        )
-    version = str(info.get("codebase_version", "?"))
-    if not version.startswith("v3"):
-        raise ValueError(
-            f"{root} is LeRobot format {version}; LeRobotEpisodes reads v3.x. Convert it with "
-            "python -m lerobot.datasets.v30.convert_dataset_v21_to_v30"
-        )
-    return info
-
-
-def _episodes_table(root: Path) -> Any:
-    """meta/episodes rows (no stats columns), sorted by episode_index."""
-    pq = require("pyarrow.parquet", extra=None)
-    pa = require("pyarrow", extra=None)
-    files = sorted((root / "meta" / "episodes").glob("*/*.parquet"))
-    if not files:
-        raise FileNotFoundError(
-            f"{root / 'meta' / 'episodes'} has no chunk-*/file-*.parquet: "
-            "the dataset was not finalized (call LeRobotDataset.finalize() after recording)"
-        )
-    # Columnar read: the per-episode stats columns, most of the bytes, are never decoded.
-    table = pa.concat_tables(
-        [_read_parquet(f, lambda f: pq.read_table(f, columns=_EPISODE_COLUMNS)) for f in files]
-    )
-    return table.sort_by("episode_index")
-
-
-def _read_parquet(path: Path, read: Any) -> Any:
-    """``read(path)``, with an error that names the file when it is not readable parquet."""
-    try:
-        return read(path)
-    except (OSError, ValueError, KeyError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        raise ValueError(
-            f"{path}: cannot read it as parquet ({' '.join(str(e).split())[:200]}); the file is "
-            "truncated, corrupt or lacks a column LeRobot v3 writes: re-copy it from the "
-            "dataset's source or re-create the dataset"
-        ) from e
 
 
 def _check_files_covered(
@@ -210,9 +129,9 @@ def episode_lengths(
         episode_lengths("~/data/my_robot")  ->  array([2, 4, 3])
     """
     root = Path(root).expanduser()
-    _check_root(root)
-    _load_info(root)
-    table = _episodes_table(root)
+    check_root(root)
+    load_info(root)
+    table = episodes_table(root)
     ids = table.column("episode_index").to_numpy()
     return table.column("length").to_numpy().astype(np.int64)[_select(ids, episodes, root)]
 
@@ -241,7 +160,7 @@ class _ParquetEpisodes:
             raise FileNotFoundError(f"{root / 'data'} has no chunk-*/file-*.parquet data files")
         # Global row numbers (dataset_from_index) run across the files in sorted order, the
         # order lerobot concatenates them in; the footers give each file's row count.
-        footers = [_read_parquet(f, pq.read_metadata) for f in data_files]
+        footers = [read_parquet(f, pq.read_metadata) for f in data_files]
         rows = np.array([m.num_rows for m in footers], dtype=np.int64)
         for f, m in zip(data_files, footers, strict=True):  # a missing column, named here
             names = m.schema.to_arrow_schema().names
@@ -255,7 +174,7 @@ class _ParquetEpisodes:
         start = dict(zip(data_files, np.cumsum(rows) - rows, strict=True))
         nrows = dict(zip(data_files, rows, strict=True))
 
-        col = {c: table.column(c).to_numpy()[sel] for c in _EPISODE_COLUMNS}
+        col = {c: table.column(c).to_numpy()[sel] for c in EPISODE_COLUMNS}
         template = info.get(
             "data_path", "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
         )
@@ -367,7 +286,7 @@ class _ParquetEpisodes:
                 path, source, direct, groups, columns, r0 - int(rg[first]), length
             )
 
-        return _read_parquet(path, read)  # type: ignore[no-any-return]
+        return read_parquet(path, read)  # type: ignore[no-any-return]
 
     def _read_groups(self, path: Path, source: Any, direct: Any, groups: list[int],
                      columns: list[str], start: int, length: int) -> Any:  # fmt: skip
@@ -505,11 +424,11 @@ class LeRobotEpisodes(Dataset):
             )
         if isinstance(root_or_dataset, (str, os.PathLike)):
             self.root = Path(root_or_dataset).expanduser()
-            _check_root(self.root)
-            info = _load_info(self.root)
+            check_root(self.root)
+            info = load_info(self.root)
             self.features: dict[str, dict[str, Any]] = info["features"]
             self.fps = info.get("fps")
-            table = _episodes_table(self.root)
+            table = episodes_table(self.root)
             self.tasks = _tasks_from_parquet(self.root)
             where: object = self.root
         else:
@@ -585,7 +504,7 @@ class LeRobotEpisodes(Dataset):
         self.root = Path(ds.root)
         self.features = dict(ds.meta.features)
         self.fps = ds.meta.fps
-        table = ds.meta.episodes.with_format("arrow")[:].select(_EPISODE_COLUMNS)
+        table = ds.meta.episodes.with_format("arrow")[:].select(EPISODE_COLUMNS)
         tasks_df = ds.meta.tasks
         self.tasks = [""] * (int(tasks_df["task_index"].max()) + 1 if len(tasks_df) else 0)
         for text, idx in zip(tasks_df.index, tasks_df["task_index"], strict=True):
@@ -772,7 +691,7 @@ def _tasks_from_parquet(root: Path) -> list[str]:
     path = root / "meta" / "tasks.parquet"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: a v3 dataset stores its task texts there")
-    table = _read_parquet(path, pq.read_table)
+    table = read_parquet(path, pq.read_table)
     # pandas stores the task text as its index column: "task" (or __index_level_0__).
     text_col = next(c for c in table.column_names if c != "task_index")
     index = table.column("task_index").to_pylist()

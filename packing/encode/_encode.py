@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from packing.datasets._latent import latent_count
+from packing._latent import latent_count
 from packing.encode._config import EncodeConfig, EncodeReport
 from packing.encode._errors import EncodeError
 from packing.encode._meta import check_size, finish_metadata, latent_features

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from packing._lazy import require
-from packing.datasets._lerobot import _check_root, _episodes_table, _load_info, _read_parquet
+from packing._lerobot_v3 import check_root, episodes_table, load_info, read_parquet
 from packing.encode._errors import EncodeError
 
 __all__ = ["Episode", "Source"]
@@ -48,9 +48,9 @@ class Source:
     """A LeRobot v3 root whose ``cameras`` (video features; all of them by default) are read."""
 
     def __init__(self, root: Path, cameras: tuple[str, ...] | None) -> None:
-        _check_root(root)
+        check_root(root)
         self.root = root
-        self.info = _load_info(root)
+        self.info = load_info(root)
         self.features: dict[str, dict[str, Any]] = self.info["features"]
         self.videos = [k for k, f in self.features.items() if f.get("dtype") == "video"]
         if cameras is None:
@@ -144,8 +144,8 @@ class Source:
             if not path.is_file():
                 raise EncodeError(f"episode {ep}: its data file {path} is missing")
             pq = require("pyarrow.parquet", extra=None)
-            pf = _read_parquet(path, lambda p: pq.ParquetFile(p, memory_map=True))
-            ids = _read_parquet(path, lambda p: pf.read(columns=["episode_index"]))
+            pf = read_parquet(path, lambda p: pq.ParquetFile(p, memory_map=True))
+            ids = read_parquet(path, lambda p: pf.read(columns=["episode_index"]))
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
             offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
             self._files[path] = (pf, ids.column(0).to_numpy(), offsets)
@@ -194,9 +194,9 @@ def _episodes_table_with_videos(root: Path, cameras: tuple[str, ...]) -> Any:
     video columns must be there."""
     pa = require("pyarrow", extra=None)
     pq = require("pyarrow.parquet", extra=None)
-    _episodes_table(root)  # the same checks LeRobotEpisodes makes (files present, readable)
+    episodes_table(root)  # the same checks LeRobotEpisodes makes (files present, readable)
     files = sorted((root / "meta" / "episodes").glob("*/*.parquet"))
-    table = pa.concat_tables([_read_parquet(f, pq.read_table) for f in files])
+    table = pa.concat_tables([read_parquet(f, pq.read_table) for f in files])
     for cam in cameras:
         for col in ("chunk_index", "file_index", "from_timestamp", "to_timestamp"):
             if f"videos/{cam}/{col}" not in table.column_names:

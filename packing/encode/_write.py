@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from packing._latent import ENCODE_STAGING, latent_rows
 from packing._lazy import require
-from packing.datasets._latent import ENCODE_STAGING, latent_rows
 from packing.encode._errors import EncodeError
 
 __all__ = ["LatentWriter", "latent_stats"]

@@ -6,12 +6,14 @@
 - `text_tokens`, `pack_text`: the toy text stream the reference model cross-attends to.
 - `param_count`: parameters of a config, without building it.
 - `PackInputs`: what `DiT.velocity` (the inference entry point, per-token times) takes
-  about a pack besides its tokens.
+  about a pack besides its tokens; `KVCache`: one block's view of a key/value pool, which
+  `DiT.velocity(cache=...)` writes and attends over (`packing.serve`'s context cache).
 """
 
 from packing.model._dit import (
     DiT,
     DiTConfig,
+    KVCache,
     PackInputs,
     pack_text,
     param_count,
@@ -22,6 +24,7 @@ from packing.model._dit import (
 __all__ = [
     "DiT",
     "DiTConfig",
+    "KVCache",
     "PackInputs",
     "pack_text",
     "param_count",

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from packing.data._layout_math import ceil_div
+from packing._layout_math import ceil_div
 
 __all__ = [
     "best_fit_decreasing",

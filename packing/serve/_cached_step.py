@@ -32,8 +32,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from packing.attention import AttentionMask, InnerMask
 from packing.attention._block_tables import tables_from_flags
-from packing.model import DiT, PackInputs
-from packing.model._dit import KVCache
+from packing.model import DiT, KVCache, PackInputs
 from packing.serve._cache import ContextCache
 from packing.serve._step import Buffers, cross_mask, schedule, velocity_update
 

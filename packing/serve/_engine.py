@@ -21,13 +21,13 @@ new composition into the captured buffers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import get_args
 
 import torch
 from torch import Tensor
 
 from packing._validate import check_bool, check_choice, check_int, check_sequence
-from packing.attention import Backend, frame_causal
-from packing.attention._packed import _BACKENDS, _resolve
+from packing.attention import Backend, frame_causal, resolve_backend
 from packing.model import DiT
 from packing.serve._batching import ContinuousBatcher
 from packing.serve._cache import ContextCache
@@ -71,7 +71,7 @@ class EngineConfig:
         object.__setattr__(
             self, "cuda_graphs", check_bool("EngineConfig.cuda_graphs", self.cuda_graphs)
         )
-        check_choice("EngineConfig.attention", self.attention, _BACKENDS)
+        check_choice("EngineConfig.attention", self.attention, get_args(Backend))
         if self.context_cache is not None and not isinstance(self.context_cache, ContextCache):
             raise TypeError(
                 f"EngineConfig.context_cache must be a ContextCache or None, got "
@@ -122,7 +122,13 @@ class Engine(ContinuousBatcher[Request, PackShape]):
         cfg = model.config
         self.model, self.config = model, config
         self.inner = frame_causal(cfg.tokens_per_frame) if cfg.frame_causal else None
-        self.backend = _resolve(config.attention, self.device, self.inner, p.dtype, cfg.head_dim)[0]
+        self.backend = resolve_backend(
+            config.attention,
+            device=self.device,
+            dtype=p.dtype,
+            head_dim=cfg.head_dim,
+            inner=self.inner,
+        )
         if self.backend == "varlen":
             raise ValueError(
                 "the engine builds its masks inside the step from doc ids; backend 'varlen' "

@@ -29,9 +29,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from packing._layout_math import local_positions
 from packing._validate import check_int
 from packing.data import PackedBatch, joint_layout, layout_from_lengths
-from packing.data._layout_math import local_positions
 from packing.model import text_tokens
 from packing.serve._limits import MAX_ACTIONS, MAX_FRAMES, MAX_REQUESTS
 from packing.serve._request import Request

@@ -23,8 +23,7 @@ import torch
 from torch import Tensor
 
 from packing.attention import AttentionMask, InnerMask, dense_mask, make_block_mask
-from packing.model import DiT, PackInputs
-from packing.model._dit import KVCache
+from packing.model import DiT, KVCache, PackInputs
 from packing.serve._device import pinned, quarantine
 from packing.serve._pack import HostPack, PackShape
 from packing.train import broadcast_to_tokens

@@ -62,6 +62,7 @@ from typing import Literal
 
 import torch
 
+from packing._layout_math import ceil_div, check_doc_runs, doc_starts
 from packing._validate import (
     check_bool,
     check_doc_ids,
@@ -69,9 +70,7 @@ from packing._validate import (
     check_real,
     check_sequence,
 )
-from packing.attention._masks import check_doc_runs
 from packing.data import StreamLayout
-from packing.data._layout_math import ceil_div, doc_starts
 
 __all__ = [
     "LossNormalizer",

@@ -356,7 +356,7 @@ _LEROBOT_DEFAULT_FEATURES = ("timestamp", "frame_index", "episode_index", "index
 
 def dataset_features(config: VerifyConfig) -> tuple[Path, str, dict[str, dict[str, Any]]]:
     """(root, how the report names it, ``meta/info.json`` features) of the dataset to verify on."""
-    from packing.datasets._lerobot import _check_root, _load_info
+    from packing._lerobot_v3 import check_root, load_info
 
     if config.dataset is None:
         from packing.datasets import default_dataset_root
@@ -365,8 +365,8 @@ def dataset_features(config: VerifyConfig) -> tuple[Path, str, dict[str, dict[st
     else:
         root = Path(config.dataset).expanduser()
         where = str(config.dataset)
-        _check_root(root)
-    return root, where, dict(_load_info(root)["features"])
+        check_root(root)
+    return root, where, dict(load_info(root)["features"])
 
 
 def reference_streams(

@@ -24,7 +24,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from packing._validate import check_int_tuple
-from packing.attention._packed import _resolve
+from packing.attention import resolve_backend
 from packing.integrations.diffusers._adapter import TIMESTEP_SCALE
 from packing.integrations.diffusers._wan import PackedWan
 from packing.serve import FlowScheduler, VideoPack, VideoRequest
@@ -59,7 +59,9 @@ class ServedWan:
         self.grid = (int(hw[0]) // ph, int(hw[1]) // pw)
         self.text_dim = packed.text_dim
         head_dim = int(packed.transformer.config.attention_head_dim)
-        self.backend = _resolve(packed.attention_backend, p.device, None, p.dtype, head_dim)[0]
+        self.backend = resolve_backend(
+            packed.attention_backend, device=p.device, dtype=p.dtype, head_dim=head_dim
+        )
         if self.backend == "varlen":
             raise ValueError(
                 "the engine builds its masks inside the step from doc ids; backend 'varlen' "

@@ -26,9 +26,9 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from packing._layout_math import padded_length
 from packing._validate import check_int, check_int_tuple, check_optional_int, check_sequence
 from packing.data import StreamLayout, layout_from_lengths
-from packing.data._layout_math import padded_length
 
 __all__ = ["drop_masked_rows", "pack_text_embeddings", "patchify", "unpatchify"]
 

@@ -1,4 +1,5 @@
-"""Layout arithmetic, one home each: rounding up, and positions inside documents.
+"""Layout arithmetic, one home each: rounding up, positions inside documents, and the check
+that each document is one run (`check_doc_runs`, shared by the masks and the losses).
 
 Legend (the package's shape letters; ``docs/index.md`` has the whole table)::
 
@@ -216,3 +217,24 @@ def _zeros(n: int) -> _Template:
     thw.flags.writeable = False
     _ZEROS[:] = [_Template(pos, thw)]
     return _ZEROS[0]
+
+
+def check_doc_runs(t: Tensor, name: str) -> None:
+    """Raise unless ids are >= -1, each document one contiguous run, ids increasing."""
+    ids = t.detach().to("cpu", torch.int64)
+    if ids.min() < -1:
+        pos = int((ids < -1).nonzero()[0])
+        raise ValueError(f"{name}[{pos}] = {int(ids[pos])}; ids are >= 0, or -1 for padding")
+    real = ids >= 0
+    prev = torch.cat([ids.new_full((1,), -2), ids[:-1]])
+    run_start = (real & (ids != prev)).nonzero().flatten()  # first token of each run
+    run_ids = ids[run_start]
+    bad = (run_ids[1:] <= run_ids[:-1]).nonzero().flatten()
+    if bad.numel():
+        k = int(bad[0])
+        raise ValueError(
+            f"{name}: document {int(run_ids[k + 1])} at position {int(run_start[k + 1])} follows "
+            f"document {int(run_ids[k])}; each document must be one contiguous run and ids must "
+            "increase along the sequence (padding -1 may sit between documents); pack with "
+            "PackedCollator or renumber the documents in order"
+        )
