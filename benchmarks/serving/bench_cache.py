@@ -33,8 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from benchmarks.harness import base_parser, markdown_table, write_json
 from benchmarks.serving.loops import Clock
-from packing.model import DiT, DiTConfig
-from packing.model._dit import text_tokens
+from packing.model import DiT, DiTConfig, text_tokens
 from packing.serve import (
     ContextCache,
     Engine,

@@ -57,8 +57,7 @@ from benchmarks.harness import (
 )
 from benchmarks.serving.checks import pageable_copies, sync_debug_count
 from benchmarks.serving.loops import closed_loop, open_loop
-from packing.model import DiT, DiTConfig
-from packing.model._dit import text_tokens
+from packing.model import DiT, DiTConfig, text_tokens
 from packing.serve import Engine, EngineConfig, FlowScheduler, PackShape, Request
 
 MIXES = {"short": (14, 22), "long": (60, 185)}  # context frames: ~500-800 / ~2K-6K tokens
