@@ -13,7 +13,7 @@
 #   bash benchmarks/gpu.sh cache       # benchmarks/serving/bench_cache.py at 5B widths, 30 blocks (220 s)
 #   bash benchmarks/gpu.sh encode      # benchmarks/data/bench_encode.py, when present (300 s)
 #   bash benchmarks/gpu.sh attention | blockmask | fillprobe | tests | verify | budget
-#   NPROC=2 REGIME=seed bash benchmarks/gpu.sh fsdp     # two GPUs (nvidia-h200-x2)
+#   NPROC=2 REGIME=seed bash benchmarks/gpu.sh fsdp     # two GPUs (nvidia-h200-x2; FSDP_ARGS)
 #   bash benchmarks/gpu.sh fa4         # only stage the carried FA4 wheel half
 #   bash benchmarks/gpu.sh all         # serve step diffusers encode, one after the other
 #                                      #   (over 10 minutes: one device call a stage instead)
@@ -172,7 +172,7 @@ for STAGE in "$@"; do
     export OMP_NUM_THREADS=8
     t "${FSDP_LIMIT:-540}" $TR $B/distributed/bench_fsdp.py --regime "${REGIME:-seed}" \
       --steps "${STEPS:-2}" --time-limit 400 --hard-limit 470 \
-      --variants "${VARIANTS:-packed,lean,unpacked_nosync,bucket_sdpa}" --out "$R"
+      --variants "${VARIANTS:-packed,lean,unpacked_nosync,bucket_sdpa}" --out "$R" ${FSDP_ARGS:-}
     ;;
   *) echo "unknown stage $STAGE (see: bash benchmarks/gpu.sh)"; exit 2 ;;
   esac

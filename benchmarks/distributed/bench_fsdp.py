@@ -13,14 +13,15 @@ the regime (seed: 144-336 frames = 4.6K-10.7K tokens; short: 10-79 frames = 0.3K
 same episodes and initial weights in every variant::
 
     unpacked_sync    one episode per micro-step, 16 micro-steps, gradient reduce-scatter on
-                     every micro-step (the background notes' setup); blocks compiled with
-                     dynamic=True, attention = plain SDPA on the one unpadded episode (flash)
+                     every micro-step (our users' earlier setup); blocks compiled with
+                     dynamic=True, attention = SDPA's default dispatch on the one unpadded
+                     episode (the withdrawn rows of docs/benchmarks.md §5 forced FLASH)
     unpacked_nosync  the same, reduce-scatter only on the last micro-step
-                     (set_requires_gradient_sync(False) before: the best unpacked setup)
+                     (set_requires_gradient_sync(False) before: the better of the two)
     lean             one episode per micro-step, sync on the last, through
                      benchmarks/step/baselines.py's lean forward (inputs prepared ahead, exact
-                     length, SDPA flash, the blocks compiled dynamic=True inside the same
-                     FSDP + checkpoint wrapping): the strongest per-episode setup
+                     length, SDPA's default dispatch, the blocks compiled dynamic=True inside
+                     the same FSDP + checkpoint wrapping): the strongest per-episode setup
     bucket_sdpa      length bucketing as Open-Sora 2.0 (--buckets frame buckets, a batch per
     bucket_flex      bucket of ~--pack-budget tokens, padded rows with a key-padding mask
     bucket_crop      through SDPA or Flex, or cropped to the bucket below), sync on the last
