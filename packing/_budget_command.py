@@ -106,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
         f"checkpointing {args.checkpointing}, {'accumulating' if args.accumulate else 'one micro-step a step'}, "
         f"{capacity / 1e9:.1f} GB usable ({memory / 1e9:.1f} GB - {args.headroom:.0%}); model {source}"
     )
+    if args.gpu_memory_gb is None and not args.measure:
+        print(
+            f"note: {memory / 1e9:.1f} GB is an H200's, assumed; for another GPU pass "
+            "--gpu-memory-gb (or --measure on it)"
+        )
     print("| GPUs | tokens per GPU | with the full-depth margin |")
     print("|---:|---:|---:|")
     for n in gpus:

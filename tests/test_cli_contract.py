@@ -378,6 +378,12 @@ def test_version_and_budget_commands(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     # The stored H200 fit: 271K tokens per GPU at 2 GPUs, full checkpointing, 5.0 B parameters.
     assert "5.00 B parameters, depth 30" in out and "| 2 | 271,360 |" in out
+    assert "assumed" not in out  # the memory was given
+    assert main(["budget", "--gpus", "2"]) == 0
+    # Without --gpu-memory-gb or --measure the H200's memory is an assumption, and it says so.
+    assert "note: 150.0 GB is an H200's, assumed; for another GPU pass --gpu-memory-gb" in (
+        capsys.readouterr().out
+    )
     assert main(["budget", "--gpus", "0"]) == 2
     assert "--gpus 0 must be >= 1" in capsys.readouterr().err
 
