@@ -20,7 +20,7 @@ new composition into the captured buffers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import get_args
 
 import torch
@@ -34,7 +34,7 @@ from packing.serve._cache import ContextCache
 from packing.serve._device import allocate, pinned
 from packing.serve._limits import MAX_STEPS
 from packing.serve._pack import HostPack, PackShape, build_pack, initial_tokens
-from packing.serve._request import Request, Result, host_copy
+from packing.serve._request import Request, Result, check_task, submitted
 from packing.serve._schedulers import FlowScheduler, check_scheduler
 from packing.serve._step import Buffers, GraphedStep, run_step
 
@@ -167,9 +167,8 @@ class Engine(ContinuousBatcher[Request, PackShape]):
                 "raise max_steps or ask for fewer steps"
             )
         self._check_fits(r)
-        done = r.committed_actions
-        return replace(r, context=host_copy(r.context),  # re-checked (finite) as copied
-                       committed_actions=None if done is None else host_copy(done))  # fmt: skip
+        check_task(r.task, cfg.text_len)
+        return submitted(r, compute=next(self.model.parameters()).dtype)  # copied, re-checked
 
     def _check_fits(self, r: Request) -> None:
         if not self.shapes[-1].fits([r]):

@@ -15,7 +15,8 @@ computed on the host at admission, never with a device-side ``nonzero``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -23,11 +24,28 @@ from torch import Tensor
 from packing._validate import check_finite, check_int, check_sequence, is_int
 from packing.serve._limits import MAX_ACTIONS, MAX_FRAMES, MAX_STEPS
 
-__all__ = ["SEED_MAX", "Request", "Result", "check_seed", "check_tensor_finite", "host_copy"]
+__all__ = [
+    "FLOATS", "SEED_MAX", "Request", "Result", "check_carried", "check_seed", "check_task",
+    "host_copy", "submitted",
+]  # fmt: skip
 
 # `torch.Generator.manual_seed` takes [-2**63, 2**64 - 1] and maps a negative seed s to
 # 2**64 + s (so -1 and 2**64 - 1 give one noise): a request's seed is in [0, 2**64 - 1].
 SEED_MAX = 2**64 - 1
+
+# The dtypes a request's float tensors may have. The engines hold every request's state in
+# float32 (`STATE`), so a value is checked finite in float32 too: 1e39 in a float64 context
+# passes a float64 NaN/inf check and becomes inf in the engine, where attention carries it
+# to every other request of the pack (0 * inf = NaN).
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+STATE = torch.float32
+_FIX = (
+    "a request's NaN or inf would reach every other request packed with it (0 * NaN in "
+    "attention); send finite values (fix the encoder's output, or drop the frame)"
+)
+
+R = TypeVar("R")
 
 
 def check_seed(name: str, seed: object) -> int:
@@ -35,13 +53,66 @@ def check_seed(name: str, seed: object) -> int:
     return check_int(name, seed, min=0, max=SEED_MAX, hint="the generator's 64-bit seed")
 
 
-def check_tensor_finite(where: str, key: str, value: Tensor) -> None:
-    """A request's tensor holds no NaN or inf: one would reach every other request of its
-    pack through attention (a masked-out NaN still gives 0 * NaN = NaN)."""
-    check_finite(where, key, value, fix=(
-        "a request's NaN or inf would reach every other request packed with it (0 * NaN in "
-        "attention); fix the encoder's output or drop the frame"
-    ))  # fmt: skip
+def check_carried(
+    where: str,
+    key: str,
+    value: Any,
+    *,
+    dtypes: tuple[torch.dtype, ...] = FLOATS,
+    compute: tuple[torch.dtype, ...] = (STATE,),
+) -> Tensor:
+    """The one check of every tensor a request carries (context, text, committed actions,
+    keep_frames given as a tensor), at construction and again at ``submit``: a dense tensor
+    with values (not on the meta device), of one of ``dtypes``, finite in its own dtype and
+    in each of ``compute``, the dtypes the engine casts it to (its state, the model's)::
+
+        check_carried("Request", "context", torch.full((1, 8, 4, 8), 1e39, dtype=torch.float64))
+        ValueError: Request 'context' holds 1e+39 at index (0, 0, 0, 0), beyond float32's
+        range (max 3.4e+38): the engine computes in float32, where it is inf; ...
+    """
+    name = f"{where}.{key}"
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name} is a {value.layout} tensor; pass a dense one ({key}.to_dense())")
+    if value.device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device (a shape without values); pass a tensor with "
+            "values, on the cpu or a GPU"
+        )
+    if value.dtype not in dtypes:
+        raise TypeError(
+            f"{name} is {value.dtype}; pass one of {', '.join(str(d) for d in dtypes)}"
+        )
+    if not value.is_floating_point():
+        return value
+    check_finite(where, key, value, fix=_FIX)
+    for dtype in compute:
+        if torch.finfo(dtype).max >= torch.finfo(value.dtype).max:
+            continue  # every finite value stays finite
+        over = ~torch.isfinite(value.to(dtype))
+        if bool(over.any()):
+            flat = int(over.reshape(-1).nonzero()[0])
+            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), value.shape))
+            raise ValueError(
+                f"{where} {key!r} holds {value.reshape(-1)[flat].item():.3g} at index {index} "
+                f"(first of {int(over.sum())}), beyond {_name(dtype)}'s range (max "
+                f"{torch.finfo(dtype).max:.3g}): the engine computes in {_name(dtype)}, where "
+                f"it is inf; {_FIX}"
+            )
+    return value
+
+
+def check_task(task: str, text_len: int) -> None:
+    """The model reads ``text_len`` tokens of a task, ``[BOS]`` and ``text_len - 1`` UTF-8
+    bytes (`packing.model.text_tokens`): a longer task is refused, not cut."""
+    n = len(task.encode("utf-8"))
+    if n > text_len - 1:
+        raise ValueError(
+            f"Request.task is {n} bytes in UTF-8, more than the {text_len - 1} the model reads "
+            f"(DiTConfig.text_len={text_len}: [BOS] and {text_len - 1} bytes); shorten the "
+            "prompt, or serve a model built with a larger text_len"
+        )
 
 
 def host_copy(value: Tensor) -> Tensor:
@@ -53,18 +124,37 @@ def host_copy(value: Tensor) -> Tensor:
     return out
 
 
+def submitted(request: R, compute: torch.dtype | None = None) -> R:
+    """What an engine keeps of ``request`` at ``submit``: every tensor it carries copied to
+    the host (`host_copy`) and checked again as at construction (the caller may have changed
+    them since), and finite in ``compute`` too, the dtype the model reads them in."""
+    copies = {f.name: host_copy(v) for f in fields(request)  # type: ignore[arg-type]
+              if isinstance(v := getattr(request, f.name), Tensor)}  # fmt: skip
+    out = replace(request, **copies)  # type: ignore[type-var]  # re-runs __post_init__
+    if compute is not None:
+        for key, v in copies.items():
+            if v.is_floating_point():
+                check_carried(type(request).__name__, key, v, compute=(compute,))
+    return out
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Request:
     """One chunk to generate. ``context`` is ``(F_c, C, H, W)`` clean latent frames (``F_c``
     may be 0), ``frames``/``actions`` the latent frames and action steps to generate,
     ``steps`` the denoising steps, ``seed`` keys the initial noise (a CPU generator, so the
     same request gives the same noise on any device and in any pack; in [0, 2**64 - 1]).
-    ``context`` must be finite (a NaN or inf is refused here, naming its index). ``keep_frames``: the
-    context frames to attend to, ascending (``None``: all). ``session`` names the robot episode
+    ``context`` must be finite, in float32 too (a NaN, inf or a float64 beyond float32's range is
+    refused here, naming its index; `check_carried`). ``keep_frames``: the context frames to
+    attend to, ascending ints, a tuple (or an integer tensor) (``None``: all). ``session`` names the robot episode
     this chunk belongs to (a policy server sets it per connection and episode): an engine that
     caches context keeps a session's cached frames for its next chunk until
     ``engine.end_session(session)``; ``None``: a request of its own. ``committed_actions``
-    ``(k, action_dim)`` float32: the chunk's first k actions, already committed (real-time
+    ``(k, action_dim)`` float32, finite: the chunk's first k actions, already committed (real-time
     chunking): they sit in the pack clean (t = 0), are never updated, and come back
     bit-identical in the `Result`; the engine generates the other ``actions - k``."""
 
@@ -85,9 +175,7 @@ class Request:
                 f"Request.context must be a (F_c, C, H, W) tensor of clean latent frames, got "
                 f"{got!r}; pass torch.zeros(0, C, H, W) for no context"
             )
-        if not self.context.is_floating_point():
-            raise TypeError(f"Request.context must be floating point, got {self.context.dtype}")
-        check_tensor_finite("Request", "context", self.context)
+        check_carried("Request", "context", self.context)
         for name, low, top in (("frames", 0, MAX_FRAMES), ("actions", 1, MAX_ACTIONS),
                                ("steps", 1, MAX_STEPS)):  # fmt: skip
             v = check_int(f"Request.{name}", getattr(self, name), min=low, max=top)
@@ -100,7 +188,12 @@ class Request:
                 f"Request.session must be a str or None, got {type(self.session).__name__}"
             )
         if self.keep_frames is not None:
-            keep = tuple(check_sequence("Request.keep_frames", self.keep_frames))
+            keep = self.keep_frames
+            if isinstance(keep, Tensor):  # indices as a tensor: checked as every tensor is
+                keep = check_carried("Request", "keep_frames", keep, dtypes=INTS).tolist()
+                if not isinstance(keep, list):
+                    raise ValueError("Request.keep_frames is a 0-d tensor; pass a 1-d one")
+            keep = tuple(check_sequence("Request.keep_frames", keep))
             f_c = self.context.shape[0]
             ints = all(is_int(i) for i in keep)
             if not ints or list(keep) != sorted(set(keep)) or any(not 0 <= i < f_c for i in keep):
@@ -144,6 +237,7 @@ def _check_committed(c: Tensor | None, actions: int) -> None:
             f"Request.committed_actions must be float32 (the engine's state, so they come back "
             f"bit-identical), got {c.dtype}; pass committed_actions.float()"
         )
+    check_carried("Request", "committed_actions", c, dtypes=(torch.float32,))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ requests); admission copies a composition into the shape's static buffers, and t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from packing._validate import check_int
 from packing.serve._batching import ContinuousBatcher
 from packing.serve._device import allocate, pinned, quarantine
 from packing.serve._limits import MAX_STEPS
-from packing.serve._request import Result, host_copy
+from packing.serve._request import Result, submitted
 from packing.serve._schedulers import FlowScheduler, check_scheduler
 from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
 from packing.train import broadcast_to_tokens
@@ -166,8 +166,9 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
                 f"{request.text.shape[0]} text rows, more than the largest VideoShape "
                 f"(frames={s.frames}, text={s.text}); add a larger shape"
             )
-        # Copied (re-checked finite) so the caller may reuse its buffers once submitted.
-        return replace(request, text=host_copy(request.text), context=host_copy(request.context))
+        # Copied (re-checked) so the caller may reuse its buffers once submitted.
+        dtype = getattr(m, "dtype", None)  # a model that says its dtype: finite in it too
+        return submitted(request, compute=dtype if isinstance(dtype, torch.dtype) else None)
 
     def _member(self, rid: int, r: VideoRequest) -> _Member:
         """The request's host work at admission: clean context frames, then its noise."""
