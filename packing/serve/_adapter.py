@@ -13,9 +13,11 @@ One observation from a robot (the keys `DiTAdapter` reads; all but the context o
     reply  {"actions": float32 (actions, A), "latents": float32 (frames, C, H, W),
             "server_timing": {...}}    (the server adds server_timing)
 
-Unknown keys are refused (a misspelt ``"step"`` would otherwise be silently ignored). Any
-object with the same two methods (``request(observation, session)``, ``reply(result)``) is an
-adapter: write your own for other keys.
+Unknown keys are refused (a misspelt ``"step"`` would otherwise be silently ignored), and so
+are arrays that are not numbers or not in native byte order. Any object with the same two
+methods (``request(observation, session)``, ``reply(result)``) is an adapter: write your own
+for other keys; give it ``default_request(engine)`` too and the server checks its defaults
+against every engine at startup.
 """
 
 from __future__ import annotations
@@ -71,9 +73,28 @@ def _context(obs: dict[str, Any], encoder: Encoder | None) -> Tensor:
 
 
 def _array(key: str, value: Any) -> np.ndarray:
+    """A numeric numpy array in native byte order (what torch can read without a copy)."""
     if not isinstance(value, np.ndarray):
         raise TypeError(f"observation[{key!r}] must be a numpy array, got {type(value).__name__}")
+    if value.dtype.kind not in "biuf":
+        raise TypeError(
+            f"observation[{key!r}] is a {value.dtype} array; send numbers (float32 latents)"
+        )
+    if not value.dtype.isnative:
+        raise ValueError(
+            f"observation[{key!r}] is {value.dtype.str}, not in this machine's byte order; "
+            f"send {value.dtype.newbyteorder('=').str} (array.astype(array.dtype.newbyteorder('=')))"
+        )
     return value
+
+
+def _frame(engine: Any) -> tuple[int, ...]:
+    """The latent frame ``(C, H, W)`` an engine's model takes (a `VideoModel` says it, the
+    reference DiT's config has it)."""
+    model = engine.model
+    if hasattr(model, "frame_shape"):
+        return tuple(model.frame_shape)
+    return (model.config.latent_channels, *model.config.latent_hw)
 
 
 def _fields(obs: dict[str, Any], known: frozenset[str], defaults: dict[str, int]) -> dict[str, Any]:
@@ -128,6 +149,13 @@ class DiTAdapter:
             **fields,
         )
 
+    def default_request(self, engine: Any) -> Request:
+        """The request an observation with no context and no overrides becomes; the server
+        builds it at startup for each engine (`PolicyServer`): an engine that refuses it
+        would refuse every such observation, so the server refuses to start instead."""
+        return Request(context=torch.zeros(0, *_frame(engine)), frames=self.frames,
+                       actions=self.actions, steps=self.steps, seed=self.seed)  # fmt: skip
+
     def reply(self, result: Result) -> dict[str, Any]:
         out = {"actions": to_host(result.action.detach()).float().numpy()}
         if self.latents:
@@ -139,7 +167,7 @@ class DiTAdapter:
 class WanAdapter:
     """Observations for a `VideoEngine` serving a diffusers Wan (`ServedWan`): the prompt
     goes through ``text_encoder`` (str -> ``(L, D_txt)``), or the robot sends ready embeddings
-    as ``"text"``; the reply is ``{"latents": (frames, C, H, W)}`` (a Wan has no action head).
+    as ``"text"`` (not both: one would be dropped); the reply is ``{"latents": (frames, C, H, W)}`` (a Wan has no action head).
     The episode keys work as for `DiTAdapter` (a `VideoRequest` has no session to cache)."""
 
     text_encoder: Callable[[str], Tensor] | None = None
@@ -159,6 +187,11 @@ class WanAdapter:
     def request(self, observation: dict[str, Any], session: str) -> VideoRequest:
         defaults = {"frames": self.frames, "steps": self.steps, "seed": self.seed}
         fields = _fields(observation, self.KEYS, defaults)
+        if "text" in observation and "prompt" in observation:
+            raise ValueError(
+                "an observation has both 'text' (ready embeddings) and 'prompt'; send one: the "
+                "prompt goes through the server's text encoder, 'text' replaces it"
+            )
         if "text" in observation:
             text = torch.from_numpy(_array("text", observation["text"]).copy())
         elif self.text_encoder is not None:
@@ -167,6 +200,13 @@ class WanAdapter:
             raise ValueError("this server has no text encoder; send the prompt's embeddings "
                              "as 'text' (L, D_txt)")  # fmt: skip
         return VideoRequest(text=text, context=_context(observation, self.encoder), **fields)
+
+    def default_request(self, engine: Any) -> VideoRequest:
+        """The request an observation with no context and no overrides becomes, with one
+        row of zero text (the prompt's encoding is the robot's): see `DiTAdapter`'s."""
+        text = torch.zeros(1, getattr(engine.model, "text_dim", 1))
+        return VideoRequest(text=text, context=torch.zeros(0, *_frame(engine)),
+                            frames=self.frames, steps=self.steps, seed=self.seed)  # fmt: skip
 
     def reply(self, result: Result) -> dict[str, Any]:
         return {"latents": to_host(result.latents.detach()).float().numpy()}

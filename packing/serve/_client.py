@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from packing._validate import check_int
+from packing.serve._config import check_seconds
 from packing.serve._wire import decode, encode
 
 __all__ = ["PolicyClient", "ServerError"]
@@ -25,7 +27,9 @@ class ServerError(RuntimeError):
 
 
 class PolicyClient:
-    """``PolicyClient(host, port, api_key=None, timeout_s=60)``: one robot's connection."""
+    """``PolicyClient(host, port, api_key=None, timeout_s=60)``: one robot's connection.
+    ``timeout_s`` bounds the connect and each reply (a real number in (0, 86400]);
+    ``max_message_bytes`` the largest reply read."""
 
     def __init__(
         self,
@@ -36,6 +40,14 @@ class PolicyClient:
         timeout_s: float = 60.0,
         max_message_bytes: int = 256 * 2**20,
     ) -> None:
+        if not isinstance(host, str) or not host:
+            raise TypeError(f"PolicyClient host={host!r} must be a host name or address")
+        check_int("PolicyClient port", port, min=1, max=65535)
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise TypeError("PolicyClient api_key must be a non-empty str or None")
+        timeout_s = check_seconds("PolicyClient timeout_s", timeout_s, hint="each call's limit")
+        max_message_bytes = check_int("PolicyClient max_message_bytes", max_message_bytes,
+                                      min=1, max=1 << 40)  # fmt: skip
         try:
             from websockets.sync.client import connect
         except ImportError as e:

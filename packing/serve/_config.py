@@ -7,7 +7,9 @@ with code 1009 before its payload is read; a connection buffers at most 2 frames
 for messages stays under ``max_connections * 3 * max_message_bytes``), ``max_connections`` is
 checked in the handshake,
 ``max_queue`` bounds the requests waiting or running per engine (one more gets a "busy"
-reply at once), ``deadline_s`` cancels a request that has not finished in time.
+reply at once), ``deadline_s`` cancels a request that has not finished in time, ``drain_s``
+bounds how long a shutdown waits for the replies it owes. Every duration is at most a day
+(`MAX_SECONDS`); ``summary_every_s`` at least 0.1 s.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from typing import Any
 
 from packing._validate import check_int, check_real
 
-__all__ = ["ServerConfig"]
+__all__ = ["MAX_SECONDS", "MIN_SUMMARY_S", "ServerConfig", "check_seconds"]
+
+MAX_SECONDS = 86_400.0  # a day: the longest timeout, deadline or drain the server takes
+MIN_SUMMARY_S = 0.1  # at most ten summary lines a second (1e-6 logged 30,000 a second)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,13 +60,30 @@ class ServerConfig:
         for name, top in (("max_message_bytes", 1 << 40), ("max_connections", 1 << 20),
                           ("max_queue", 1 << 20)):  # fmt: skip
             check_int(f"ServerConfig.{name}", getattr(self, name), min=1, max=top)
-        check_real("ServerConfig.drain_s", self.drain_s, min=0.0)
-        for name in ("deadline_s", "send_timeout_s", "handshake_timeout_s", "summary_every_s"):
-            check_real(f"ServerConfig.{name}", getattr(self, name), above=0.0)
+        check_seconds("ServerConfig.drain_s", self.drain_s, min=0.0)
+        for name in ("deadline_s", "send_timeout_s", "handshake_timeout_s"):
+            check_seconds(f"ServerConfig.{name}", getattr(self, name))
+        check_seconds("ServerConfig.summary_every_s", self.summary_every_s, min=MIN_SUMMARY_S,
+                      hint="one summary log line per period")  # fmt: skip
         if not isinstance(self.metadata, dict) or not all(
             isinstance(k, str) for k in self.metadata
         ):
             raise TypeError("ServerConfig.metadata must be a dict with str keys")
+
+
+def check_seconds(
+    name: str, value: Any, *, min: float | None = None, hint: str = "a duration"
+) -> float:
+    """A duration in seconds: a real number > 0 (>= ``min`` when given) and at most
+    `MAX_SECONDS`, a day: asyncio and threading refuse (OverflowError) a timeout far past
+    that, and no wait of the server is meant to last longer."""
+    if min is None:
+        value = check_real(name, value, above=0.0, hint=hint)
+    else:
+        value = check_real(name, value, min=min, hint=hint)
+    if value > MAX_SECONDS:
+        raise ValueError(f"{name}={value!r} must be <= {MAX_SECONDS} s (a day) ({hint})")
+    return value
 
 
 def _loopback(host: str) -> bool:

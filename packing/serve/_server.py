@@ -19,8 +19,10 @@ Safe by default (`ServerConfig`): binds 127.0.0.1; any other address needs an AP
 (``Authorization: Api-Key <key>``, compared in constant time); message size, connections and
 queued requests are bounded and checked before anything is allocated; a bad message gets one
 line back (a text frame: openpi-client raises it) and the server goes on; tracebacks stay in
-the log. SIGINT/SIGTERM (`serve_forever`) or `stop` closes the listener at once, lets the
-requests in flight finish and answers them, then closes the connections.
+the log. SIGINT/SIGTERM (`serve_forever`) or `stop` drains: ``/healthz`` answers 503 and
+new connections and messages are refused, every reply owed (a message already received) is
+sent, within ``drain_s``, then the connections close. At construction the server refuses
+an engine listed twice and an engine that refuses the adapter's default request.
 """
 
 from __future__ import annotations
@@ -99,9 +101,15 @@ class PolicyServer:
         listed = list(engines) if isinstance(engines, Sequence) else [engines]
         if not listed:
             raise ValueError("PolicyServer needs at least one engine")
-        for e in listed:
+        for i, e in enumerate(listed):
             if not all(hasattr(e, n) for n in ("submit", "step", "cancel", "end_session")):
                 raise TypeError(f"{type(e).__name__} is not an engine (Engine or VideoEngine)")
+            if any(e is other for other in listed[:i]):  # two loops would step one engine
+                raise ValueError(
+                    f"PolicyServer engines: engine {i} is engine "
+                    f"{next(j for j, o in enumerate(listed) if o is e)} again ([engine] * 2?); "
+                    "an engine serves one slot: build one engine per GPU"
+                )
         if adapter is None:
             if not all(isinstance(e, Engine) for e in listed):
                 raise ValueError("a VideoEngine needs an adapter: pass adapter=WanAdapter(...)")
@@ -112,6 +120,8 @@ class PolicyServer:
             encode(self.config.metadata)
         except (TypeError, ValueError) as e:
             raise TypeError(f"ServerConfig.metadata cannot be sent: {e}") from None
+        for i, e in enumerate(listed):
+            _check_default_request(adapter, e, i)
         self.adapter = adapter
         self.engines = listed
         self.loops = [EngineLoop(e, name=f"engine {i}", max_queue=self.config.max_queue)
@@ -120,6 +130,8 @@ class PolicyServer:
         self._ids = itertools.count()
         self._open = 0
         self._draining = False
+        self._owed = 0  # messages received and not yet answered (their reply not sent)
+        self._settled: asyncio.Event | None = None  # set while nothing is owed
         self._ready = threading.Event()
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
@@ -151,7 +163,7 @@ class PolicyServer:
             yield self.address
         finally:
             self.stop()
-            thread.join(self.config.drain_s + 15)
+            thread.join(self.config.drain_s + 30)  # the drain, then the engines' stop (10 s)
 
     def stop(self) -> None:
         """Drain and stop (thread-safe; what SIGINT/SIGTERM do)."""
@@ -168,6 +180,8 @@ class PolicyServer:
         ws = _websockets()
         cfg = self.config
         self._aloop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        self._settled = asyncio.Event()
+        self._settled.set()
         for loop in self.loops:
             loop.start()
         try:
@@ -193,15 +207,35 @@ class PolicyServer:
         log.info("stopped: %s", self.summary())
 
     async def _drain(self, server: Any) -> None:
-        """Stop accepting, let the requests in flight finish and be sent, then close."""
+        """Refuse new work, send every reply owed, then close.
+
+        While draining the listener stays open: ``/healthz`` answers 503, a new connection is
+        refused in its handshake (503) and a new message gets one line ("shutting down").
+        The replies owed are those of the messages already received: the drain waits for
+        each to be sent (not for a clock), at most ``drain_s``; then the engines stop, which
+        answers what is left with one line, and the connections close."""
         self._draining = True
-        server.server.close()  # the listening sockets: no new connection from here on
-        give_up = time.monotonic() + self.config.drain_s
-        while any(loop.outstanding for loop in self.loops) and time.monotonic() < give_up:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # the last replies leave their handlers
+        assert self._settled is not None
+        try:
+            await asyncio.wait_for(self._settled.wait(), self.config.drain_s)
+        except TimeoutError:
+            log.warning("drain_s=%s passed with %d replies owed; stopping the engines",
+                        self.config.drain_s, self._owed)  # fmt: skip
+            for loop in self.loops:  # answers their requests: "the server stopped ..."
+                await asyncio.to_thread(loop.stop)
+            with contextlib.suppress(TimeoutError):  # those lines leave their handlers
+                await asyncio.wait_for(self._settled.wait(), 5.0)
         server.close(close_connections=True, reason="server shutting down")
         await server.wait_closed()
+
+    def _owe(self, n: int) -> None:
+        """Count a reply owed (+1, a message received) or sent (-1)."""
+        assert self._settled is not None
+        self._owed += n
+        if self._owed:
+            self._settled.clear()
+        else:
+            self._settled.set()
 
     async def _summaries(self) -> None:
         while True:
@@ -245,10 +279,14 @@ class PolicyServer:
             await ws.send(encode(self.config.metadata))
             while True:
                 data = await ws.recv()
-                reply = await self._answer(robot, data, closed)
-                if reply is None:
-                    break  # the client left while its request ran
-                await asyncio.wait_for(ws.send(reply), self.config.send_timeout_s)
+                self._owe(+1)
+                try:
+                    reply = await self._answer(robot, data, closed)
+                    if reply is None:
+                        break  # the client left while its request ran
+                    await asyncio.wait_for(ws.send(reply), self.config.send_timeout_s)
+                finally:
+                    self._owe(-1)
         except Exception as e:  # closed, a send timeout: this connection only
             if not _closed_error(e):
                 log.warning("robot %d: %s: %s", robot.id, type(e).__name__, e)
@@ -305,6 +343,23 @@ class PolicyServer:
         if control == "end":
             robot.next_episode()
         return encode(reply)
+
+
+def _check_default_request(adapter: Any, engine: Any, i: int) -> None:
+    """Refuse to start when engine ``i`` refuses the adapter's default request (an adapter
+    with ``default_request``, an engine with packing's ``submit`` checks): every observation
+    that does not override the defaults would be refused, one error reply at a time."""
+    build, check = getattr(adapter, "default_request", None), getattr(engine, "_check", None)
+    if build is None or check is None:
+        return
+    try:
+        check(build(engine))
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"engine {i} refuses the adapter's default request, so every observation without "
+            f"its own values would be refused: {_one_line(e)} (fix the adapter's defaults or "
+            "the engine; packing serve: --frames, --actions, --steps, --shape, --max-steps)"
+        ) from None
 
 
 def _closed_error(e: BaseException) -> bool:

@@ -119,22 +119,20 @@ class EngineLoop:
                 while not (self._inbox or self._cancelled or self._ended or self._stop
                            or self._jobs):  # fmt: skip
                     self._cv.wait()
-                if self._stop:
-                    break
-                inbox, self._inbox = self._inbox, []
+                inbox, self._inbox = ([], self._inbox) if self._stop else (self._inbox, [])
                 cancelled, self._cancelled = self._cancelled, []
                 ended, self._ended = self._ended, []
+                stop = self._stop
+            if stop:  # the sessions that ended are still freed (a disconnect at shutdown)
+                self._end_sessions(ended)
+                break
             for job in inbox:
                 self._submit(job)
             for job in cancelled:
                 if job.rid is not None and self._jobs.pop(job.rid, None) is not None:
                     self.engine.cancel(job.rid)
                     self._resolve(job, Outcome(error="the client left"))
-            for session in ended:
-                try:
-                    self.engine.end_session(session)
-                except Exception:
-                    log.exception("%s: end_session(%r) failed", self.name, session)
+            self._end_sessions(ended)
             self._expire(time.monotonic())
             if self._jobs:
                 self._step()
@@ -142,6 +140,13 @@ class EngineLoop:
                 self._lost()
         for job in [*self._jobs.values(), *self._inbox]:  # stopped: nothing is left hanging
             self._resolve(job, Outcome(error="the server stopped before this request finished"))
+
+    def _end_sessions(self, ended: list[str]) -> None:
+        for session in ended:
+            try:
+                self.engine.end_session(session)
+            except Exception:
+                log.exception("%s: end_session(%r) failed", self.name, session)
 
     def _submit(self, job: Job) -> None:
         try:
