@@ -44,7 +44,8 @@ Key = str | int  # a session's name, or the id of a request without a session
 class ContextCache:
     """``EngineConfig(context_cache=ContextCache(pages=..., page_frames=...))``: a pool of
     ``pages`` pages of ``page_frames`` latent frames each (per layer, keys and values), fixed at
-    construction; ``prefill_frames``: the sizes, in context frames, of a prefill pass (each
+    construction (at most ``MAX_FRAMES`` frames in all; the engine refuses a pool larger than
+    the device's free memory, naming its bytes); ``prefill_frames``: the sizes, in context frames, of a prefill pass (each
     one static shape, compiled and captured once; a pass takes the smallest size that holds
     the frames left to prefill, else the largest, so a session's two new frames do not pay for
     a 32-frame pass and a fresh 80-frame context takes three).
@@ -59,9 +60,17 @@ class ContextCache:
     prefill_frames: int | tuple[int, ...] = (4, 32)
 
     def __post_init__(self) -> None:
-        for name, top in (("pages", 1 << 24), ("page_frames", MAX_FRAMES)):
-            v = check_int(f"ContextCache.{name}", getattr(self, name), min=1, max=top)
+        for name in ("pages", "page_frames"):
+            v = check_int(f"ContextCache.{name}", getattr(self, name), min=1, max=MAX_FRAMES,
+                          hint="a pool holds at most MAX_FRAMES frames; lower it")  # fmt: skip
             object.__setattr__(self, name, v)
+        if self.pages * self.page_frames > MAX_FRAMES:  # the pool is allocated whole
+            raise ValueError(
+                f"ContextCache.pages={self.pages:,} x page_frames={self.page_frames} = "
+                f"{self.pages * self.page_frames:,} frames, more than the {MAX_FRAMES:,} a pool "
+                "may hold; lower pages (the engine also checks the pool's bytes against the "
+                "device's free memory)"
+            )
         sizes = self.prefill_frames
         sizes = (sizes,) if not isinstance(sizes, tuple | list) else tuple(sizes)
         if not sizes:

@@ -28,6 +28,7 @@ from packing.model import DiT
 from packing.serve._batching import _log
 from packing.serve._cache import CachedShape, Key, PagePool, frame_hashes, pages_for
 from packing.serve._cached_step import DevicePool, PrefillBlock, cached_step, prefill_step
+from packing.serve._device import bounded
 from packing.serve._engine import Engine, EngineConfig, _Member
 from packing.serve._pack import PackShape
 from packing.serve._request import Request
@@ -74,7 +75,8 @@ class CachedEngine(Engine):
         tail = max([s.frames * tpf + s.actions for s in self.shapes] + [cc.pass_sizes[-1] * tpf])
         self.cache = cc
         self.pages = PagePool(cc.pages, cc.page_frames)
-        self.pool = DevicePool(model, cc, tail, self.device)
+        self.pool = bounded(lambda dev: DevicePool(model, cc, tail, dev), self.device,
+                            "the context cache's pool", "ContextCache.pages")  # fmt: skip
         self._prefill_graphs: dict[object, GraphedStep] = {}  # (shape, pass tokens)
         self.cache_stats = {"prefilled_frames": 0, "reused_frames": 0, "prefill_passes": 0}
 

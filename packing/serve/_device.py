@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["allocate", "pinned", "quarantine", "to_host"]
+__all__ = ["allocate", "bounded", "pinned", "quarantine", "to_host"]
 
 S = TypeVar("S")  # the pack shape type
 B = TypeVar("B")  # an engine's static buffers
@@ -92,6 +92,25 @@ def allocate(
             f"allocating the engine's static buffers on {device} failed ({err}); lower the pack "
             f"shapes or {steps}"
         ) from err
+
+
+def bounded(
+    build: Callable[[torch.device], B], device: torch.device, what: str, field: str
+) -> B:
+    """``build(device)``, once its tensors (counted on the meta device first) fit the
+    device's free memory; else a ValueError naming their bytes and ``field`` to lower,
+    instead of the allocator's error (or the host's OOM killer) inside torch."""
+    need = _nbytes(vars(build(torch.device("meta"))))
+    free = _free_bytes(device)
+    if need > free:
+        raise ValueError(
+            f"{what} needs {_gib(need)} on {device}, more than the {_gib(free)} free; "
+            f"lower {field}"
+        )
+    try:
+        return build(device)
+    except (RuntimeError, MemoryError) as err:  # what the allocator raises when it cannot
+        raise ValueError(f"allocating {what} on {device} failed ({err}); lower {field}") from err
 
 
 def _nbytes(value: Any) -> int:

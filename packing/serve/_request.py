@@ -15,6 +15,7 @@ computed on the host at admission, never with a device-side ``nonzero``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
@@ -104,14 +105,15 @@ def check_carried(
 
 
 def check_task(task: str, text_len: int) -> None:
-    """The model reads ``text_len`` tokens of a task, ``[BOS]`` and ``text_len - 1`` UTF-8
-    bytes (`packing.model.text_tokens`): a longer task is refused, not cut."""
-    n = len(task.encode("utf-8"))
-    if n > text_len - 1:
-        raise ValueError(
-            f"Request.task is {n} bytes in UTF-8, more than the {text_len - 1} the model reads "
-            f"(DiTConfig.text_len={text_len}: [BOS] and {text_len - 1} bytes); shorten the "
-            "prompt, or serve a model built with a larger text_len"
+    """The reference DiT reads ``text_len`` tokens of a task, ``[BOS]`` and the first
+    ``text_len - 1`` UTF-8 bytes (`packing.model.text_tokens`, in training as in serving): a
+    longer task is served so, with a warning (once per ``text_len``), never cut silently."""
+    if len(task.encode("utf-8")) > text_len - 1:
+        warnings.warn(
+            f"Request.task is longer than the {text_len - 1} UTF-8 bytes the model reads "
+            f"(DiTConfig.text_len={text_len}: [BOS] and {text_len - 1} bytes, as in training); "
+            "the rest is not read: shorten the prompt, or serve a model with a larger text_len",
+            stacklevel=4,
         )
 
 
