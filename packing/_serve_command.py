@@ -75,17 +75,18 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)
-    if args.max_message_mb <= 0:
-        raise ValueError(f"--max-message-mb {args.max_message_mb} must be > 0")
-    config = ServerConfig(
+    config = _flags(ServerConfig, lambda: ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None,
-        max_message_bytes=int(args.max_message_mb * 2**20), max_connections=args.max_connections,
-        max_queue=args.max_queue, deadline_s=args.deadline_s, drain_s=args.drain_s,
-        summary_every_s=args.summary_every_s,
+        max_message_bytes=_message_bytes(args.max_message_mb),
+        max_connections=args.max_connections, max_queue=args.max_queue,
+        deadline_s=args.deadline_s, drain_s=args.drain_s, summary_every_s=args.summary_every_s,
         metadata={"model": args.model, "frames": args.frames, "actions": args.actions,
                   "steps": args.steps},
-    )  # fmt: skip
-    built = [_build(args, device) for device in (args.device or ["cpu"])]
+    ), {"max_message_bytes": "--max-message-mb"})  # fmt: skip
+    from packing.verify._command import check_device
+
+    devices = [check_device(d) for d in (args.device or ["cpu"])]  # --device: one line each
+    built = [_build(args, str(device)) for device in devices]
     engines = [engine for engine, _ in built]
     model_config = getattr(getattr(engines[0], "model", None), "config", None)
     if model_config is not None:  # a robot reads what to send from the metadata
@@ -118,13 +119,17 @@ def _build(args: argparse.Namespace, device: str) -> tuple[Any, Any]:
                              "builds its own (EngineConfig(context_cache=ContextCache(...)))")  # fmt: skip
         from packing.verify._command import load_factory
 
-        out = load_factory(args.model)(device)
+        factory = load_factory(args.model)
+        try:
+            out = factory(device)
+        except Exception as e:  # the user's code: exit 2 naming it (--traceback shows where)
+            raise ValueError(f"--model {args.model}: the factory raised {type(e).__name__}: "
+                             f"{e}; fix the factory (it is called with the device string)") from e  # fmt: skip
         return out if isinstance(out, tuple) else (out, None)
     torch.manual_seed(0)  # the same random weights in every engine without a checkpoint
     model = DiT(getattr(DiTConfig, args.model)(frame_causal=args.mask == "frame-causal"))
     if args.checkpoint is not None:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)  # no pickle code
-        model.load_state_dict(state)
+        _load_checkpoint(model, args.checkpoint)
     model = model.to(device, getattr(torch, args.dtype)).eval()
     if args.compile:
         for block in model.blocks:
@@ -139,6 +144,58 @@ def _build(args: argparse.Namespace, device: str) -> tuple[Any, Any]:
             raise
         raise ValueError(f"--context-cache: {e} (packing serve: --mask frame-causal, for a "
                          "model trained so)") from e  # fmt: skip
+
+
+def _flags(cls: type, build: Any, renamed: dict[str, str] | None = None) -> Any:
+    """``build()``, its errors naming the flag (``ServerConfig.drain_s`` -> ``--drain-s``)."""
+    import dataclasses
+
+    try:
+        return build()
+    except (ValueError, TypeError) as e:
+        text = str(e)
+        for f in dataclasses.fields(cls):
+            flag = (renamed or {}).get(f.name, "--" + f.name.replace("_", "-"))
+            text = text.replace(f"{cls.__name__}.{f.name}", flag)
+        raise type(e)(text) from e
+
+
+def _message_bytes(mb: float) -> int:
+    """``--max-message-mb`` in bytes: a finite number of MB, one byte to 1 TiB."""
+    import math
+
+    if not math.isfinite(mb) or not 1 <= mb * 2**20 <= 2**40:
+        raise ValueError(f"--max-message-mb {mb} must be a finite size from one byte to 1048576 "
+                         "MB (1 TiB): a websocket frame's limit (default 64)")  # fmt: skip
+    return int(mb * 2**20)
+
+
+def _load_checkpoint(model: Any, path: str) -> None:
+    """``--checkpoint``: a state_dict file of the preset's parameters, or one line saying why
+    not (missing, not a torch file, or other keys or shapes than the preset's)."""
+    import pickle
+
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)  # no pickle code
+    except FileNotFoundError:
+        raise ValueError(f"--checkpoint {path}: no such file; give the .pt file "
+                         "torch.save(model.state_dict(), path) wrote") from None  # fmt: skip
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+        raise ValueError(f"--checkpoint {path}: not a torch state_dict file "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); give the "
+                         "file torch.save(model.state_dict(), path) wrote") from None  # fmt: skip
+    if not isinstance(state, dict):
+        raise ValueError(f"--checkpoint {path} holds a {type(state).__name__}, not a "
+                         "state_dict; save model.state_dict()")  # fmt: skip
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # missing, unexpected or mis-shaped keys
+        first = " ".join(str(e).split())[:300]
+        raise ValueError(f"--checkpoint {path} does not fit the --model preset: {first}; "
+                         "give the preset's checkpoint "
+                         "(the same --model and --mask it was trained with)") from None  # fmt: skip
 
 
 def _context_cache(args: argparse.Namespace) -> Any:
@@ -159,7 +216,8 @@ def _context_cache(args: argparse.Namespace) -> Any:
         extra["page_frames"] = args.page_frames
     if args.prefill_frames is not None:
         extra["prefill_frames"] = tuple(args.prefill_frames)
-    return ContextCache(pages=args.context_cache, **extra)
+    renamed = {"pages": "--context-cache"}
+    return _flags(ContextCache, lambda: ContextCache(pages=args.context_cache, **extra), renamed)
 
 
 def _shapes(args: argparse.Namespace, cached: bool = False) -> tuple[Any, ...]:
