@@ -373,12 +373,12 @@ def test_a_robots_bad_observation_changes_nothing_for_the_other_robots():
         e.gate.set()
         for t in threads:
             t.join(2 * T)
-    assert isinstance(out[-1], ServerError), out[-1]
-    assert "'context' holds 1e+39 at index (1, 2, 3, 4)" in str(out[-1])
-    assert "beyond float32's range" in str(out[-1])
     for k, obs in enumerate(good):
         assert not isinstance(out[k], ServerError), out[k]
         assert_alone(obs, out[k])
+    assert isinstance(out[-1], ServerError), out[-1]
+    assert "'context' holds 1e+39 at index (1, 2, 3, 4)" in str(out[-1])
+    assert "beyond float32's range" in str(out[-1])
 
 
 class _SlowReply(DiTAdapter):
@@ -434,9 +434,17 @@ def test_shutdown_sends_the_reply_it_owes_and_healthz_says_draining():
 
 
 def _serve_main(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
+    """``packing serve FLAGS`` in this process; a server that would start raises instead of
+    serving forever (the test then fails, it does not hang)."""
     from packing.cli import main
+    from packing.serve import PolicyServer
 
-    code = main(["serve", "--port", "0", *flags])
+    def started(self: Any) -> None:
+        raise AssertionError(f"packing serve {' '.join(flags)} started a server")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(PolicyServer, "serve_forever", started)
+        code = main(["serve", "--port", "0", *flags])
     return code, capsys.readouterr().err
 
 

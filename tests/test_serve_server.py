@@ -42,8 +42,9 @@ T = 20.0  # every client call's time limit
 
 
 def server(e=None, **config) -> PolicyServer:
+    config = {"drain_s": 5.0, **config}
     return PolicyServer(e if e is not None else engine(), ADAPTER,
-                        ServerConfig(port=0, drain_s=5.0, **config))  # fmt: skip
+                        ServerConfig(port=0, **config))  # fmt: skip
 
 
 def robots(address, observations, **kw) -> list:
@@ -311,18 +312,33 @@ def test_two_engines_each_robot_sticks_to_one():
 
 
 def test_stop_drains_in_flight_requests_then_refuses_connections():
-    e = SlowEngine(*_engine_args())
-    e.delay_s = 0.02
-    srv = server(e)
+    """Deterministic under load: the request is held in its model call by a gate (an event,
+    not a clock) while the server drains, and drain_s is far longer than any wait here."""
+    e = GateEngine(*_engine_args())
+    stepping = threading.Event()
+    step = e.step
+    e.step = lambda: (stepping.set(), step())[1]  # type: ignore[method-assign]
+    srv = server(e, drain_s=T)
     out: list = []
     with srv.running() as address:
         t = threading.Thread(target=lambda: out.append(one(address, observation(1, steps=30))))
         t.start()
-        wait_until(lambda: e.active == 1)
+        assert stepping.wait(T)  # in the engine, its model call held by the gate
+        srv.stop()
+        wait_until(lambda: _status(address) == 503, T)  # draining: /healthz says so
+        with pytest.raises(InvalidStatus, match="503"):
+            PolicyClient(*address, timeout_s=T)  # refused while draining
+        e.gate.set()  # now the request may finish: it is answered although stop came first
     t.join(T)
-    assert_alone(observation(1, steps=30), out[0])  # answered although stop came first
+    assert_alone(observation(1, steps=30), out[0])
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(address, timeout=T)
+
+
+def _status(address) -> int:
+    h = http.client.HTTPConnection(*address, timeout=T)
+    h.request("GET", "/healthz")
+    return h.getresponse().status
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -19,8 +19,9 @@ B = TypeVar("B")  # an engine's static buffers
 
 def pinned(src: Tensor, device: torch.device) -> Tensor:
     """``src`` (host) ready for a ``non_blocking`` copy to ``device``: pinned when the device
-    is CUDA, because from pageable memory a "non-blocking" copy first waits for the stream
-    (every kernel queued before it), which is a host sync in all but name."""
+    is CUDA, because from pageable memory a "non-blocking" copy may first wait for the stream
+    (every kernel queued before it; CUDA: "might be synchronous", the driver's choice, e.g. by
+    size), which is a host sync in all but name; from pinned memory it never does."""
     return src.pin_memory() if device.type == "cuda" else src
 
 
