@@ -338,6 +338,8 @@ NOT_CALLED: dict[str, str] = {
     "packing.serve.PolicyClient.infer": "a network call (tests/test_serve_server.py)",
     "packing.serve.DiTAdapter.request": "takes a client's observation (tests/test_serve_server.py)",
     "packing.serve.DiTAdapter.reply": "takes the engine's Result (tests/test_serve_server.py)",
+    "packing.serve.DiTAdapter.default_request": "takes an engine (tests/test_serve_boundaries.py)",
+    "packing.serve.WanAdapter.default_request": "takes an engine (tests/test_serve_boundaries.py)",
     "packing.serve.WanAdapter.request": "takes a client's observation (tests/test_serve_server.py)",
     "packing.serve.WanAdapter.reply": "takes the engine's Result (tests/test_serve_server.py)",
     "packing.serve.PolicyServer": "needs an engine and a port (tests/test_serve_server.py)",
@@ -572,3 +574,75 @@ def test_allowances_are_still_needed() -> None:
             if _verdict(e, key[1]) is None:
                 stale.append(key)
     assert not stale, f"these values are refused now; remove their ALLOWED entries: {stale}"
+
+
+# -- the server's configuration: ServerConfig, PolicyServer, PolicyClient ----------------------
+# The generic kinds above cover types, NaN and inf; a server also needs its values bounded
+# (a duration asyncio cannot wait for, a summary period that floods the log) and its
+# arguments checked together (one engine listed twice). Each case: packing's own error
+# naming the parameter, before anything is allocated or connected.
+def _tiny_engine() -> Any:
+    from packing.model import DiT, DiTConfig
+    from packing.serve import Engine, EngineConfig, PackShape
+
+    torch.manual_seed(0)
+    model = DiT(DiTConfig.tiny(latent_channels=4, latent_hw=(2, 2), action_dim=2)).eval()
+    return Engine(model, EngineConfig(shapes=(PackShape(frames=4, actions=8, requests=2),)))
+
+
+_DURATIONS = ("deadline_s", "drain_s", "send_timeout_s", "handshake_timeout_s", "summary_every_s")
+SERVER_CASES: list[tuple[str, str, Any]] = [
+    *[("ServerConfig", n, v) for n in _DURATIONS for v in (1e300, 86_400.5, -1.0, math.inf)],
+    *[("ServerConfig", name, 0.0) for name in _DURATIONS if name != "drain_s"],
+    ("ServerConfig", "summary_every_s", 1e-6),
+    ("ServerConfig", "max_message_bytes", 2**41),
+    ("ServerConfig", "max_connections", 0),
+    ("ServerConfig", "host", ""),
+    ("ServerConfig", "api_key", "two words\n"),
+    ("ServerConfig", "metadata", {1: "a"}),
+    ("PolicyServer", "engines", []),
+    ("PolicyServer", "engines", "engine"),
+    ("PolicyServer", "engines", "twice"),  # [engine, engine]
+    ("PolicyServer", "adapter", object()),
+    ("PolicyServer", "adapter", "refused"),  # defaults the engine refuses
+    ("PolicyServer", "config", {"port": 0}),
+    *[("PolicyClient", "timeout_s", v) for v in (-1, "5", 0, math.nan, math.inf, 1e300, True)],
+    *[("PolicyClient", "port", v) for v in (0, 70_000, "80", 2.5)],
+    ("PolicyClient", "host", ""),
+    ("PolicyClient", "host", 3),
+    ("PolicyClient", "api_key", ""),
+    *[("PolicyClient", "max_message_bytes", v) for v in (0, 2.5, 2**70)],
+]
+
+
+def _server_call(name: str, param: str, value: Any) -> BaseException | None:
+    import packing.serve as S
+
+    try:
+        if name == "ServerConfig":
+            S.ServerConfig(**{param: value})
+        elif name == "PolicyClient":
+            S.PolicyClient(**{param: value})
+        else:
+            engine, adapter = _tiny_engine(), S.DiTAdapter(actions=2, steps=4)
+            args: dict[str, Any] = {"engines": engine, "adapter": adapter, "config": None}
+            named = {"twice": [engine, engine], "refused": S.DiTAdapter(frames=9)}
+            args[param] = named.get(value, value) if isinstance(value, str) else value
+            S.PolicyServer(args["engines"], args["adapter"], args["config"])
+    except Exception as e:
+        return e
+    return None
+
+
+@pytest.mark.parametrize(("name", "param", "value"), SERVER_CASES, ids=lambda x: str(x)[:30])
+def test_the_servers_configuration_refuses_bad_values_naming_them(name, param, value) -> None:
+    verdict = _verdict(_server_call(name, param, value), param)
+    assert verdict is None, f"{name}({param}={value!r}): {verdict}"
+
+
+def test_the_servers_good_configuration_is_accepted() -> None:
+    """The control: the edges of every bound are accepted (a day, 0.1 s, drain_s=0)."""
+    import packing.serve as S
+
+    S.ServerConfig(deadline_s=86_400, drain_s=0.0, summary_every_s=0.1, send_timeout_s=1e-3)
+    S.PolicyServer(_tiny_engine(), S.DiTAdapter(actions=2, steps=4))

@@ -152,8 +152,10 @@ CROSS_FOLDER_PRIVATE = {
     ("packing/serve/_cached_step.py", "packing.attention._block_tables", "tables_from_flags"),
     # The engine's mask builder for one step, reused by the served Wan for the same masks.
     ("packing/integrations/diffusers/_serve.py", "packing.serve._step", "step_masks"),
-    # The commands' plumbing: the --model factory loader and the torchrun rank entry.
+    # The commands' plumbing: the --model factory loader, the --device check (one message for
+    # verify and serve) and the torchrun rank entry.
     ("packing/_serve_command.py", "packing.verify._command", "load_factory"),
+    ("packing/_serve_command.py", "packing.verify._command", "check_device"),
     ("packing/cli.py", "packing.verify._distributed", "launched_by_torchrun"),
     ("packing/cli.py", "packing.verify._distributed", "verify_rank"),
 }

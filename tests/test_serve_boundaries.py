@@ -141,7 +141,9 @@ def _bad_tensor(good: torch.Tensor, kind: str, index: int, sign: float) -> torch
              "float": torch.float64, "float64": torch.float64, "overflow": torch.float64}  # fmt: skip
     value = good.to(dtype.get(kind, good.dtype))
     if kind in ("nan", "inf", "overflow"):
-        value.view(-1)[index] = {"nan": math.nan, "inf": sign * math.inf, "overflow": sign * 1e39}[kind]
+        value.view(-1)[index] = {"nan": math.nan, "inf": sign * math.inf, "overflow": sign * 1e39}[
+            kind
+        ]
     return value
 
 
@@ -287,8 +289,9 @@ def test_a_context_cache_pool_too_large_is_refused_with_its_bytes(monkeypatch):
     with pytest.raises(ValueError, match=r"the context cache's pool needs [\d.,]+ GiB on cpu, "
                        r"more than the 1\.00 GiB free; lower ContextCache\.pages"):  # fmt: skip
         Engine(_dit(), config)
-    Engine(_dit(), EngineConfig(shapes=(shape,), max_steps=4,
-                                context_cache=ContextCache(pages=64)))  # a pool that fits
+    Engine(
+        _dit(), EngineConfig(shapes=(shape,), max_steps=4, context_cache=ContextCache(pages=64))
+    )  # a pool that fits
 
 
 # -- 5. the server: its engines, its defaults, a bad robot among good ones, its shutdown ------
@@ -416,17 +419,16 @@ def test_shutdown_sends_the_reply_it_owes_and_healthz_says_draining():
     adapter = _SlowReply(frames=1, actions=4, steps=4)
     srv = PolicyServer(engine(), adapter, ServerConfig(port=0, drain_s=T))
     out: list[Any] = []
-    with srv.running() as address:
-        with PolicyClient(*address, timeout_s=T) as c:
-            t = threading.Thread(target=lambda: out.append(c.infer(observation(1))))
-            t.start()
-            assert adapter.replying.wait(T)  # its result is in; the reply is being built
-            srv.stop()
-            wait_until(lambda: _healthz(address) == 503, T)  # draining, and answering so
-            with pytest.raises(InvalidStatus, match="503"):
-                PolicyClient(*address, timeout_s=T)  # no new robot while draining
-            adapter.release.set()
-            t.join(T)
+    with srv.running() as address, PolicyClient(*address, timeout_s=T) as c:
+        t = threading.Thread(target=lambda: out.append(c.infer(observation(1))))
+        t.start()
+        assert adapter.replying.wait(T)  # its result is in; the reply is being built
+        srv.stop()
+        wait_until(lambda: _healthz(address) == 503, T)  # draining, and answering so
+        with pytest.raises(InvalidStatus, match="503"):
+            PolicyClient(*address, timeout_s=T)  # no new robot while draining
+        adapter.release.set()
+        t.join(T)
     assert len(out) == 1
     assert_alone(observation(1), out[0])
     with pytest.raises(ConnectionRefusedError):
@@ -458,13 +460,21 @@ def raising_factory(device: str) -> Any:
     [
         (["--max-message-mb", "inf"], r"--max-message-mb inf must be a finite size"),
         (["--checkpoint", "{tmp}/missing.pt"], r"--checkpoint \S+missing\.pt: no such file"),
-        (["--checkpoint", "{tmp}/garbage.pt"], r"--checkpoint \S+garbage\.pt: not a torch "
-                                               r"state_dict file"),
-        (["--checkpoint", "{tmp}/keys.pt"], r"--checkpoint \S+keys\.pt does not fit the "
-                                            r"--model preset: .*Missing key"),
-        (["--model", "test_serve_boundaries:raising_factory"],
-         r"--model test_serve_boundaries:raising_factory: the factory raised RuntimeError: the "
-         r"checkpoint server is down; fix the factory"),
+        (
+            ["--checkpoint", "{tmp}/garbage.pt"],
+            r"--checkpoint \S+garbage\.pt: not a torch "
+            r"state_dict file",
+        ),
+        (
+            ["--checkpoint", "{tmp}/keys.pt"],
+            r"--checkpoint \S+keys\.pt does not fit the "
+            r"--model preset: .*Missing key",
+        ),
+        (
+            ["--model", "test_serve_boundaries:raising_factory"],
+            r"--model test_serve_boundaries:raising_factory: the factory raised RuntimeError: the "
+            r"checkpoint server is down; fix the factory",
+        ),
         (["--device", "bogus"], r"--device 'bogus' is not a torch device; use cpu, cuda"),
         (["--device", "meta"], r"--device meta: meta is not available here"),
         (["--steps", "100"], r"Request\.steps=100 > EngineConfig\.max_steps=50"),

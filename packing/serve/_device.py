@@ -95,9 +95,7 @@ def allocate(
         ) from err
 
 
-def bounded(
-    build: Callable[[torch.device], B], device: torch.device, what: str, field: str
-) -> B:
+def bounded(build: Callable[[torch.device], B], device: torch.device, what: str, field: str) -> B:
     """``build(device)``, once its tensors (counted on the meta device first) fit the
     device's free memory; else a ValueError naming their bytes and ``field`` to lower,
     instead of the allocator's error (or the host's OOM killer) inside torch."""
@@ -105,8 +103,7 @@ def bounded(
     free = _free_bytes(device)
     if need > free:
         raise ValueError(
-            f"{what} needs {_gib(need)} on {device}, more than the {_gib(free)} free; "
-            f"lower {field}"
+            f"{what} needs {_gib(need)} on {device}, more than the {_gib(free)} free; lower {field}"
         )
     try:
         return build(device)

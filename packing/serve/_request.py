@@ -82,9 +82,7 @@ def check_carried(
             "values, on the cpu or a GPU"
         )
     if value.dtype not in dtypes:
-        raise TypeError(
-            f"{name} is {value.dtype}; pass one of {', '.join(str(d) for d in dtypes)}"
-        )
+        raise TypeError(f"{name} is {value.dtype}; pass one of {', '.join(str(d) for d in dtypes)}")
     if not value.is_floating_point():
         return value
     check_finite(where, key, value, fix=_FIX)

@@ -97,13 +97,15 @@ class PolicyServer:
     ) -> None:
         self.config = config if config is not None else ServerConfig()
         if not isinstance(self.config, ServerConfig):
-            raise TypeError(f"config must be a ServerConfig, got {type(self.config).__name__}")
+            raise TypeError(f"PolicyServer config must be a ServerConfig, got "
+                            f"{type(self.config).__name__}")  # fmt: skip
         listed = list(engines) if isinstance(engines, Sequence) else [engines]
         if not listed:
-            raise ValueError("PolicyServer needs at least one engine")
+            raise ValueError("PolicyServer engines=[]: give at least one engine")
         for i, e in enumerate(listed):
             if not all(hasattr(e, n) for n in ("submit", "step", "cancel", "end_session")):
-                raise TypeError(f"{type(e).__name__} is not an engine (Engine or VideoEngine)")
+                raise TypeError(f"PolicyServer engines: a {type(e).__name__} is not an engine "
+                                "(an Engine or VideoEngine, or a list of them)")  # fmt: skip
             if any(e is other for other in listed[:i]):  # two loops would step one engine
                 raise ValueError(
                     f"PolicyServer engines: engine {i} is engine "
@@ -115,13 +117,14 @@ class PolicyServer:
                 raise ValueError("a VideoEngine needs an adapter: pass adapter=WanAdapter(...)")
             adapter = DiTAdapter()
         if not (hasattr(adapter, "request") and hasattr(adapter, "reply")):
-            raise TypeError(f"adapter {type(adapter).__name__} needs request() and reply()")
+            raise TypeError(f"PolicyServer adapter: a {type(adapter).__name__} has no request() "
+                            "and reply(); pass DiTAdapter(...), WanAdapter(...) or your own")  # fmt: skip
         try:  # every robot gets it on connect: a value msgpack cannot send fails here, once
             encode(self.config.metadata)
         except (TypeError, ValueError) as e:
             raise TypeError(f"ServerConfig.metadata cannot be sent: {e}") from None
-        for i, e in enumerate(listed):
-            _check_default_request(adapter, e, i)
+        for i, engine in enumerate(listed):
+            _check_default_request(adapter, engine, i)
         self.adapter = adapter
         self.engines = listed
         self.loops = [EngineLoop(e, name=f"engine {i}", max_queue=self.config.max_queue)
