@@ -138,8 +138,7 @@ GAINS: tuple[Gain, ...] = (
     ),
     Gain(
         "diffusers_wan_30_blocks_h200.json",
-        "diffusers' Wan 2.2 TI2V 5B (30 blocks), one episode a micro-step + gradient "
-        "accumulation",
+        "diffusers' Wan 2.2 TI2V 5B (30 blocks), one episode a micro-step + gradient accumulation",
         "`install(model)`: one pack a step, the weights untouched",
         _wan_gain,
     ),
@@ -292,9 +291,60 @@ def cache_rows(docs: Docs) -> list[Row]:
 def cache_flops_rows(docs: Docs) -> list[Row]:
     name = "serve_cache_h200.json"
     return [
-        (r["config"], r["mix"], r["case"], f"{r['uncached_tflop']:.1f}",
-         f"{r['cached_tflop']:.2f}", ratio(r["ratio"]), name)  # fmt: skip
+        (
+            r["config"],
+            r["mix"],
+            r["case"],
+            f"{r['uncached_tflop']:.1f}",
+            f"{r['cached_tflop']:.2f}",
+            ratio(r["ratio"]),
+            name,
+        )
         for r in docs[name]["flops"]
+    ]
+
+
+# ---------------------------------------------------------------- verify and encode
+
+# `packing verify --json` reports: (JSON, the set-up, the command that wrote it)
+VERIFY_RUNS = (
+    ("h200_verify_fp32.json", "fp32, Flex", "packing verify --device cuda"),
+    ("h200_verify_bf16.json", "bf16, Flex (Triton), tiny DiT",
+     "packing verify --device cuda --dtype bfloat16"),
+    ("h200_verify_fa4_bf16.json", "bf16, head dim 128, FA4 varlen (`auto`)",
+     "... --model benchmarks.verify_models:head_dim_128"),
+    ("h200_verify_fa4_frame_causal_bf16.json", "bf16, head dim 128, frame-causal (Flex FLASH)",
+     "... --mask frame-causal --model benchmarks.verify_models:head_dim_128"),
+    ("h200_verify_wan_bf16.json", "bf16, a diffusers Wan 2.2 (head dim 128) vs the unmodified model",
+     "... --model benchmarks.verify_models:wan_head_dim_128"),
+    ("h200x2_verify_fsdp_bf16.json", "bf16, two H200s, FSDP2, Flex",
+     "torchrun --nproc-per-node 2 -m packing verify --device cuda --dtype bfloat16"),
+    ("h200x2_verify_fsdp_bf16_hd128.json", "bf16, two H200s, FSDP2, FA4 varlen",
+     "the same + --model benchmarks.verify_models:head_dim_128"),
+)  # fmt: skip
+
+
+def verify_rows(docs: Docs) -> list[Row]:
+    rows: list[Row] = []
+    for name, setup, cmd in VERIFY_RUNS:
+        d = docs[name]
+        result = "PASS" if d["passed"] else "FAIL"
+        cells = (setup, f"`{cmd}`", f"{d['loss_rel']:.1e}", f"{d['grad_cos_min']:.5f}", result)
+        rows.append((*cells, name))
+    return rows
+
+
+def encode_rows(docs: Docs) -> list[Row]:
+    name = "encode_cpu.json"
+    return [
+        (
+            r["method"],
+            f"{r['episodes/s']:.2f} ({spread(r['spread'])})",
+            count(r["frames/s"]),
+            "—" if r["method"].startswith("naive") else ratio(r["vs naive"]),
+            name,
+        )
+        for r in docs[name]["rows"]
     ]
 
 
@@ -348,7 +398,9 @@ def _serve_goal(arm: str, mix: str, least: float) -> Callable[[Doc], tuple[str, 
 
 
 def _bound_goal(doc: Doc) -> tuple[str, bool]:
-    short, long = (by_arm(doc, "packed/graphs", mix=m)["fraction_of_bound"] for m in ("short", "long"))
+    short, long = (
+        by_arm(doc, "packed/graphs", mix=m)["fraction_of_bound"] for m in ("short", "long")
+    )
     return f"{short:.2f} short, {long:.2f} long", min(short, long) >= 0.8
 
 
@@ -435,22 +487,46 @@ TABLES: dict[str, Table] = {
         Table(
             "step_h200",
             ("step_seed_h200.json", "step_short_h200.json"),
-            ("regime", "variant", "attention", "step ms (p10–p90)", "tokens/s", "packed vs it",
-             "MFU of 790 / of 989", "peak GB", "from"),  # fmt: skip
+            (
+                "regime",
+                "variant",
+                "attention",
+                "step ms (p10–p90)",
+                "tokens/s",
+                "packed vs it",
+                "MFU of 790 / of 989",
+                "peak GB",
+                "from",
+            ),
             step_rows,
         ),
         Table(
             "diffusers_wan_h200",
             ("diffusers_wan_30_blocks_h200.json",),
-            ("regime", "variant", "median step ms (fastest; p10–p90)", "tokens/s",
-             "packed vs it (tokens/s)", "peak GB", "from"),  # fmt: skip
+            (
+                "regime",
+                "variant",
+                "median step ms (fastest; p10–p90)",
+                "tokens/s",
+                "packed vs it (tokens/s)",
+                "peak GB",
+                "from",
+            ),
             wan_rows,
         ),
         Table(
             "serve_h200",
             ("serve_h200.json",),
-            ("mix", "arm", "tokens a request", "requests/s", "p50 / p99 ms", "packed vs it",
-             "of the bound (790)", "from"),  # fmt: skip
+            (
+                "mix",
+                "arm",
+                "tokens a request",
+                "requests/s",
+                "p50 / p99 ms",
+                "packed vs it",
+                "of the bound (790)",
+                "from",
+            ),
             serve_rows,
         ),
         Table(
@@ -466,17 +542,45 @@ TABLES: dict[str, Table] = {
             robots_rows("serving_robots_cpu.json"),
         ),
         Table(
+            "verify_gpu",
+            tuple(name for name, _, _ in VERIFY_RUNS),
+            ("set-up", "command", "loss rel", "min gradient cosine", "result", "from"),
+            verify_rows,
+        ),
+        Table(
+            "encode_cpu",
+            ("encode_cpu.json",),
+            ("method", "episodes/s (min–max)", "frames/s", "vs naive", "from"),
+            encode_rows,
+        ),
+        Table(
             "context_cache_h200",
             ("serve_cache_h200.json",),
-            ("engine", "robots", "chunks", "requests/s", "p50 ms", "p99 ms",
-             "p99 after the first round ms", "vs uncached", "from"),  # fmt: skip
+            (
+                "engine",
+                "robots",
+                "chunks",
+                "requests/s",
+                "p50 ms",
+                "p99 ms",
+                "p99 after the first round ms",
+                "vs uncached",
+                "from",
+            ),
             cache_rows,
         ),
         Table(
             "context_cache_flops",
             ("serve_cache_h200.json",),
-            ("widths (30 blocks)", "mix", "chunk", "uncached TFLOP", "cached TFLOP",
-             "cached less by", "from"),  # fmt: skip
+            (
+                "widths (30 blocks)",
+                "mix",
+                "chunk",
+                "uncached TFLOP",
+                "cached TFLOP",
+                "cached less by",
+                "from",
+            ),
             cache_flops_rows,
         ),
     )
@@ -498,19 +602,22 @@ def load(names: Sequence[str]) -> Docs:
 
 def command(doc: Doc) -> str:
     """The command as recorded, without its `--out` (a path on the machine that ran it)."""
-    return re.sub(r" --out \S+", "", doc.get("command", "(not recorded)"))
+    return re.sub(r" --out \S+", "", doc.get("command", "(not recorded in the JSON)"))
 
 
 def source_line(name: str, doc: Doc) -> str:
-    machine = doc.get("machine", {})
+    machine = doc.get("machine") or doc.get("environment") or {}
     where = ", ".join(
         str(x)
-        for x in (str(machine.get("date_utc", doc.get("date", "")))[:10], machine.get("gpu"),
-                  f"torch {machine.get('torch', doc.get('torch', '?'))}")  # fmt: skip
+        for x in (
+            str(machine.get("date_utc", doc.get("date", "")))[:10],
+            machine.get("gpu"),
+            f"torch {machine.get('torch', doc.get('torch', '?'))}",
+        )
         if x
     )
-    if "provenance" not in doc:
-        where += "; pre-provenance (the code that ran is not recorded)"
+    if "git_commit" not in doc.get("provenance", {}):
+        where += "; pre-provenance: the code that ran is not recorded with it"
     elif doc["provenance"].get("git_dirty"):
         where += "; uncommitted changes, hashed in its `provenance`"
     if doc.get("partial"):
