@@ -56,8 +56,10 @@ class Table:
 
 
 def ratio(x: float) -> str:
-    """Two decimals; three near parity, where 1.005× and 1.01× read differently."""
-    return f"{x:.3f}×" if abs(x - 1) < 0.02 else f"{x:.2f}×"
+    """Two decimals (one from 10×); three near parity, where 1.005× and 1.01× differ."""
+    if abs(x - 1) < 0.02:
+        return f"{x:.3f}×"
+    return f"{x:.1f}×" if x >= 10 else f"{x:.2f}×"
 
 
 def spread(p10_p90: str) -> str:
@@ -72,8 +74,8 @@ def ms(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
-def pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
+def pct(x: float, digits: int = 1) -> str:
+    return f"{100 * x:.{digits}f}%"
 
 
 def by_prefix(doc: Doc, variant: str, **match: Any) -> Doc:
@@ -302,6 +304,62 @@ def cache_flops_rows(docs: Docs) -> list[Row]:
         )
         for r in docs[name]["flops"]
     ]
+
+
+# ---------------------------------------------------------------- planning
+
+
+def planner_rows(docs: Docs) -> list[Row]:
+    name = "planner.json"
+    rows = docs[name]["rows"]
+
+    def find(algorithm: str, like: Doc) -> Doc | None:
+        keys = ("n", "lengths", "x_median")
+        match = (
+            r for r in rows if r["algorithm"] == algorithm and all(r[k] == like[k] for k in keys)
+        )
+        return next(match, None)
+
+    out: list[Row] = []
+    for r in (r for r in rows if r["algorithm"] == "lookahead"):
+        speed = f"**{r['episodes_per_s'] / 1e6:.2f}** ({r['episodes_per_s_best'] / 1e6:.2f})"
+        before = find("lookahead (before)", r)
+        ref = "—" if before is None else f"{before['episodes_per_s'] / 1e6:.2f}"
+        vs = "—" if before is None else ratio(r["episodes_per_s"] / before["episodes_per_s"])
+        fills = [pct(f["efficiency"], 2) if (f := find(a, r)) else "—" for a in ("bfd", "next_fit")]
+        budget = f"{count(r['budget'])} ({r['x_median']}×)"
+        cells = (count(r["n"]), r["lengths"], budget, speed, f"{r['p90_over_median']:.2f}")
+        out.append((*cells, ref, vs, pct(r["efficiency"], 2), *fills, name))
+    return out
+
+
+# ---------------------------------------------------------------- datasets
+
+LEROBOT_METHODS = {  # the JSON's method names -> what the page calls them
+    "LeRobotEpisodes(root) whole episodes": "`LeRobotEpisodes(root)` (pages decoded directly)",
+    "pyarrow read_row_groups only (pyarrow's decode)": "pyarrow `read_row_groups` only",
+    "LeRobotEpisodes(root, cache_dir) whole episodes": "`LeRobotEpisodes(root, cache_dir=...)`",
+    "LeRobotEpisodes(LeRobotDataset) whole episodes": "`LeRobotEpisodes(LeRobotDataset(...))`",
+    "lerobot dataset[i] frame by frame + stack": "lerobot `dataset[i]` frame by frame + `torch.stack`",
+}
+
+
+def lerobot_io_rows(source: str) -> Callable[[Docs], list[Row]]:
+    def rows(docs: Docs) -> list[Row]:
+        results = docs[source]["results"]
+        frames = results["lerobot dataset[i] frame by frame + stack"]["mb_per_s"]
+        pyarrow = results["pyarrow read_row_groups only (pyarrow's decode)"]["mb_per_s"]
+        out: list[Row] = []
+        for method, label in LEROBOT_METHODS.items():
+            r = results[method]
+            lo, hi = r["mb_per_s_range"]
+            cells = (label, f"{r['setup_s']:.2f}", f"{r['first_pass_s']:.2f}")
+            rate = f"{r['mb_per_s']:,.1f} ({lo:,.1f}–{hi:,.1f})"
+            vs = (ratio(r["mb_per_s"] / frames), ratio(r["mb_per_s"] / pyarrow))
+            out.append((*cells, rate, f"{r['mb_per_cpu_s']:,.1f}", *vs, source))
+        return out
+
+    return rows
 
 
 # ---------------------------------------------------------------- verify and encode
@@ -542,6 +600,42 @@ TABLES: dict[str, Table] = {
             robots_rows("serving_robots_cpu.json"),
         ),
         Table(
+            "planner",
+            ("planner.json",),
+            (
+                "episodes",
+                "lengths",
+                "budget",
+                "lookahead M/s median (best)",
+                "p90 / median",
+                "reference M/s",
+                "vs reference",
+                "lookahead fill",
+                "bfd fill",
+                "next_fit fill",
+                "from",
+            ),
+            planner_rows,
+        ),
+        *(
+            Table(
+                f"lerobot_io{suffix}",
+                (f"lerobot_io{suffix}.json",),
+                (
+                    "method (1 process, 1 thread)",
+                    "open s",
+                    "first pass s",
+                    "MB/s (min–max)",
+                    "MB per CPU-s",
+                    "vs frame by frame",
+                    "vs pyarrow's decode",
+                    "from",
+                ),
+                lerobot_io_rows(f"lerobot_io{suffix}.json"),
+            )
+            for suffix in ("", "_embedded")
+        ),
+        Table(
             "verify_gpu",
             tuple(name for name, _, _ in VERIFY_RUNS),
             ("set-up", "command", "loss rel", "min gradient cosine", "result", "from"),
@@ -606,16 +700,14 @@ def command(doc: Doc) -> str:
 
 
 def source_line(name: str, doc: Doc) -> str:
+    """`- name: command (date, GPU, torch; how much of the code that ran is recorded)`: the
+    harness records these in a few places over its history, so each is looked up in turn."""
     machine = doc.get("machine") or doc.get("environment") or {}
-    where = ", ".join(
-        str(x)
-        for x in (
-            str(machine.get("date_utc", doc.get("date", "")))[:10],
-            machine.get("gpu"),
-            f"torch {machine.get('torch', doc.get('torch', '?'))}",
-        )
-        if x
-    )
+    if not isinstance(machine, dict):  # planner.json: a CPU name
+        machine = {}
+    torch = machine.get("torch") or machine.get("versions", {}).get("torch") or doc.get("torch")
+    date = str(machine.get("date_utc") or doc.get("date") or "")[:10]
+    where = ", ".join(x for x in (date, machine.get("gpu"), torch and f"torch {torch}") if x)
     if "git_commit" not in doc.get("provenance", {}):
         where += "; pre-provenance: the code that ran is not recorded with it"
     elif doc["provenance"].get("git_dirty"):
