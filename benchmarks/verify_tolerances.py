@@ -4,7 +4,7 @@ Each set-up is the CLI run as a user runs it (`python -m packing verify ... --js
 process each; the JSON keeps every report whole, so docs/verify.md's "Measured tolerances"
 table is rendered from it (benchmarks/render_tables.py) instead of typed:
 
-    python benchmarks/verify_tolerances.py             # about a minute a set-up on 2 cores
+    python benchmarks/verify_tolerances.py             # seconds a set-up; --compile minutes
     python benchmarks/verify_tolerances.py --only fp32,no_document_mask
 
 A set-up that is meant to fail (no document mask, the mean of means) exits 1: that is its
@@ -31,6 +31,7 @@ SETUPS = {
     "frame_causal": ("fp32, CPU, frame-causal", ["--mask", "frame-causal"]),
     "token_mean": ("fp32, CPU, token mean", ["--reduction", "token"]),
     "bf16": ("bf16 autocast, CPU", ["--dtype", "bfloat16"]),
+    "compiled": ("fp32, CPU, whole model compiled", ["--compile", "--steps", "2"]),
     "no_document_mask": ("fp32, CPU, **no document mask**", ["--no-document-mask"]),
     "mean_of_means": ("fp32, CPU, **mean of means**", ["--loss-normaliser", "per-micro-step"]),
 }
