@@ -268,6 +268,21 @@ TABLES: dict[str, Table] = {
             for suffix in ("", "_embedded")
         ),
         Table(
+            "verify_cpu",
+            ("verify_cpu.json",),
+            (
+                "set-up",
+                "command",
+                "loss rel",
+                "worst gradient rel",
+                "min gradient cosine",
+                "params rel (all / worst tensor)",
+                "result",
+                "from",
+            ),
+            rows.verify_cpu_rows,
+        ),
+        Table(
             "verify_gpu",
             tuple(name for name, _, _ in rows.VERIFY_RUNS),
             ("set-up", "command", "loss rel", "min gradient cosine", "result", "from"),
@@ -342,8 +357,10 @@ def source_line(name: str, doc: Doc) -> str:
     where = ", ".join(x for x in (date, machine.get("gpu"), torch and f"torch {torch}") if x)
     if "git_commit" not in doc.get("provenance", {}):
         where += "; pre-provenance: the code that ran is not recorded with it"
-    elif doc["provenance"].get("git_dirty"):
-        where += "; uncommitted changes, hashed in its `provenance`"
+    elif [
+        ln for ln in doc["provenance"].get("git_status") or [] if "benchmarks/results/" not in ln
+    ]:
+        where += "; uncommitted changes, hashed in its `provenance`"  # results JSONs are no code
     if doc.get("partial"):
         where += "; partial: the run was cut after these rows"
     return f"- `{name}`: `{command(doc)}` ({where})"

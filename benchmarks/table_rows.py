@@ -301,6 +301,29 @@ def verify_rows(docs: Docs) -> list[Row]:
     return rows
 
 
+def _gated(value: float, gate: float | None) -> str:
+    return f"{value:.1e}" + ("" if gate is not None else " (not gated)")
+
+
+def verify_cpu_rows(docs: Docs) -> list[Row]:
+    """benchmarks/verify_tolerances.py's runs: each report against its own gates."""
+    name = "verify_cpu.json"
+    out = list[Row]()
+    for run in docs[name]["rows"]:
+        r, gates = run["report"], run["report"]["tolerances"]
+        params = f"{r['param_rel']:.1e} / {_gated(r['param_worst_rel'], gates['param_rel'])}"
+        result = "PASS" if r["passed"] else "FAIL"
+        if r.get("leak") and r["leak"]["leaks"]:
+            pairs = len(r["leak"]["pairs"])
+            result += f": {len(r['leak']['leaks'])} leaks, all {pairs} pairs"
+        cells = (run["setup"], f"`{run['command']}`", f"{r['loss_rel']:.1e}")
+        cos = f"{r['grad_cos_min']:.7f}"
+        out.append(
+            (*cells, _gated(r["grad_rel_max"], gates["grad_rel"]), cos, params, result, name)
+        )
+    return out
+
+
 def encode_rows(docs: Docs) -> list[Row]:
     name = "encode_cpu.json"
     return [
