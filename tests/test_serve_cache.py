@@ -41,11 +41,14 @@ def _uncached() -> EngineConfig:
                         max_steps=6)  # fmt: skip
 
 
-def _cached(pages: int = 16, page_frames: int = 2, prefill_frames: int = 3) -> EngineConfig:
+def _cached(
+    pages: int = 16, page_frames: int = 2, prefill_frames: int = 3, context_frames: int | None = None
+) -> EngineConfig:
     return EngineConfig(
         shapes=(PackShape(frames=2, actions=6, requests=2), PackShape(frames=6, actions=16, requests=4)),
         scheduler=SCHED, max_steps=6,
-        context_cache=ContextCache(pages=pages, page_frames=page_frames, prefill_frames=prefill_frames),
+        context_cache=ContextCache(pages=pages, page_frames=page_frames, prefill_frames=prefill_frames,
+                                   context_frames=context_frames),
     )  # fmt: skip
 
 
@@ -100,16 +103,19 @@ def test_cli_verify_inference_with_the_context_cache(capsys):
     assert "add --inference" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_arrivals_cached_equal_uncached(seed):
+def test_random_arrivals_cached_equal_uncached(seed, window):
     """Random requests (dropped frames, sessions continuing, committed actions) joining at
-    random steps, small pool: every result equals the request alone without the cache."""
+    random steps, small pool: every result equals the request alone without the cache.
+    ``window=5``: each pack attends over its own pages only (3 a request), not the pool."""
     rng = random.Random(seed)
     model = _model()
     engine = Engine(
         model,
-        _cached(pages=7, page_frames=2, prefill_frames=(rng.randint(1, 2), rng.randint(3, 5))),
-    )
+        _cached(pages=7, page_frames=2, prefill_frames=(rng.randint(1, 2), rng.randint(3, 5)),
+                context_frames=window),
+    )  # fmt: skip
     reqs, when, sessions = [], [], {}
     for i in range(9):
         s = f"robot {rng.randint(0, 2)}"
@@ -419,3 +425,42 @@ def test_a_request_whose_prefill_raises_fails_alone():
     assert "s1" not in engine.pages.entries
     for i in (0, 2):
         assert out[ids[i]].error is None and _rel(out[ids[i]], _alone(_model(), reqs[i])) <= 1e-5
+
+
+def test_a_steps_keys_follow_the_pages_its_pack_uses_not_the_pool(monkeypatch):
+    """With ``context_frames`` a pack attends over its window of pages: the same two requests
+    in a pool of 32 and of 512 pages run over the same number of keys, with equal results;
+    without it (the control) the keys grow with the pool."""
+    import packing.serve._cached_step as cached_step
+
+    seen: list[int] = []
+    real = cached_step.pool_mask
+
+    def spy(q_doc, q_pos, kv_doc, kv_pos, **kw):
+        seen.append(kv_doc.shape[0])
+        return real(q_doc, q_pos, kv_doc, kv_pos, **kw)
+
+    monkeypatch.setattr(cached_step, "pool_mask", spy)
+    model = _model()
+    reqs = [Request(context=_frames(5, i), frames=1, actions=3, steps=2, seed=i, session=f"s{i}")
+            for i in range(2)]  # fmt: skip
+    keys, outs = {}, {}
+    for pages, window in ((32, 5), (512, 5), (32, None), (512, None)):
+        seen.clear()
+        engine = Engine(model, _cached(pages=pages, context_frames=window))
+        for r in reqs:
+            engine.submit(r)
+        outs[pages, window] = sorted(engine.run(), key=lambda r: r.request_id)
+        keys[pages, window] = max(seen)
+    assert keys[32, 5] == keys[512, 5] == 2 * 3 * 2 * 8 + 2 * 8 + 6  # 2 requests x 3 pages
+    assert keys[512, None] > 10 * keys[32, 5]  # the control: the whole pool
+    for a, b in zip(outs[32, 5], outs[512, None], strict=True):
+        assert _rel(a, b) <= 1e-5
+
+
+def test_a_request_with_more_context_than_the_window_is_refused():
+    engine = Engine(_model(), _cached(context_frames=4))
+    with pytest.raises(ValueError, match="keeps 5 context frames, more than ContextCache.context_frames=4"):
+        engine.submit(Request(context=_frames(5), frames=1, actions=2, steps=2))
+    with pytest.raises(ValueError, match="ContextCache.context_frames"):
+        ContextCache(pages=4, context_frames=0)

@@ -65,7 +65,7 @@ class CachedEngine(Engine):
         shapes = self.shapes
         self.shapes = [
             CachedShape(frames=s.frames, actions=s.actions, requests=s.requests,
-                        pool_pages=cc.pages, page_frames=cc.page_frames)
+                        window_pages=cc.window_pages(s.requests), page_frames=cc.page_frames)
             for s in self.shapes
         ]  # fmt: skip
         # The buffers `Engine` allocated, under the cached shapes (same sizes, same order).
@@ -93,6 +93,12 @@ class CachedEngine(Engine):
     # -- internals --------------------------------------------------------------------------
     def _check_fits(self, r: Request) -> None:
         s, cc = self.shapes[-1], self.cache
+        if cc.context_frames is not None and len(r.kept) > cc.context_frames:
+            raise ValueError(
+                f"the request keeps {len(r.kept)} context frames, more than "
+                f"ContextCache.context_frames={cc.context_frames}; raise context_frames or "
+                "drop context frames (keep_frames=)"
+            )
         if pages_for(r, cc.page_frames) > cc.pages:
             raise ValueError(
                 f"the request keeps {len(r.kept)} context frames, {pages_for(r, cc.page_frames)} "
@@ -143,15 +149,11 @@ class CachedEngine(Engine):
                 if not rejoins:
                     self.cache_stats["reused_frames"] += reuse
                     self.cache_stats["prefilled_frames"] += len(m.hashes) - reuse
-        P, pf = self.cache.pages, self.cache.page_frames
-        page_doc = torch.full((P,), -1, dtype=torch.int64)
-        page_frame, page_fill = torch.zeros(P, dtype=torch.int64), torch.zeros(P, dtype=torch.int64)
-        for k, m in enumerate(self._members):
-            n = len(m.hashes)
-            for j, p in enumerate(m.pages):
-                page_doc[p], page_frame[p], page_fill[p] = k, j * pf, min(pf, n - j * pf)
+        pf = self.cache.page_frames
+        window = [(p, k, j * pf, min(pf, len(m.hashes) - j * pf))
+                  for k, m in enumerate(self._members) for j, p in enumerate(m.pages)]  # fmt: skip
         self.pool.clear(self.pages.take_released())  # before any prefill writes them again
-        self.pool.load_pages(page_doc, page_frame, page_fill)
+        self.pool.load_window(window)
         self._prefill(shape, prefill)
 
     def _prefill(self, shape: PackShape, todo: list[tuple[int, _CachedMember, int]]) -> None:
@@ -197,20 +199,20 @@ class CachedEngine(Engine):
             self.cache_stats["prefill_passes"] += 1
 
     def _run_prefill(self, shape: PackShape, block: PrefillBlock) -> None:
-        b = self._buffers[shape]
+        b, W = self._buffers[shape], shape.window_pages  # type: ignore[attr-defined]
 
         def fn() -> None:
-            prefill_step(self.model, self.pool, block, b, backend=self.backend,
+            prefill_step(self.model, self.pool, W, block, b, backend=self.backend,
                          inner=self._inner, document_mask=self.model.config.document_mask)  # fmt: skip
 
         key = (shape, block.x.shape[0])
         self._graphed(self._prefill_graphs, key, fn, block)
 
     def _run(self, shape: PackShape) -> None:
-        b = self._buffers[shape]
+        b, W = self._buffers[shape], shape.window_pages  # type: ignore[attr-defined]
 
         def fn() -> None:
-            cached_step(self.model, b, self.pool, backend=self.backend, inner=self._inner,
+            cached_step(self.model, b, self.pool, W, backend=self.backend, inner=self._inner,
                         document_mask=self.model.config.document_mask)  # fmt: skip
 
         self._graphed(self._graphs, shape, fn, b)

@@ -29,9 +29,20 @@ from packing.serve._pack import HostPack, PackShape
 from packing.train import broadcast_to_tokens
 
 __all__ = [
-    "Buffers", "GraphedStep", "cross_mask", "run_step", "schedule", "step_masks",
+    "FLEX_OPTIONS", "Buffers", "GraphedStep", "cross_mask", "run_step", "schedule", "step_masks",
     "velocity_update",
 ]  # fmt: skip
+
+# FlexAttention's kernel options by backend. Inductor lowers a call with fewer than 128 queries
+# to its decoding kernel (made for a few queries over a long cache: one block of all queries,
+# the keys split across the SMs); a pack of one request's generated tokens (80 at 5B widths)
+# has that few, and on an H200 the decoding kernel took 2.6 ms a call where the main kernel
+# takes 0.083 ms (94.8 -> 18.9 ms a step, benchmarks/reports/2026-12-04_served_engine.md).
+FLEX_OPTIONS: dict[str, dict[str, Any] | None] = {
+    "flex": {"FORCE_USE_FLEX_ATTENTION": True},
+    "flex_flash": {"BACKEND": "FLASH"},
+    "sdpa": None,
+}
 
 _INDEX_FIELDS = (
     "doc_J", "row_J", "src_index_J", "latents_dest_T", "action_dest_T", "thw_J3", "text_X",
@@ -112,11 +123,10 @@ def step_masks(
             inner=inner, cross=False, dense_TT=dense, keep_T=has_key,
         )  # fmt: skip
     else:
-        options = {"BACKEND": "FLASH"} if backend == "flex_flash" else None
         self_mask = AttentionMask(
             backend=backend, kernel=backend, reason="packing.serve step", q_len=J, kv_len=J,
             inner=inner, cross=False, block_mask=make_block_mask(doc_J, None, inner),
-            kernel_options=options,
+            kernel_options=FLEX_OPTIONS[backend],
         )  # fmt: skip
     return self_mask, cross_mask(doc_J, text_doc_X, backend=backend, document_mask=document_mask)
 
@@ -137,10 +147,10 @@ def cross_mask(
         dense = dense_mask(doc_J, text_doc_X, None)
         has_key = dense.any(dim=1)
         return AttentionMask(**common, dense_TT=dense | ~has_key[:, None], keep_T=has_key)
-    options = {"BACKEND": "FLASH"} if backend == "flex_flash" else None
     return AttentionMask(
-        **common, block_mask=make_block_mask(doc_J, text_doc_X, None), kernel_options=options
-    )
+        **common, block_mask=make_block_mask(doc_J, text_doc_X, None),
+        kernel_options=FLEX_OPTIONS[backend],
+    )  # fmt: skip
 
 
 def run_step(
