@@ -71,7 +71,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from packing.serve import PolicyServer, ServerConfig
+    from packing.server import PolicyServer, ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)
@@ -106,7 +106,8 @@ def _build(args: argparse.Namespace, device: str) -> tuple[Any, Any]:
     import torch
 
     from packing.model import DiT, DiTConfig
-    from packing.serve import DiTAdapter, Engine, EngineConfig
+    from packing.serve import Engine, EngineConfig
+    from packing.server import DiTAdapter
 
     adapter = DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps)
     cache = _context_cache(args)

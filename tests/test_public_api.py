@@ -32,6 +32,7 @@ LAYERS = (
     "model",
     "verify",
     "serve",
+    "server",
     "integrations",
 )
 FOLDERS = (
@@ -152,6 +153,13 @@ CROSS_FOLDER_PRIVATE = {
     ("packing/serve/_cached_step.py", "packing.attention._block_tables", "tables_from_flags"),
     # The engine's mask builder for one step, reused by the served Wan for the same masks.
     ("packing/integrations/diffusers/_serve.py", "packing.serve._step", "step_masks"),
+    # The server reads results back on a side stream, as the engine's own read-back does, and
+    # bounds an observation's sizes by the engine's limits.
+    ("packing/server/_adapter.py", "packing.serve._device", "to_host"),
+    ("packing/server/_adapter.py", "packing.serve._limits", "MAX_ACTIONS"),
+    ("packing/server/_adapter.py", "packing.serve._limits", "MAX_FRAMES"),
+    ("packing/server/_adapter.py", "packing.serve._limits", "MAX_STEPS"),
+    ("packing/server/_adapter.py", "packing.serve._request", "SEED_MAX"),
     # The commands' plumbing: the --model factory loader and the torchrun rank entry.
     ("packing/_serve_command.py", "packing.verify._command", "load_factory"),
     ("packing/cli.py", "packing.verify._distributed", "launched_by_torchrun"),

@@ -42,7 +42,10 @@ def _uncached() -> EngineConfig:
 
 
 def _cached(
-    pages: int = 16, page_frames: int = 2, prefill_frames: int = 3, context_frames: int | None = None
+    pages: int = 16,
+    page_frames: int = 2,
+    prefill_frames: int = 3,
+    context_frames: int | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         shapes=(PackShape(frames=2, actions=6, requests=2), PackShape(frames=6, actions=16, requests=4)),
@@ -460,7 +463,9 @@ def test_a_steps_keys_follow_the_pages_its_pack_uses_not_the_pool(monkeypatch):
 
 def test_a_request_with_more_context_than_the_window_is_refused():
     engine = Engine(_model(), _cached(context_frames=4))
-    with pytest.raises(ValueError, match="keeps 5 context frames, more than ContextCache.context_frames=4"):
+    with pytest.raises(
+        ValueError, match=r"keeps 5 context frames, more than ContextCache\.context_frames=4"
+    ):
         engine.submit(Request(context=_frames(5), frames=1, actions=2, steps=2))
-    with pytest.raises(ValueError, match="ContextCache.context_frames"):
+    with pytest.raises(ValueError, match=r"ContextCache\.context_frames"):
         ContextCache(pages=4, context_frames=0)

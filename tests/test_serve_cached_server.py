@@ -17,16 +17,8 @@ from serve_robots import ADAPTER, FRAME, model, wait_until
 
 from packing import _serve_command
 from packing.cli import build_parser, main
-from packing.serve import (
-    ContextCache,
-    Engine,
-    EngineConfig,
-    FlowScheduler,
-    PackShape,
-    PolicyClient,
-    PolicyServer,
-    ServerConfig,
-)
+from packing.serve import ContextCache, Engine, EngineConfig, FlowScheduler, PackShape
+from packing.server import PolicyClient, PolicyServer, ServerConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T = 20.0

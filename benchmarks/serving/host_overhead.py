@@ -47,18 +47,9 @@ import packing.serve._engine as engine_module
 from benchmarks.harness import RESULTS_DIR, base_parser, markdown_table, summarize, write_json
 from benchmarks.serving.robots import longest_context, observation, run_robots
 from packing.model import DiT, DiTConfig
-from packing.serve import (
-    DiTAdapter,
-    Engine,
-    EngineConfig,
-    FlowScheduler,
-    PackShape,
-    PolicyClient,
-    PolicyServer,
-    Result,
-    ServerConfig,
-)
+from packing.serve import Engine, EngineConfig, FlowScheduler, PackShape, Result
 from packing.serve._step import Buffers
+from packing.server import DiTAdapter, PolicyClient, PolicyServer, ServerConfig
 
 PHASE_COLUMNS = ["noise_tokens_ms", "layout_ms", "state_copies_ms", "admit_other_ms", "call_ms",
                  "results_ms", "flags_ms", "other_ms"]  # fmt: skip

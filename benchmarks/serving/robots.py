@@ -1,6 +1,6 @@
 """Simulated robots against the policy server, end to end: one request at a time vs packed.
 
-N robots, each on its own websocket connection (`packing.serve.PolicyClient`, a thread) with
+N robots, each on its own websocket connection (`packing.server.PolicyClient`, a thread) with
 its own control rate, run the real-time loop: ask for the next chunk as the last one runs
 out, wait for it (the robot stands still: idle), execute it (chunk duration = actions /
 its rate), ask again. Both arms are the same `PolicyServer` over the same weights:
@@ -44,17 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from benchmarks.harness import base_parser, markdown_table, summarize, write_json
 from packing.model import DiT, DiTConfig
-from packing.serve import (
-    ContextCache,
-    DiTAdapter,
-    Engine,
-    EngineConfig,
-    FlowScheduler,
-    PackShape,
-    PolicyClient,
-    PolicyServer,
-    ServerConfig,
-)
+from packing.serve import ContextCache, Engine, EngineConfig, FlowScheduler, PackShape
+from packing.server import DiTAdapter, PolicyClient, PolicyServer, ServerConfig
 
 
 def model_config(name: str, frame_causal: bool) -> DiTConfig:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from packing._validate import check_int
-from packing.serve._limits import MAX_FRAMES
+from packing.serve._limits import MAX_FRAMES, MAX_REQUESTS
 from packing.serve._pack import PackShape
 from packing.serve._request import Request
 
@@ -87,6 +87,7 @@ class ContextCache:
         """The pages a pack of ``requests`` requests attends over: ``requests`` times one
         request's most pages, at most the pool (``pages=256, page_frames=4,
         context_frames=22``: 6 pages a request, 48 for 8 requests)."""
+        requests = check_int("requests", requests, min=1, max=MAX_REQUESTS)
         if self.context_frames is None:
             return self.pages
         return min(self.pages, requests * -(-self.context_frames // self.page_frames))

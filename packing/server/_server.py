@@ -4,7 +4,7 @@
 
     robot 0 --\\    ws://host:port                +------------------------------------+
     robot 1 ---+-- (openpi-client, or           --| asyncio: handshake (key, limits),    |
-    robot 2 --/    packing.serve.PolicyClient)    | decode + validate, adapter, await    |
+    robot 2 --/    packing.server.PolicyClient)    | decode + validate, adapter, await    |
                                                   +----------------+-------------------+
                                                                    | Job (thread-safe future)
                                                     EngineLoop per engine: submit, step, reply
@@ -39,12 +39,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from packing.serve._adapter import Adapter, DiTAdapter, episode_control
-from packing.serve._config import ServerConfig
-from packing.serve._engine import Engine
-from packing.serve._stats import summary
-from packing.serve._wire import WireError, decode, encode
-from packing.serve._worker import EngineLoop, Job, Outcome, _one_line
+from packing.serve import Engine
+from packing.server._adapter import Adapter, DiTAdapter, episode_control
+from packing.server._config import ServerConfig
+from packing.server._extra import serve_extra
+from packing.server._stats import summary
+from packing.server._wire import WireError, decode, encode
+from packing.server._worker import EngineLoop, Job, Outcome, _one_line
 
 __all__ = ["PolicyServer"]
 
@@ -52,13 +53,7 @@ log = logging.getLogger("packing.serve")
 
 
 def _websockets() -> Any:
-    try:
-        from websockets.asyncio import server
-    except ImportError as e:  # the one lazy boundary for the optional extra
-        raise ImportError(
-            "the policy server needs websockets and msgpack: pip install 'packing[serve]'"
-        ) from e
-    return server
+    return serve_extra("websockets.asyncio.server")
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from packing.serve._worker import EngineLoop
+from packing.server._worker import EngineLoop
 
 __all__ = ["summary"]
 
