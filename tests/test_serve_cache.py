@@ -191,7 +191,7 @@ def test_a_corrupted_page_shows_in_the_result():
     engine = Engine(model, _cached())
     engine.submit(Request(context=f[:2], frames=1, actions=2, session="arm", steps=2))
     engine.run()
-    engine.pool.k[:, : engine.pool.page_tokens] += 0.5  # page 0: frames 0, 1 of "arm"
+    engine.packs.pool.k[:, : engine.packs.pool.page_tokens] += 0.5  # page 0: frames 0, 1 of "arm"
     r = Request(context=f[:4], frames=1, actions=2, session="arm", steps=2)
     engine.submit(r)
     (got,) = engine.run()
@@ -213,7 +213,7 @@ def test_two_chunks_of_one_session_never_share_a_pack():
 def test_lru_eviction_end_session_and_cancel_free_pages():
     model = _model()
     engine = Engine(model, _cached(pages=4, page_frames=2))  # 4 pages of 2 frames
-    pool = engine.pages
+    pool = engine.packs.pages
     for s in ("a", "b"):  # each keeps 2 pages after its request
         engine.submit(Request(context=_frames(3), frames=1, actions=2, session=s, steps=2))
         engine.run()
@@ -342,7 +342,7 @@ def test_the_pool_masks_can_be_read_on_every_pair_of_their_padded_tiles():
     for i in range(2):
         engine.submit(Request(context=_frames(3, i), frames=2, actions=6, steps=2, seed=i))
     engine.step()  # admitted: page tables loaded, the pack laid out
-    b, pool = engine._buffers[engine._shape], engine.pool
+    b, pool = engine.packs.buffers[engine._shape], engine.packs.pool
     doc_N, pos_N = pool.keys()
     cases = {
         "step": (b.doc_J, b.pos_J, torch.cat([doc_N, b.doc_J]), torch.cat([pos_N, b.pos_J])),
@@ -351,13 +351,13 @@ def test_the_pool_masks_can_be_read_on_every_pair_of_their_padded_tiles():
     for name, (q_doc, q_pos, kv_doc, kv_pos) in cases.items():
         Tq, Tk = q_doc.shape[0], kv_doc.shape[0]
         assert Tq % 128 and Tk % 128, (name, Tq, Tk)  # both last tiles ragged: the case
-        mask = pool_mask(q_doc, q_pos, kv_doc, kv_pos, backend="flex", inner=engine._inner,
+        mask = pool_mask(q_doc, q_pos, kv_doc, kv_pos, backend="flex", inner=engine.packs._inner,
                          document_mask=True)  # fmt: skip
         R, C = -(-Tq // 128), -(-Tk // 128)
         q, kv = torch.arange(R * 128)[:, None], torch.arange(C * 128)[None, :]
         zero = torch.zeros((), dtype=torch.int64)
         got = mask.block_mask.mask_mod(zero, zero, q, kv)  # raised IndexError before
-        dense = pool_mask(q_doc, q_pos, kv_doc, kv_pos, backend="sdpa", inner=engine._inner,
+        dense = pool_mask(q_doc, q_pos, kv_doc, kv_pos, backend="sdpa", inner=engine.packs._inner,
                           document_mask=True)  # fmt: skip
         want = torch.zeros(R * 128, C * 128, dtype=torch.bool)
         want[:Tq, :Tk] = dense.dense_TT & dense.keep_T[:, None]
@@ -370,15 +370,15 @@ def test_a_request_removed_by_any_path_frees_its_pages_zeroed():
     engine = Engine(model, _cached(pages=4, page_frames=2))
     rid = engine.submit(Request(context=_frames(3), frames=1, actions=2, session="arm", steps=3))
     engine.step()
-    pt = engine.pool.page_tokens
-    engine.pool.k[:, : 2 * pt] = float("nan")  # its 2 pages: as a failed request's could be
+    pt = engine.packs.pool.page_tokens
+    engine.packs.pool.k[:, : 2 * pt] = float("nan")  # its 2 pages: as a failed request's could be
     assert engine._drop(rid)  # how cancel and the non-finite quarantine remove a member
     r = Request(context=_frames(1, 1), frames=1, actions=2, steps=3)  # 1 page; NaN pages masked
     engine.submit(r)
     (got,) = engine.run()
-    assert "arm" not in engine.pages.entries and len(engine.pages.free) == 4
+    assert "arm" not in engine.packs.pages.entries and len(engine.packs.pages.free) == 4
     assert _rel(got, _alone(model, r)) <= 1e-5
-    pool = engine.pages  # after a failed model call: entries whose request is gone are swept
+    pool = engine.packs.pages  # after a failed model call: entries whose request is gone are swept
     pool.claim("gone", [b"x"], owner=41)
     pool.claim("here", [b"y"], owner=42)
     pool.sweep({42})
@@ -425,7 +425,7 @@ def test_a_request_whose_prefill_raises_fails_alone():
     ids = [engine.submit(r) for r in reqs]
     out = {r.request_id: r for r in engine.run()}
     assert out[ids[1]].error is not None and "prefilling its context raised" in out[ids[1]].error
-    assert "s1" not in engine.pages.entries
+    assert "s1" not in engine.packs.pages.entries
     for i in (0, 2):
         assert out[ids[i]].error is None and _rel(out[ids[i]], _alone(_model(), reqs[i])) <= 1e-5
 

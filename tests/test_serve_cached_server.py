@@ -67,14 +67,14 @@ def test_an_episodes_next_chunk_reuses_its_cached_frames_and_equals_uncached():
             deltas.append({k: engine.stats[k] - before[k] for k in before})
         assert deltas[0]["prefilled_frames"] == 2 and deltas[0]["reused_frames"] == 0
         assert deltas[1]["prefilled_frames"] == 2 and deltas[1]["reused_frames"] == 2
-        assert len(engine.pages.free) == PAGES - 2  # the episode keeps its 4 frames' pages
+        assert len(engine.packs.pages.free) == PAGES - 2  # the episode keeps its 4 frames' pages
         assert robot.end_episode()["episode"] == "end"
-        wait_until(lambda: len(engine.pages.free) == PAGES and not engine.pages.entries)
+        wait_until(lambda: len(engine.packs.pages.free) == PAGES and not engine.packs.pages.entries)
         obs = chunk(frames, 4)  # a new episode: nothing of the last one is reused
         before = dict(engine.stats)
         assert rel(robot.infer(obs), uncached(obs)) <= 1e-5
         assert engine.stats["reused_frames"] == before["reused_frames"]
-    wait_until(lambda: len(engine.pages.free) == PAGES)  # the disconnect ended it
+    wait_until(lambda: len(engine.packs.pages.free) == PAGES)  # the disconnect ended it
 
 
 @pytest.mark.parametrize("check_hashes", [True, False])
@@ -83,7 +83,7 @@ def test_a_changed_earlier_frame_is_prefilled_again_not_reused(check_hashes):
     equals uncached. The control (the pool's test hook: reuse by position, no hash check)
     serves the OLD frame 1's keys, i.e. exactly the unchanged episode's answer."""
     engine = cached_engine()
-    engine.pages.check_hashes = check_hashes
+    engine.packs.pages.check_hashes = check_hashes
     frames = np.random.default_rng(1).standard_normal((6, *FRAME)).astype(np.float32)
     changed = frames.copy()
     changed[1] += 0.5

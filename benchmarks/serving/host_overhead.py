@@ -101,7 +101,7 @@ class StandInEngine(Engine):
     costs: dict[int, float] | None = None
 
     def _run(self, shape: PackShape) -> None:
-        self._buffers[shape].step_K.add_(1)  # what the step changes that the host reads
+        self.packs.buffers[shape].step_K.add_(1)  # what the step changes that the host reads
         if self.costs is not None:
             self.stand_in.launch(self.costs[shape.requests])
 

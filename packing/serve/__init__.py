@@ -19,7 +19,8 @@ The policy server that puts robots in front of an engine is `packing.server`.
 """
 
 from packing.serve._cache import ContextCache
-from packing.serve._engine import Engine, EngineConfig
+from packing.serve._config import EngineConfig
+from packing.serve._engine import Engine
 from packing.serve._pack import PackShape
 from packing.serve._proof import InferenceReport, verify_inference
 from packing.serve._request import Request, Result

@@ -29,8 +29,8 @@ from packing.serve._pack import HostPack, PackShape
 from packing.train import broadcast_to_tokens
 
 __all__ = [
-    "FLEX_OPTIONS", "Buffers", "GraphedStep", "cross_mask", "run_step", "schedule", "step_masks",
-    "velocity_update",
+    "FLEX_OPTIONS", "Buffers", "GraphedStep", "Steps", "cross_mask", "run_step", "schedule",
+    "step_masks", "velocity_update",
 ]  # fmt: skip
 
 # FlexAttention's kernel options by backend. Inductor lowers a call with fewer than 128 queries
@@ -237,3 +237,43 @@ class GraphedStep:
 
     def __call__(self) -> None:
         self.graph.replay()
+
+
+class Steps:
+    """Every step function an engine runs, by key (a pack shape, a prefill pass): called
+    plainly, or captured once in a CUDA graph (``cuda_graphs``) and replayed.
+
+    After `seal` (the engine's warm-up ran every key) a key never run is an error, not a
+    silent compile and capture in service: ``captures`` counts the graphs captured and
+    ``keys`` the keys run, so a server can say how many happened after its warm-up."""
+
+    def __init__(self, cuda_graphs: bool) -> None:
+        self.cuda_graphs = cuda_graphs
+        self.graphs: dict[Any, GraphedStep] = {}
+        self.keys: set[Any] = set()
+        self.captures = 0
+        self.sealed = False
+
+    def run(self, key: Any, fn: Callable[[], None], holder: Any) -> None:
+        """``fn`` (whose state ``holder.state()`` names), for ``key``."""
+        if key not in self.keys:
+            if self.sealed:
+                raise RuntimeError(
+                    f"{key!r} was not warmed up: the engine's warm-up runs every pack shape and "
+                    "prefill pass it can meet, so this one would compile and capture in "
+                    "service; build the engine with this shape (or call warm_up() again)"
+                )
+            self.keys.add(key)
+        if not self.cuda_graphs:
+            with torch.no_grad():
+                fn()
+            return
+        g = self.graphs.get(key)
+        if g is None:
+            with torch.no_grad():
+                g = self.graphs[key] = GraphedStep(fn, holder)
+            self.captures += 1
+        g()
+
+    def seal(self) -> None:
+        self.sealed = True
