@@ -218,11 +218,7 @@ def _imports_of(path: Path, modules: set[str]) -> set[str]:
 
 
 # Circles inside a folder that remain, each a whole cycle as the DFS prints it.
-FOLDER_CYCLES = {
-    # Engine.__new__ hands back the CachedEngine subclass when config.context_cache is set
-    # (one constructor for both); the subclass module imports the base at module level.
-    "packing.serve._engine -> packing.serve._cached_engine -> packing.serve._engine",
-}
+FOLDER_CYCLES: set[str] = set()
 
 
 def _cycles(graph: dict[str, set[str]]) -> set[str]:
