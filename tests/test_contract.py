@@ -38,7 +38,7 @@ import torch
 PACKAGE = str(Path(__file__).resolve().parents[1] / "packing")
 FACADES = [
     "packing", "packing.data", "packing.attention", "packing.planning", "packing.train",
-    "packing.datasets", "packing.model", "packing.verify", "packing.serve",
+    "packing.datasets", "packing.model", "packing.verify", "packing.serve", "packing.server",
     "packing.integrations.diffusers",
 ]  # fmt: skip
 
@@ -171,6 +171,7 @@ def _base() -> dict[str, Base]:
     import packing.model as M
     import packing.planning as P
     import packing.serve as S
+    import packing.server as SV
     import packing.train as T
     import packing.verify as V
 
@@ -251,11 +252,13 @@ def _base() -> dict[str, Base]:
         "packing.serve.VideoRequest": lambda: (
             S.VideoRequest, (), {"context": _ctx(), "text": torch.zeros(3, 8), "frames": 2}),
         "packing.serve.FlowScheduler": lambda: (S.FlowScheduler, (), {}),
-        "packing.serve.DiTAdapter": lambda: (S.DiTAdapter, (), {}),
-        "packing.serve.WanAdapter": lambda: (S.WanAdapter, (), {}),
-        "packing.serve.ServerConfig": lambda: (S.ServerConfig, (), {}),
+        "packing.server.DiTAdapter": lambda: (SV.DiTAdapter, (), {}),
+        "packing.server.WanAdapter": lambda: (SV.WanAdapter, (), {}),
+        "packing.server.ServerConfig": lambda: (SV.ServerConfig, (), {}),
         "packing.serve.ContextCache": lambda: (S.ContextCache, (), {"pages": 4}),
         "packing.serve.ContextCache.pass_size": lambda: (S.ContextCache(pages=4).pass_size, (3,), {}),
+        "packing.serve.ContextCache.window_pages": lambda: (
+            S.ContextCache(pages=4, context_frames=8).window_pages, (2,), {}),
         "packing.serve.FlowScheduler.sigmas": lambda: (S.FlowScheduler().sigmas, (4,), {}),
         "packing.serve.FlowScheduler.coefficients": lambda: (S.FlowScheduler().coefficients, (4,), {}),
         "packing.serve.EngineConfig": lambda: (
@@ -330,18 +333,22 @@ NOT_CALLED: dict[str, str] = {
     "packing.verify.VerifyReport.format": "a result record's rendering (tests/test_verify.py)",
     "packing.verify.assert_no_leaks": "runs a model (tests/test_leak.py)",
     "packing.serve.Engine": "needs a model (serve/faults branches: tests/test_serve.py)",
+    "packing.serve.Engine.submit": "needs an engine (bad requests: tests/test_serve_faults.py)",
+    "packing.serve.Engine.cancel": "needs an engine (tests/test_serve_faults.py)",
+    "packing.serve.Engine.end_session": "needs an engine (tests/test_serve_cache.py)",
+    "packing.serve.Engine.warm_up": "needs an engine (tests/test_serve_warm_up.py)",
     "packing.serve.InferenceReport": "a result record built by verify_inference",
     "packing.serve.InferenceReport.to_json": "a result record's file",
     "packing.serve.PackShape.fits": "takes Requests (tests/test_serve.py)",
     "packing.serve.VideoShape.fits": "takes VideoRequests (tests/test_serve.py)",
-    "packing.serve.PolicyClient": "connects to a server (tests/test_serve_server.py)",
-    "packing.serve.PolicyClient.infer": "a network call (tests/test_serve_server.py)",
-    "packing.serve.DiTAdapter.request": "takes a client's observation (tests/test_serve_server.py)",
-    "packing.serve.DiTAdapter.reply": "takes the engine's Result (tests/test_serve_server.py)",
-    "packing.serve.WanAdapter.request": "takes a client's observation (tests/test_serve_server.py)",
-    "packing.serve.WanAdapter.reply": "takes the engine's Result (tests/test_serve_server.py)",
-    "packing.serve.PolicyServer": "needs an engine and a port (tests/test_serve_server.py)",
-    "packing.serve.PolicyServer.running": "starts a server (tests/test_serve_server.py)",
+    "packing.server.PolicyClient": "connects to a server (tests/test_serve_server.py)",
+    "packing.server.PolicyClient.infer": "a network call (tests/test_serve_server.py)",
+    "packing.server.DiTAdapter.request": "takes a client's observation (tests/test_serve_server.py)",
+    "packing.server.DiTAdapter.reply": "takes the engine's Result (tests/test_serve_server.py)",
+    "packing.server.WanAdapter.request": "takes a client's observation (tests/test_serve_server.py)",
+    "packing.server.WanAdapter.reply": "takes the engine's Result (tests/test_serve_server.py)",
+    "packing.server.PolicyServer": "needs an engine and a port (tests/test_serve_server.py)",
+    "packing.server.PolicyServer.running": "starts a server (tests/test_serve_server.py)",
     "packing.serve.Request.noise": "the engine's call (tests/test_serve.py)",
     "packing.serve.Result": "a result record built by the engine",
     "packing.serve.VideoEngine": "needs a model (serve/faults branches: tests/test_serve_wan.py)",
@@ -467,10 +474,12 @@ allow("packing.model.text_tokens", "text_len", "huge", "refused when over the vo
 allow("packing.model.pack_text", "text_len pad_to_multiple", "huge", "a size")
 allow("packing.VerifyConfig", "seed", "zero", "seed 0 is the default")
 
-allow("packing.serve.DiTAdapter", "seed", "zero", "seed 0 is a seed")
-allow("packing.serve.WanAdapter", "seed", "zero", "seed 0 is a seed")
-allow("packing.serve.ServerConfig", "port", "zero", "port 0: the OS picks a free port")
-allow("packing.serve.DiTAdapter", "frames", "zero", "a chunk may generate no frames (actions only)")
+allow("packing.server.DiTAdapter", "seed", "zero", "seed 0 is a seed")
+allow("packing.server.WanAdapter", "seed", "zero", "seed 0 is a seed")
+allow("packing.server.ServerConfig", "port", "zero", "port 0: the OS picks a free port")
+allow(
+    "packing.server.DiTAdapter", "frames", "zero", "a chunk may generate no frames (actions only)"
+)
 allow("packing.serve.Request", "frames", "zero", "a request may generate no frames")
 allow("packing.serve.Request", "seed", "zero", "seed 0 is a seed")
 allow("packing.serve.VideoRequest", "seed", "zero", "seed 0 is a seed")

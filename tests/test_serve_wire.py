@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 pytest.importorskip("msgpack", reason="needs packing[serve]")
 from serve_robots import ADAPTER, observation
 
-from packing.serve import DiTAdapter, ServerConfig, WanAdapter
-from packing.serve._wire import DTYPES, WireError, decode, encode
+from packing.server import DiTAdapter, ServerConfig, WanAdapter
+from packing.server._wire import DTYPES, WireError, decode, encode
 
 LIMIT = 2**20
 
