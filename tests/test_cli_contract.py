@@ -82,7 +82,7 @@ def test_json_into_a_missing_folder_exits_2_before_running(
 @pytest.mark.parametrize(
     ("device", "message"),
     [
-        ("tpu", r"--device 'tpu' is not a torch device; use cpu, cuda or cuda:N"),
+        ("tpu", r"--device: 'tpu' is not a torch device; use cpu, cuda or cuda:N"),
         ("cuda", r"--device cuda: torch sees no CUDA GPU .*or use --device cpu"),
         ("cuda:7", r"--device cuda:7: torch sees no CUDA GPU"),
     ],
@@ -148,7 +148,7 @@ def test_bad_feature_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "--feature", "latents=nope"]) == 2
     assert "has no feature 'nope'" in error_line(capsys)
     assert main(["verify", "--threads", "0"]) == 2
-    assert "--threads 0 must be in [1, " in error_line(capsys)
+    assert "--threads: 0 is below 1 (CPU threads; 1 to 4,096)" in error_line(capsys)
 
 
 # -- divergence is not a packing verdict ---------------------------------------------------------
@@ -205,7 +205,7 @@ def test_help_does_not_import_torch() -> None:
 
 def test_verify_runs_on_one_cpu_thread_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's default (a thread per core) made verify ~10x slower on a busy 2-core machine."""
-    from packing.cli import _set_threads
+    from packing.cli._verify import _set_threads
 
     before = torch.get_num_threads()
     try:
@@ -385,7 +385,7 @@ def test_version_and_budget_commands(capsys: pytest.CaptureFixture[str]) -> None
         capsys.readouterr().out
     )
     assert main(["budget", "--gpus", "0"]) == 2
-    assert "--gpus 0 must be >= 1" in capsys.readouterr().err
+    assert "--gpus: 0 is below 1 (GPUs; 1 to 65,536)" in capsys.readouterr().err
 
 
 def test_the_no_multi_episode_pack_hint_says_raise_the_budget() -> None:

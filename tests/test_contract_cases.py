@@ -100,7 +100,7 @@ def test_argparse_errors_are_one_line_and_budget_takes_5e9_without_torch() -> No
 def test_budget_presets_match_param_count() -> None:
     import dataclasses
 
-    from packing._budget_command import PRESET_PARAMS
+    from packing.cli._budget import PRESET_PARAMS
     from packing.model import DiTConfig, param_count
 
     for preset, (depth, outside, per_block) in PRESET_PARAMS.items():

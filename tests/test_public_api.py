@@ -33,12 +33,13 @@ LAYERS = (
     "verify",
     "serve",
     "integrations",
+    "cli",
 )
 FOLDERS = (
     *(f"packing.{n}" for n in LAYERS if n != "integrations" and (ROOT / n).is_dir()),
     "packing.integrations.diffusers",
 )
-PUBLIC_MODULES = {"packing.integrations.diffusers.testing", "packing.cli"}
+PUBLIC_MODULES = {"packing.integrations.diffusers.testing"}
 
 
 def _facade_names(module: str) -> list[str]:
@@ -152,10 +153,6 @@ CROSS_FOLDER_PRIVATE = {
     ("packing/serve/_cached_step.py", "packing.attention._block_tables", "tables_from_flags"),
     # The engine's mask builder for one step, reused by the served Wan for the same masks.
     ("packing/integrations/diffusers/_serve.py", "packing.serve._step", "step_masks"),
-    # The commands' plumbing: the --model factory loader and the torchrun rank entry.
-    ("packing/_serve_command.py", "packing.verify._command", "load_factory"),
-    ("packing/cli.py", "packing.verify._distributed", "launched_by_torchrun"),
-    ("packing/cli.py", "packing.verify._distributed", "verify_rank"),
 }
 
 

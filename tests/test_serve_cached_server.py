@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("websockets", reason="needs packing[serve]")
 from serve_robots import ADAPTER, FRAME, model, wait_until
 
-from packing import _serve_command
+from packing.cli import _serve as _serve_command
 from packing.cli import build_parser, main
 from packing.serve import (
     ContextCache,

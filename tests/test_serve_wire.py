@@ -108,7 +108,7 @@ def test_server_config_is_checked():
 def test_packing_serve_builds_a_preset_from_a_checkpoint_and_parses_shapes(tmp_path):
     """The CLI's engine: the preset's weights from a state_dict file (read weights_only),
     shapes from --shape, and one-line refusals for a bad shape or a checkpoint with a factory."""
-    from packing import _serve_command
+    from packing.cli import _serve as _serve_command
     from packing.cli import build_parser
     from packing.model import DiT, DiTConfig
 
