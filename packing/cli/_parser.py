@@ -83,6 +83,19 @@ def _check(name: str, fn: Callable[[str], T]) -> Callable[[str], T]:
     return fn
 
 
+MAX_TEXT = 4096  # characters of any string flag (a path, a name, a key)
+
+
+def _plain(value: str, what: str) -> str:
+    """A string flag's common rule: non-empty, printable, at most `MAX_TEXT` characters."""
+    if not value.strip() or len(value) > MAX_TEXT or not value.isprintable():
+        raise argparse.ArgumentTypeError(
+            f"{value[:40]!r}{'...' if len(value) > 40 else ''} must be {what}: non-empty, "
+            f"printable, at most {MAX_TEXT} characters"
+        )
+    return value
+
+
 def whole(lo: int, hi: int, what: str) -> Callable[[str], int]:
     """A whole number in ``[lo, hi]``: ``12``, ``5_000``, or float notation that is whole
     (``5e9``); ``2.5``, ``nan`` and anything outside the bounds are refused."""
@@ -135,7 +148,7 @@ def folder(what: str, *, also: tuple[str, ...] = ()) -> Callable[[str], str]:
     def parse(value: str) -> str:
         if value in also:
             return value
-        path = Path(value).expanduser()
+        path = Path(_plain(value, what)).expanduser()  # (Path("") would be ".")
         if not path.is_dir():
             why = "is a file" if path.exists() else "does not exist"
             raise argparse.ArgumentTypeError(f"{value} {why}; expected {what}")
@@ -148,7 +161,7 @@ def file(what: str) -> Callable[[str], str]:
     """An existing file (``~`` expanded)."""
 
     def parse(value: str) -> str:
-        path = Path(value).expanduser()
+        path = Path(_plain(value, what)).expanduser()
         if not path.is_file():
             why = "is a folder" if path.is_dir() else "does not exist"
             raise argparse.ArgumentTypeError(f"{value} {why}; expected {what}")
@@ -161,7 +174,7 @@ def report_path() -> Callable[[str], str]:
     """A file path to write a report to: not a directory, in a folder that exists."""
 
     def parse(value: str) -> str:
-        p = Path(value).expanduser()
+        p = Path(_plain(value, "a file path")).expanduser()
         if p.is_dir():
             raise argparse.ArgumentTypeError(
                 f"{value} is a directory; give a file path, e.g. {p / 'report.json'}"
@@ -186,22 +199,18 @@ def device() -> Callable[[str], str]:
     def parse(value: str) -> str:
         if not _DEVICE.fullmatch(value):
             raise argparse.ArgumentTypeError(
-                f"{value!r} is not a torch device; use cpu, cuda or cuda:N"
+                f"{value[:40]!r} is not a torch device; use cpu, cuda or cuda:N"
             )
         return value
 
     return _check("device", parse)
 
 
-def text(what: str, *, max_len: int = 4096) -> Callable[[str], str]:
-    """A non-empty string without control characters, at most ``max_len`` characters."""
+def text(what: str) -> Callable[[str], str]:
+    """A non-empty string without control characters, at most `MAX_TEXT` characters."""
 
     def parse(value: str) -> str:
-        if not value.strip() or len(value) > max_len or not value.isprintable():
-            raise argparse.ArgumentTypeError(
-                f"{value!r} must be {what}: non-empty, printable, at most {max_len} characters"
-            )
-        return value
+        return _plain(value, what)
 
     return _check("text", parse)
 
@@ -211,7 +220,7 @@ def pattern(regex: str, example: str, what: str) -> Callable[[str], str]:
     compiled = re.compile(regex)
 
     def parse(value: str) -> str:
-        if not compiled.fullmatch(value):
+        if not compiled.fullmatch(_plain(value, what)):
             raise argparse.ArgumentTypeError(f"{value!r}: expected {what}, e.g. {example}")
         return value
 

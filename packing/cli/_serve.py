@@ -93,7 +93,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument(
         "--host",
         default="127.0.0.1",
-        type=text("a bind address", max_len=253),
+        type=text("a bind address"),
         help="bind address (default 127.0.0.1)",
     )
     s.add_argument(
