@@ -380,3 +380,20 @@ def test_config_refuses_bad_values_naming_them(kw, error, match):
 
     with pytest.raises(error, match=match):
         EncodeConfig("src", "dst", **kw)
+
+
+@needs_lerobot
+@pytest.mark.parametrize("episodes", [3, 4])
+def test_verify_passes_on_a_small_encoded_dataset_with_every_default(
+    latent_root, episodes, tmp_path, capsys
+):
+    """README's "Your own data" on 3 or 4 episodes: the default budget put each episode in a
+    pack of its own, and verify FAILed ("leak check impossible"). It holds two now."""
+    from packing.cli import main
+
+    out = tmp_path / "r.json"
+    argv = ["verify", "--dataset", str(latent_root), "--episodes", str(episodes)]
+    assert main([*argv, "--steps", "1", "--json", str(out)]) == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["leak"]["ok"] is True and report["leak"]["num_docs"] >= 2
+    assert max(report["pack_sizes"]) >= 2
