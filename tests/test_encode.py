@@ -397,3 +397,106 @@ def test_verify_passes_on_a_small_encoded_dataset_with_every_default(
     report = json.loads(out.read_text())
     assert report["leak"]["ok"] is True and report["leak"]["num_docs"] >= 2
     assert max(report["pack_sizes"]) >= 2
+
+
+@needs_lerobot
+def test_encode_never_writes_inside_its_source(video_root, tmp_path):
+    from packing.encode import EncodeError, encode_dataset
+
+    before = sorted(p for p in video_root.rglob("*"))
+    for dst, match in ((video_root, "is SRC itself"), (video_root / "latents", "inside SRC"),
+                       (video_root.parent, "SRC .* is inside DST")):  # fmt: skip
+        with pytest.raises(EncodeError, match=match):
+            encode_dataset(_config(video_root, dst))
+    assert sorted(p for p in video_root.rglob("*")) == before  # nothing written into SRC
+
+
+def _saved_tiny_vae(folder: Path, **config) -> Path:
+    from packing.encode import tiny_vae
+
+    tiny_vae().save_pretrained(folder)
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder
+
+
+@needs_lerobot
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"scale_factor_temporal": 2}, r"config says 2x time, 16x space .* 5 frames of 32x32 "
+         r"pixels should give 3 latent frames of 2x2, but it fails on them"),
+        ({"scale_factor_spatial": 8}, r"config says 4x time, 8x space .* of 16x16 pixels .* "
+         r"3 latent frames of 1x1 .*16x space"),
+        ({"_class_name": "UNet2DConditionModel"}, r"describes a UNet2DConditionModel, not a VAE"),
+    ],
+)
+def test_a_vae_that_is_not_what_its_config_says_is_refused_before_dst_exists(
+    video_root, tmp_path, config, match
+):
+    """A config misstating the VAE's compression wrote (exit 0) a dataset nobody could read;
+    a UNet folder as --vae crashed (exit 3) and left a half-started destination."""
+    from packing.encode import EncodeError, encode_dataset
+
+    vae = _saved_tiny_vae(tmp_path / "vae", **config)
+    dst = tmp_path / "out"
+    with pytest.raises(EncodeError, match=match):
+        encode_dataset(_config(video_root, dst, vae=str(vae)))
+    assert not dst.exists()
+
+
+@needs_lerobot
+def test_a_saved_vae_with_its_own_config_encodes(video_root, tmp_path):
+    """The negative control of the probe: the same folder, config untouched, is accepted."""
+    from packing.encode import encode_dataset
+
+    vae = _saved_tiny_vae(tmp_path / "vae")
+    report = encode_dataset(_config(video_root, tmp_path / "out", vae=str(vae)))
+    assert report.episodes == len(LENGTHS)
+
+
+@needs_lerobot
+def test_a_device_this_machine_lacks_is_a_usage_error(video_root, tmp_path, capsys):
+    from packing.cli import main
+    from packing.encode import EncodeError, EncodeConfig, encode_dataset
+
+    dst = tmp_path / "out"
+    for device in ("cuda:x", "bogus", "cuda:-1"):
+        with pytest.raises(EncodeError, match=rf"device='{device}': use 'cpu', 'cuda' or 'cuda:N'"):
+            EncodeConfig(video_root, dst, device=device)
+        assert main(["encode", str(video_root), str(dst), "--vae", "tiny", "--device", device]) == 2
+        assert "is not a torch device" in capsys.readouterr().err
+    count = torch.cuda.device_count()
+    with pytest.raises(EncodeError, match=r"device='cuda:99' but .*(no CUDA GPU|pick one)"):
+        encode_dataset(_config(video_root, dst, device="cuda:99"))
+    assert not dst.exists() and count < 99
+
+
+@needs_lerobot
+def test_ctrl_c_during_encode_says_what_is_kept_and_a_rerun_resumes(
+    video_root, tmp_path, monkeypatch, capsys
+):
+    from packing.cli import main
+    from packing.encode import _write
+
+    real = _write.LatentWriter.write
+    calls = []
+
+    def interrupted_on_third(self, *args, **kw):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(_write.LatentWriter, "write", interrupted_on_third)
+    dst = tmp_path / "out"
+    argv = ["encode", str(video_root), str(dst), "--vae", "tiny", "--cameras", FRONT,
+            "--pad-frames", "--batch-size", "1"]  # fmt: skip
+    assert main(argv) == 130
+    err = [x for x in capsys.readouterr().err.splitlines() if not x.startswith("  ..")]
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert err[0].startswith("packing encode: interrupted; 2/5 episodes written by this run")
+    assert f"in {dst} are kept" in err[0] and "run the same command again to resume" in err[0]
+    monkeypatch.setattr(_write.LatentWriter, "write", real)
+    assert main(argv) == 0
+    assert "3 episodes encoded, 2 found done" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
@@ -70,7 +71,7 @@ class EncodeConfig:
         check_int("batch_size", self.batch_size, min=1, hint="episodes per batch")
         check_int("num_workers", self.num_workers, min=0, hint="decoding threads, 0 or more")
         check_int("seed", self.seed)
-        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise EncodeError(f"device={self.device!r}: use 'cpu', 'cuda' or 'cuda:N'")
         if self.dtype is not None:
             check_choice("dtype", self.dtype, ("float32", "bfloat16"))
