@@ -500,3 +500,21 @@ def test_ctrl_c_during_encode_says_what_is_kept_and_a_rerun_resumes(
     monkeypatch.setattr(_write.LatentWriter, "write", real)
     assert main(argv) == 0
     assert "3 episodes encoded, 2 found done" in capsys.readouterr().out
+
+
+@needs_lerobot
+@pytest.mark.parametrize("tc", [2, 8])
+def test_a_temporal_compression_the_latents_do_not_have_is_refused_when_read(
+    latent_root, tmp_path, tc
+):
+    """info.json saying 2 (or 8) for latents written at 4 served zero rows as latent frames."""
+    root = shutil.copytree(latent_root, tmp_path / "lying")
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info["features"][KEY]["latent"]["temporal_compression"] = tc
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    eps = LeRobotEpisodes(root, keys=[KEY])
+    with pytest.raises(ValueError, match=rf"episode 0 of .*: latent feature '{KEY}': meta/info"
+                       rf".json's temporal_compression {tc} puts .* the rows holding latents "
+                       r"are \[0, 4, 8\]"):  # fmt: skip
+        eps[0]
+    assert LeRobotEpisodes(latent_root, keys=[KEY])[0][KEY].shape[0] == 3  # the control

@@ -589,7 +589,9 @@ class LeRobotEpisodes(Dataset):
             for name in self._shapes:
                 item[name] = item[name][order]
         for name, (tc, pad) in self._latents.items():  # F rows -> the L latent frames
-            item[name] = item[name][torch.from_numpy(latent_rows(length, tc, pad=pad))]
+            rows = latent_rows(length, tc, pad=pad)
+            _check_latent_rows(f"episode {ep} of {self.root}", name, item[name], rows, tc)
+            item[name] = item[name][torch.from_numpy(rows)]
         if self.check_finite:
             for name in self._shapes:
                 check_finite(f"episode {ep}", name, item[name])
@@ -701,3 +703,23 @@ def _tasks_from_parquet(root: Path) -> list[str]:
     ):
         tasks[int(idx)] = str(text)
     return tasks
+
+
+def _check_latent_rows(where: str, name: str, full: torch.Tensor, rows: np.ndarray,
+                       tc: int) -> None:  # fmt: skip
+    """A latent column holds its latent frames on ``rows`` and zeros on every other row
+    (`packing._latent`). A ``temporal_compression`` in meta/info.json that is not the one
+    the latents were written with puts ``rows`` elsewhere: some hold zeros, and latents sit
+    on rows never served. Refused, naming the rows that do hold latents."""
+    held = full.reshape(len(full), -1).ne(0).any(dim=1).numpy()
+    expected = np.zeros(len(full), dtype=bool)
+    expected[rows] = True
+    if (held == expected).all():
+        return
+    real = np.flatnonzero(held)
+    raise ValueError(
+        f"{where}: latent feature {name!r}: meta/info.json's temporal_compression {tc} puts "
+        f"its latent frames on rows {rows.tolist()[:8]}, but the rows holding latents are "
+        f"{real.tolist()[:8]}: the dataset's metadata does not match its latents; re-encode it "
+        "with packing encode, or correct temporal_compression in meta/info.json"
+    )
