@@ -90,6 +90,11 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--context-frames", type=whole(0, 4096, "context frames"), default=4,
                    help="context frames the default shape leaves room for (4; not with "
                         "--context-cache: the pool holds the contexts)")  # fmt: skip
+    _add_server_options(s)
+
+
+def _add_server_options(s: argparse.ArgumentParser) -> None:
+    """The server's own: address, key, limits, timing."""
     s.add_argument(
         "--host",
         default="127.0.0.1",

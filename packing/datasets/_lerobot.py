@@ -465,14 +465,24 @@ class LeRobotEpisodes(Dataset):
             for name, col, invert in self._plan
             if not invert
         }
-        # Latent features (packing encode) hold L latent frames on F video-frame rows:
-        # {name: (temporal_compression, padded)}; each episode's F must encode exactly.
-        self._latents = {
+        self._latents = self._latent_specs(where)
+        # Declared per-frame shape; a (1,) feature is served as (F,), like lerobot's scalars.
+        self._shapes = {
+            name: ()
+            if tuple(self.features[col]["shape"]) == (1,)
+            else tuple(self.features[col]["shape"])
+            for name, col, _ in self._plan
+        }
+
+    def _latent_specs(self, where: object) -> dict[str, tuple[int, bool]]:
+        """Latent features (packing encode) hold L latent frames on F video-frame rows:
+        ``{name: (temporal_compression, padded)}``; each episode's F must encode exactly."""
+        latents = {
             name: spec
             for name, col, _ in self._plan
             if (spec := latent_spec(self.features[col], col)) is not None
         }
-        for name, (tc, pad) in self._latents.items():
+        for name, (tc, pad) in latents.items():
             for ep, n in zip(self.episode_ids, self.lengths, strict=True):
                 try:
                     latent_count(int(n), tc, pad=pad)
@@ -481,13 +491,7 @@ class LeRobotEpisodes(Dataset):
                         f"episode {ep} of {where}: latent feature {name!r}: {e}, but the "
                         "dataset says it was encoded without padding; re-encode it"
                     ) from None
-        # Declared per-frame shape; a (1,) feature is served as (F,), like lerobot's scalars.
-        self._shapes = {
-            name: ()
-            if tuple(self.features[col]["shape"]) == (1,)
-            else tuple(self.features[col]["shape"])
-            for name, col, _ in self._plan
-        }
+        return latents
 
     def _read_instance_meta(self, ds: Any, episodes: Sequence[int] | None) -> tuple[Any, Any]:
         """Root, features, fps and tasks of a ``LeRobotDataset`` instance onto ``self``;
