@@ -335,6 +335,16 @@ def episode_noise(
     return x.to(dtype)
 
 
+def _layout_steps(layout: StreamLayout) -> int:
+    """Rows of a stream's step-level data, from its layout alone."""
+    if layout.padded_len % layout.tokens_per_step:
+        raise ValueError(
+            f"padded_len={layout.padded_len} is not a multiple of tokens_per_step="
+            f"{layout.tokens_per_step}; pass num_steps=<rows of the step-level data>"
+        )
+    return layout.padded_len // layout.tokens_per_step
+
+
 def packed_noise(
     batch_or_layout: PackedBatch | StreamLayout,
     *,
@@ -391,13 +401,7 @@ def packed_noise(
                 "or pass the PackedBatch, which holds both"
             )
         step_shape = tuple(step_shape)
-        if num_steps is None:
-            if layout.padded_len % layout.tokens_per_step:
-                raise ValueError(
-                    f"padded_len={layout.padded_len} is not a multiple of tokens_per_step="
-                    f"{layout.tokens_per_step}; pass num_steps=<rows of the step-level data>"
-                )
-            num_steps = layout.padded_len // layout.tokens_per_step
+        num_steps = _layout_steps(layout) if num_steps is None else num_steps
     dtype = torch.float32 if dtype is None else dtype
     device = torch.device("cpu") if device is None else torch.device(device)
     episodes = _indices(episode_index_K, "packed_noise")
