@@ -403,9 +403,11 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
 
 def _valid_argv(command: str, tmp_path: Path) -> list[str]:
     """The least a command needs to parse (encode's SRC, DST and --vae)."""
-    return [command, str(tmp_path), str(tmp_path / "out"), "--vae", "tiny"] if command == (
-        "encode"
-    ) else [command]
+    return (
+        [command, str(tmp_path), str(tmp_path / "out"), "--vae", "tiny"]
+        if command == ("encode")
+        else [command]
+    )
 
 
 def _parses(argv: list[str]) -> bool:

@@ -38,7 +38,7 @@ import torch
 PACKAGE = str(Path(__file__).resolve().parents[1] / "packing")
 FACADES = [
     "packing", "packing.data", "packing.attention", "packing.planning", "packing.train",
-    "packing.datasets", "packing.model", "packing.verify", "packing.serve",
+    "packing.datasets", "packing.encode", "packing.model", "packing.verify", "packing.serve",
     "packing.integrations.diffusers",
 ]  # fmt: skip
 
@@ -167,6 +167,7 @@ Base = Callable[[], tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
 def _base() -> dict[str, Base]:
     import packing.attention as A
     import packing.data as D
+    import packing.encode as E
     import packing.integrations.diffusers as F
     import packing.model as M
     import packing.planning as P
@@ -236,6 +237,10 @@ def _base() -> dict[str, Base]:
         # verify
         "packing.VerifyConfig": lambda: (V.VerifyConfig, (), {}),
         "packing.verify.Tolerances": lambda: (V.Tolerances, (), {"loss_rel": 1e-6, "grad_rel": 1e-5}),
+        "packing.verify.load_factory": lambda: (V.load_factory, ("packing.model:tiny_reference_model",), {}),
+        # encode
+        "packing.encode.EncodeConfig": lambda: (E.EncodeConfig, ("src", "dst"), {}),
+        "packing.encode.tiny_vae": lambda: (E.tiny_vae, (), {}),
         # the diffusers integration's functions that need no transformer
         "packing.integrations.diffusers.per_token_timesteps": lambda: (
             F.per_token_timesteps, (torch.tensor([700.0, 300.0]), _grid_layout()), {}),
@@ -329,6 +334,10 @@ NOT_CALLED: dict[str, str] = {
     "packing.verify.VerifyReport.to_json": "a result record's file (tests/test_verify.py)",
     "packing.verify.VerifyReport.format": "a result record's rendering (tests/test_verify.py)",
     "packing.verify.assert_no_leaks": "runs a model (tests/test_leak.py)",
+    "packing.verify.verify_rank": "one rank of a torchrun process group (tests/test_ddp.py)",
+    "packing.encode.encode_dataset": "reads and writes datasets; EncodeConfig is checked (tests/test_encode.py)",
+    "packing.encode.EncodeReport": "a result record built by encode_dataset",
+    "packing.encode.EncodeReport.format": "a result record's rendering (tests/test_encode.py)",
     "packing.serve.Engine": "needs a model (serve/faults branches: tests/test_serve.py)",
     "packing.serve.InferenceReport": "a result record built by verify_inference",
     "packing.serve.InferenceReport.to_json": "a result record's file",
@@ -376,6 +385,9 @@ _KEYS = "seed step episode_index"
 _HASHED = "an int64 key, hashed by splitmix64: 0 and negatives are distinct valid keys"
 for _fn in ("packing.episode_noise", "packing.train.episode_seed"):
     allow(_fn, _KEYS, "zero negative", _HASHED)
+allow("packing.encode.EncodeConfig", "num_workers", "zero", "0: decode between encodes (default)")
+allow("packing.encode.EncodeConfig", "seed", "zero", "seed 0 of the random-init VAEs")
+allow("packing.encode.tiny_vae", "seed", "zero", "seed 0 of the random init")
 for _fn in ("packing.episode_timesteps", "packing.train.cfg_dropout_mask"):
     allow(_fn, "seed step", "zero negative", _HASHED)
 allow("packing.PackedBatchSampler", "rank", "zero", "rank 0 is a rank")

@@ -424,10 +424,16 @@ def _saved_tiny_vae(folder: Path, **config) -> Path:
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"scale_factor_temporal": 2}, r"config says 2x time, 16x space .* 5 frames of 32x32 "
-         r"pixels should give 3 latent frames of 2x2, but it fails on them"),
-        ({"scale_factor_spatial": 8}, r"config says 4x time, 8x space .* of 16x16 pixels .* "
-         r"3 latent frames of 1x1 .*16x space"),
+        (
+            {"scale_factor_temporal": 2},
+            r"config says 2x time, 16x space .* 5 frames of 32x32 "
+            r"pixels should give 3 latent frames of 2x2, but it fails on them",
+        ),
+        (
+            {"scale_factor_spatial": 8},
+            r"config says 4x time, 8x space .* of 16x16 pixels .* "
+            r"3 latent frames of 1x1 .*16x space",
+        ),
         ({"_class_name": "UNet2DConditionModel"}, r"describes a UNet2DConditionModel, not a VAE"),
     ],
 )
@@ -458,7 +464,7 @@ def test_a_saved_vae_with_its_own_config_encodes(video_root, tmp_path):
 @needs_lerobot
 def test_a_device_this_machine_lacks_is_a_usage_error(video_root, tmp_path, capsys):
     from packing.cli import main
-    from packing.encode import EncodeError, EncodeConfig, encode_dataset
+    from packing.encode import EncodeConfig, EncodeError, encode_dataset
 
     dst = tmp_path / "out"
     for device in ("cuda:x", "bogus", "cuda:-1"):

@@ -62,7 +62,7 @@ def tiny_vae(seed: int = 0) -> Any:
     """A random-init ``AutoencoderKLWan`` of Wan 2.2's design (residual, 2x2 patches, 16x
     space, 4x time) with 8 latent channels and ~0.3 M parameters: fast on a CPU, for tests
     and examples. ``tiny_vae()`` encodes ``(1, 3, 9, 32, 48)`` pixels to ``(1, 8, 3, 2, 3)``."""
-    check_int("seed", seed)
+    check_int("seed", seed, min=0, max=2**63 - 1)
     diffusers = require("diffusers", extra="encode")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -247,7 +247,13 @@ def _backend_available(dev: torch.device) -> bool:
 
 
 def load_factory(spec: str, flag: str = "--model") -> Callable[..., nn.Module]:
-    """``"module:factory"`` -> the factory callable, with an error that names what is missing."""
+    """``"module:factory"`` -> the factory callable, with an error that names what is missing
+    (``flag`` names the option in it)."""
+    for name, value in (("spec", spec), ("flag", flag)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name}={value!r} must be a string, e.g. 'my_models:build'")
+    if spec.count(":") != 1:
+        raise ValueError(f"{flag} {spec!r}: expected 'module:factory', e.g. 'my_models:build'")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
