@@ -195,3 +195,22 @@ def test_pack_plan_built_by_hand_is_checked() -> None:
         plan([0, 0])
     with pytest.raises(ValueError, match="9 tokens > token_budget=8"):
         plan([1, 2])
+
+
+def test_a_sampler_of_no_episode_is_refused_not_one_empty_step() -> None:
+    """PackedBatchSampler([], 8) yielded one all-padding step an epoch."""
+    from packing.planning import PackedBatchSampler, plan_packs
+
+    for build in (lambda: PackedBatchSampler([], 8),
+                  lambda: PackedBatchSampler(plan=plan_packs([], 8))):  # fmt: skip
+        with pytest.raises(ValueError, match="PackedBatchSampler got no episode"):
+            build()
+    assert list(PackedBatchSampler([3], 8)) == [[0]]  # one episode: one step
+
+
+def test_frames_to_tokens_of_no_episode_says_so() -> None:
+    """It said 'got float64' (numpy's dtype of an empty list)."""
+    from packing.planning import frames_to_tokens
+
+    with pytest.raises(ValueError, match="num_frames is empty"):
+        frames_to_tokens([])

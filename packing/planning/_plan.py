@@ -81,6 +81,8 @@ def frames_to_tokens(
         -> [9152, 8504]      # 48x240x8x16 latents: 240 * 32 + 240 * 4 + 512
     """
     n = np.asarray(num_frames)
+    if n.size == 0:
+        raise ValueError("num_frames is empty; pass one frame count per episode")
     if n.dtype.kind not in "iu":
         raise TypeError(
             f"num_frames must be integer frame counts, got {n.dtype}; convert them yourself "
