@@ -214,3 +214,47 @@ def test_frames_to_tokens_of_no_episode_says_so() -> None:
 
     with pytest.raises(ValueError, match="num_frames is empty"):
         frames_to_tokens([])
+
+
+def test_dataset_adapters_refuse_what_they_cannot_serve(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each was accepted (an empty selection, a file as cache_dir, a bool as an index) or
+    failed inside pathlib/numpy without naming the argument."""
+    import numpy as np
+
+    from packing.datasets import (
+        LeRobotEpisodes,
+        default_dataset_root,
+        episode_lengths,
+        write_default_dataset,
+    )
+
+    root = default_dataset_root()
+    with pytest.raises(ValueError, match=r"episodes=\[\] selects no episode"):
+        LeRobotEpisodes(root, keys=["latents"], episodes=[])
+    with pytest.raises(ValueError, match=r"cache_dir=.* is a file; pass a folder"):
+        LeRobotEpisodes(root, keys=["latents"], cache_dir=__file__)
+    with pytest.raises(TypeError, match=r"cache_dir=3 must be a path"):
+        LeRobotEpisodes(root, keys=["latents"], cache_dir=3)
+    with pytest.raises(TypeError, match=r"root=3 must be a path"):
+        episode_lengths(3)  # type: ignore[arg-type]
+    eps = LeRobotEpisodes(root, keys=["latents"])
+    for bad in (True, 1.0, "a"):
+        with pytest.raises(TypeError, match=r"i=.* must be an int"):
+            eps[bad]  # type: ignore[index]
+    assert eps[np.int64(1)]["episode_index"] == 1  # numpy ints are ints
+    (tmp_path / "here").mkdir()
+    with pytest.raises(FileExistsError, match=r"exists; write_default_dataset writes a new"):
+        write_default_dataset(tmp_path / "here")
+    with pytest.raises(TypeError, match=r"lengths\[0\]=2.5 must be an int"):
+        write_default_dataset(tmp_path / "new", lengths=(2.5, 3))  # type: ignore[arg-type]
+
+
+def test_hf_episodes_refuse_an_empty_selection_and_a_bool_index() -> None:
+    datasets = pytest.importorskip("datasets")
+    from packing.datasets import HFEpisodes
+
+    ds = datasets.Dataset.from_dict({"episode_index": [0, 0, 1], "obs": [1.0, 2.0, 3.0]})
+    with pytest.raises(ValueError, match=r"episodes=\[\] selects no episode"):
+        HFEpisodes(ds, keys=["obs"], episodes=[])
+    with pytest.raises(TypeError, match=r"i=True must be an int"):
+        HFEpisodes(ds, keys=["obs"])[True]  # type: ignore[index]

@@ -181,6 +181,8 @@ def _selection(ids: np.ndarray, episodes: Sequence[int] | None, column: str) -> 
     wanted = [
         check_int(f"episodes[{i}]", e) for i, e in enumerate(check_sequence("episodes", episodes))
     ]
+    if not wanted:
+        raise ValueError("episodes=[] selects no episode; pass None for all of them")
     _refuse_duplicates(wanted)
     pos = {int(e): j for j, e in enumerate(ids)}
     missing = [e for e in wanted if e not in pos]
@@ -265,6 +267,7 @@ class HFEpisodes(Dataset):
         return self._rows[rows.tolist()]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        i = check_int("i", i, hint="an episode position; numpy ints too, not bools")
         if not -len(self) <= i < len(self):
             raise IndexError(f"episode position {i} out of range for {len(self)} episodes")
         i = i % len(self)

@@ -47,7 +47,14 @@ from torch.utils.data import Dataset
 from packing._latent import latent_count, latent_rows, latent_spec
 from packing._lazy import require
 from packing._lerobot_v3 import EPISODE_COLUMNS, check_root, episodes_table, load_info, read_parquet
-from packing._validate import check_bool, check_finite, check_sequence, is_int
+from packing._validate import (
+    check_bool,
+    check_finite,
+    check_int,
+    check_path,
+    check_sequence,
+    is_int,
+)
 from packing.datasets._arrow import plan_columns, table_to_episode
 from packing.datasets._parquet_pages import ColumnChunks, Unsupported, fixed_shape
 
@@ -99,6 +106,8 @@ def _select(ids: np.ndarray, episodes: Sequence[int] | None, where: object) -> n
     if episodes is None:
         return np.arange(len(ids))
     episodes = check_sequence("episodes", episodes)
+    if not len(episodes):
+        raise ValueError(f"episodes=[] selects no episode of {where}; pass None for all of them")
     bad = [e for e in episodes if not is_int(e)]
     if bad:
         raise TypeError(f"episodes must be episode indices (ints), got {bad[:5]}")
@@ -118,6 +127,15 @@ def _select(ids: np.ndarray, episodes: Sequence[int] | None, where: object) -> n
     return np.array([pos[int(e)] for e in episodes], dtype=np.int64)
 
 
+def _cache_folder(cache_dir: Any) -> Path:
+    """``cache_dir`` as a folder that exists or can be made (a file there is refused now,
+    not when the first item is read)."""
+    path = Path(check_path("cache_dir", cache_dir)).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"cache_dir={cache_dir!r} is a file; pass a folder (it is created)")
+    return path
+
+
 def episode_lengths(
     root: str | os.PathLike[str], episodes: Sequence[int] | None = None
 ) -> np.ndarray:
@@ -128,7 +146,7 @@ def episode_lengths(
 
         episode_lengths("~/data/my_robot")  ->  array([2, 4, 3])
     """
-    root = Path(root).expanduser()
+    root = Path(check_path("root", root)).expanduser()
     check_root(root)
     load_info(root)
     table = episodes_table(root)
@@ -449,7 +467,7 @@ class LeRobotEpisodes(Dataset):
         )
         self._columns = sorted({c for _, c, _ in self._plan} | ids_cols)
         if isinstance(root_or_dataset, (str, os.PathLike)):
-            cache = None if cache_dir is None else Path(cache_dir).expanduser()
+            cache = None if cache_dir is None else _cache_folder(cache_dir)
             self._reader: _ParquetEpisodes | _InstanceEpisodes = _ParquetEpisodes(
                 self.root, info, table, sel, self._columns, cache
             )
@@ -551,6 +569,7 @@ class LeRobotEpisodes(Dataset):
         return len(self.episode_ids)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        i = check_int("i", i, hint="an episode position; numpy ints too, not bools")
         if not -len(self) <= i < len(self):
             raise IndexError(f"episode position {i} out of range for {len(self)} episodes")
         i = i % len(self)
