@@ -258,3 +258,20 @@ def test_hf_episodes_refuse_an_empty_selection_and_a_bool_index() -> None:
         HFEpisodes(ds, keys=["obs"], episodes=[])
     with pytest.raises(TypeError, match=r"i=True must be an int"):
         HFEpisodes(ds, keys=["obs"])[True]  # type: ignore[index]
+
+
+def test_train_helpers_refuse_a_device_mismatch_a_wrong_row_count_and_a_huge_noise() -> None:
+    """reduce_loss on another device failed inside torch; broadcast_to_tokens took 3 rows for
+    a layout of 2 episodes; episode_noise of 2**40 values failed in torch's allocator."""
+    from packing.data import layout_from_lengths
+    from packing.train import broadcast_to_tokens, episode_noise, reduce_loss
+
+    ids = torch.tensor([0, 0, 1, -1])
+    with pytest.raises(ValueError, match=r"loss is on meta but the doc ids on cpu"):
+        reduce_loss(torch.ones(4, device="meta"), ids, "token")
+    layout = layout_from_lengths([2, 1], [2, 1], 4)
+    with pytest.raises(ValueError, match=r"values_K has 3 rows but the doc ids name 2"):
+        broadcast_to_tokens(torch.ones(3), layout)
+    assert broadcast_to_tokens(torch.ones(2), layout).tolist() == [1, 1, 1, 0]
+    with pytest.raises(ValueError, match=r"values > 4,294,967,296 .* for one episode's noise"):
+        episode_noise(0, 0, 0, (2**20, 2**20))
