@@ -11,7 +11,7 @@ Every option that takes a value is checked as it is parsed: ``Parser.add_argumen
 finite, a path exists where it must, a device is spelled as torch spells one::
 
     whole(1, 1_000, "blocks")        "12" -> 12, "5e9" -> refused (above 1,000), "2.5" -> refused
-    real(0, 1e6, "GB", above=True)   "150" -> 150.0, "nan" / "inf" / "0" -> refused
+    real(0, 1e6, "GB", above=True)   "150" -> 150.0; "nan", "inf", "0" refused: not in (0, 1e6]
     folder("a LeRobot v3 root")      an existing directory, "~" expanded
     device()                         cpu, cuda, cuda:N, mps (whether the GPU is here: at run time)
 
@@ -135,8 +135,8 @@ def real(lo: float, hi: float, what: str, *, above: bool = False) -> Callable[[s
             raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
         low_ok = x > lo if above else x >= lo
         if not math.isfinite(x) or not low_ok or x > hi:
-            span = f"{'above' if above else 'from'} {lo:g} to {hi:g}"
-            raise argparse.ArgumentTypeError(f"{value} must be a finite number {span} ({what})")
+            span = f"{'(' if above else '['}{lo:g}, {hi:g}]"
+            raise argparse.ArgumentTypeError(f"{value} must be a finite number in {span} ({what})")
         return x
 
     return _check("number", parse)
