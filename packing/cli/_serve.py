@@ -130,7 +130,7 @@ def _add_server_options(s: argparse.ArgumentParser) -> None:
         help="shutdown waits this long at most",
     )
     s.add_argument(
-        "--summary-every-s", type=real(1, 86_400, "seconds between summaries"), default=60.0
+        "--summary-every-s", type=real(0.1, 86_400, "seconds between summaries"), default=60.0
     )
 
 
