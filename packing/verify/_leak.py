@@ -286,7 +286,7 @@ def _projection(
     batch: PackedBatch,
     output_layouts: Mapping[str, str],
     gen: torch.Generator,
-) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, StreamLayout], dict[str, torch.Tensor]]:
     """Each output's stream layout, and a fixed random projection of every output so that
     no two leaks cancel in the objective."""
     with torch.no_grad():
