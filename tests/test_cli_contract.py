@@ -477,7 +477,10 @@ def test_every_option_refuses_bad_values_in_one_line(
     [
         (["--depth", "100000"], "--depth: 100000 is above 1,000"),
         (["--params", "1e30"], "--params: 1e30 is above 10,000,000,000,000"),
-        (["--gpu-memory-gb", "0.001"], "--gpu-memory-gb: 0.001 must be a finite number in [1, 10000]"),
+        (
+            ["--gpu-memory-gb", "0.001"],
+            "--gpu-memory-gb: 0.001 must be a finite number in [1, 10000]",
+        ),
         (["--gpu-memory-gb", "5"], "nothing fits: at 8 GPUs the sharded states alone need"),
         (["--params", "1e12", "--gpus", "2"], "nothing fits: at 2 GPUs the sharded states"),
     ],
