@@ -422,13 +422,8 @@ allow("packing.PackedBatchSampler.set_epoch", "epoch", "zero huge", "any epoch >
 allow("packing.PackedBatchSampler.replan_packs", "epoch", "zero huge", "any epoch >= 0")
 allow("packing.PackedBatchSampler.schedule", "epoch", "zero huge", "any epoch >= 0")
 allow("packing.PackedBatchSampler.state_dict", "consumed", "zero", "nothing consumed yet")
-allow(
-    "packing.PackedCollator",
-    "token_budget pad_to_multiple max_docs",
-    "huge",
-    "a size: refused only when a pack is built over it",
-)
-allow("packing.Stream", "tokens_per_step budget", "huge", "a size, checked against the data")
+allow("packing.PackedCollator", "max_docs", "huge", "a size: refused only when a pack is over it")
+allow("packing.Stream", "tokens_per_step", "huge", "a size, checked against the data")
 allow("packing.frames_to_tokens", "temporal_compression", "huge", "one latent frame per episode")
 allow("packing.frames_to_tokens", "action_tokens_per_frame text_tokens", "zero", "none (default)")
 allow(
@@ -476,7 +471,7 @@ allow("packing.DiTConfig", "dim depth ffn_dim", "huge", "a width, as above")
 allow("packing.DiTConfig.wan_1_3b", "depth", "huge", "a config, not a model")
 allow("packing.DiTConfig.wan_2_2_5b", "depth", "huge", "a config, not a model")
 allow("packing.model.text_tokens", "text_len", "huge", "refused when over the vocabulary limit")
-allow("packing.model.pack_text", "text_len pad_to_multiple", "huge", "a size")
+allow("packing.model.pack_text", "text_len", "huge", "a size")
 allow("packing.VerifyConfig", "seed", "zero", "seed 0 is the default")
 
 allow("packing.serve.DiTAdapter", "seed", "zero", "seed 0 is a seed")

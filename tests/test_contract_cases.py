@@ -275,3 +275,28 @@ def test_train_helpers_refuse_a_device_mismatch_a_wrong_row_count_and_a_huge_noi
     assert broadcast_to_tokens(torch.ones(2), layout).tolist() == [1, 1, 1, 0]
     with pytest.raises(ValueError, match=r"values > 4,294,967,296 .* for one episode's noise"):
         episode_noise(0, 0, 0, (2**20, 2**20))
+
+
+def test_collator_sizes_are_bounded_and_odd_inputs_named() -> None:
+    """A budget of 2**40 tokens failed in numpy's allocator; a big-endian array and an
+    episode_index of 2**70 failed inside torch; batch.to(3.5) was accepted."""
+    import numpy as np
+
+    from packing.data import PackedCollator, Stream
+
+    ep = {"x": torch.ones(2, 3), "episode_index": 0}
+    for build in (lambda: PackedCollator(["x"], token_budget=2**40),
+                  lambda: PackedCollator(["x"], pad_to_multiple=2**40),
+                  lambda: Stream("x", budget=2**40)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"must be <= 134217728 \(.*tokens"):
+            build()
+    with pytest.raises(TypeError, match=r"byte order '>' .* convert it to the native order"):
+        PackedCollator(["x"])([{"x": np.ones((2, 3), dtype=">f4"), "episode_index": 0}])
+    with pytest.raises(ValueError, match=r"key 'episode_index' is 1180591620717411303424, outside"):
+        PackedCollator(["x"])([{**ep, "episode_index": 2**70}])
+    batch = PackedCollator(["x"])([ep])
+    with pytest.raises(TypeError, match=r"device must be a torch.device or a device string"):
+        batch.to(3.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"device='bogus' is not a device"):
+        batch.to("bogus")
+    assert batch.to("cpu")["x"].shape == batch["x"].shape
