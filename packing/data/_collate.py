@@ -583,7 +583,7 @@ def _stack_plain(values: list[Any], k_out: int, fill: int) -> tuple[str, Any] | 
     kind = _KINDS.get(t0)
     if kind is None or kind == "tensor" or not all(type(v) is t0 for v in values):
         return None
-    if kind == "int" and not (-(2**63) <= min(values) and max(values) < 2**63):
+    if kind == "int" and not (min(values) >= -(2**63) and max(values) < 2**63):
         return None  # outside int64: `_stack_checked` names the episode and the key
     pad = k_out - len(values)
     if kind == "object":
