@@ -300,3 +300,14 @@ def test_collator_sizes_are_bounded_and_odd_inputs_named() -> None:
     with pytest.raises(ValueError, match=r"device='bogus' is not a device"):
         batch.to("bogus")
     assert batch.to("cpu")["x"].shape == batch["x"].shape
+
+
+def test_a_bool_among_the_lengths_is_refused_not_planned_as_one_token() -> None:
+    import numpy as np
+
+    from packing.planning import plan_packs
+
+    for lengths, first in (([True, 3], 0), ((3, True), 1), (np.array([True, False]), 0)):
+        with pytest.raises(TypeError, match=rf"lengths holds a bool \(episode {first}\)"):
+            plan_packs(lengths, 8)
+    assert plan_packs(torch.tensor([3, 4]), 8).packs == [[0, 1]]  # ints of any kind are fine
