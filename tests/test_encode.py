@@ -524,3 +524,13 @@ def test_a_temporal_compression_the_latents_do_not_have_is_refused_when_read(
                        r"are \[0, 4, 8\]"):  # fmt: skip
         eps[0]
     assert LeRobotEpisodes(latent_root, keys=[KEY])[0][KEY].shape[0] == 3  # the control
+
+
+@needs_lerobot
+def test_a_destination_that_is_a_file_is_named(video_root, tmp_path):
+    from packing.encode import EncodeError, encode_dataset
+
+    (tmp_path / "dst").write_text("mine")
+    with pytest.raises(EncodeError, match=r"destination .*dst is a file; pass a folder path"):
+        encode_dataset(_config(video_root, tmp_path / "dst"))
+    assert (tmp_path / "dst").read_text() == "mine"

@@ -31,7 +31,7 @@ from packing.encode._errors import EncodeError
 from packing.encode._meta import check_size, finish_metadata, latent_features
 from packing.encode._source import Episode, Source, decode
 from packing.encode._vae import CausalEncoder, check_compression, load_vae
-from packing.encode._write import LatentWriter
+from packing.encode._write import LatentWriter, check_destination
 
 __all__ = ["encode_dataset"]
 
@@ -48,6 +48,7 @@ def encode_dataset(
     if not isinstance(config, EncodeConfig):
         raise TypeError(f"config must be an EncodeConfig, got {type(config).__name__}")
     _check_paths(config.src_path, config.dst_path)
+    check_destination(config.dst_path)
     device, dtype = _device(config.device), getattr(torch, config.compute_dtype)
     src = Source(config.src_path, config.cameras)
     vae = load_vae(config.vae, seed=config.seed)
