@@ -10,7 +10,8 @@ Each camera becomes a ``{camera}.latent`` feature (Wan VAE: 1 + (F-1)/4 latent f
 video frames), every non-video feature and the episode/task tables are carried over, one
 row per video frame (docs/encode.md). Interrupted, the same command continues where it
 stopped. Exit status: 0 written; 2 bad input (one line names the episode, the file and the
-fix; --traceback adds the traceback); 3 a crash inside a library.
+fix; --traceback adds the traceback); 3 a crash inside a library; 130 Ctrl-C (one line: the
+episodes written are kept, the same command resumes).
 """
 
 from __future__ import annotations
