@@ -74,27 +74,32 @@ def arrow_to_numpy(column: Any, *, key: str) -> np.ndarray:
 def check_rows_alike(column: Any, *, key: str, rows: np.ndarray | None = None) -> None:
     """Every served row (``rows`` of the column; all by default) has the same outer length
     and is not null, checked once when the dataset is opened (one pass over the row
-    lengths, not the values): a ragged or null column is refused then, not when an item
-    that holds it is read. Inner levels of nested lists are checked per item
-    (`arrow_to_numpy`)."""
+    lengths, not the values, chunk by chunk: nothing the size of the column is copied): a
+    ragged or null column is refused then, not when an item that holds it is read. Inner
+    levels of nested lists are checked per item (`arrow_to_numpy`)."""
     pa = require("pyarrow", extra=None)
     pc = require("pyarrow.compute", extra=None)
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if isinstance(arr, pa.ExtensionArray):
-        arr = arr.storage
-    nulls = arr.is_null().to_numpy(zero_copy_only=False)
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    nulls, lens = [], []
+    for arr in chunks:
+        if isinstance(arr, pa.ExtensionArray):
+            arr = arr.storage
+        nulls.append(arr.is_null().to_numpy(zero_copy_only=False))
+        if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+            lens.append(pc.list_value_length(arr).to_numpy(zero_copy_only=False))
+    null = np.concatenate(nulls) if nulls else np.zeros(0, dtype=bool)
     if rows is not None:
-        nulls = nulls[rows]
-    if nulls.any():
-        raise ValueError(f"column {key!r} has {int(nulls.sum())} null values; fill them first")
-    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
+        null = null[rows]
+    if null.any():
+        raise ValueError(f"column {key!r} has {int(null.sum())} null values; fill them first")
+    if not lens:
         return
-    lens = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
+    length = np.concatenate(lens)
     if rows is not None:
-        lens = lens[rows]
-    if len(lens) and (lens != lens[0]).any():
+        length = length[rows]
+    if len(length) and (length != length[0]).any():
         raise ValueError(
-            f"column {key!r} is ragged (rows of {lens.min()} to {lens.max()} values); only "
+            f"column {key!r} is ragged (rows of {length.min()} to {length.max()} values); only "
             "fixed-shape numeric features can be stacked into a sequence: pad or split it"
         )
 
