@@ -311,3 +311,13 @@ def test_a_bool_among_the_lengths_is_refused_not_planned_as_one_token() -> None:
         with pytest.raises(TypeError, match=rf"lengths holds a bool \(episode {first}\)"):
             plan_packs(lengths, 8)
     assert plan_packs(torch.tensor([3, 4]), 8).packs == [[0, 1]]  # ints of any kind are fine
+
+
+def test_verify_config_bounds_lr_and_eps_as_its_flags_do() -> None:
+    from packing.verify import VerifyConfig
+
+    for kw, match in ((dict(lr=1e300), r"lr=1e\+300 must be <= 10"),
+                      (dict(adam_eps=2.0), r"adam_eps=2.0 must be <= 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            VerifyConfig(**kw)
+    assert VerifyConfig(lr=10.0, adam_eps=1.0).lr == 10.0

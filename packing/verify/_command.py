@@ -134,8 +134,12 @@ class VerifyConfig:
             "token_budget", self.token_budget, min=1, max=_MAX_BUDGET, hint="tokens per pack"
         )
         check_int("seed", self.seed, min=0, max=2**63 - 1)
+        # The same bounds as packing verify's flags: a learning rate above 10 or an eps above 1
+        # diverges in a step or two, and the report would blame the model.
+        for name, value, top in (("lr", self.lr, 10.0), ("adam_eps", self.adam_eps, 1.0)):
+            if check_real(name, value, min=0.0, hint=f"at most {top:g}") > top:
+                raise ValueError(f"{name}={value!r} must be <= {top:g}")
         check_real("lr", self.lr, above=0.0)
-        check_real("adam_eps", self.adam_eps, min=0.0)
         for flag in ("dataset", "model", "reference"):
             if getattr(self, flag) is not None and not isinstance(getattr(self, flag), str):
                 raise TypeError(f"{flag}={getattr(self, flag)!r} must be a string or None")
