@@ -3,7 +3,7 @@
 A usage error is ONE line on stderr, exit status 2 (argparse prints its whole usage block, 2 to
 17 lines, before its message)::
 
-    packing budget: error: argument --depth: 100000 is above 1,000 (blocks of the model) (see packing budget --help)
+    packing budget: error: argument --depth: 100000 is above 1,000 (blocks; 1 to 1,000) (see packing budget --help)
 
 Every option that takes a value is checked as it is parsed: ``Parser.add_argument`` refuses
 (at build time, so every test that builds the parser fails) an option with neither
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-_CHECKS: set[Callable[[str], Any]] = set()  # every check made below, for `is_checked`
+_MARK = "_packing_check"  # set on every check made below, read by `is_checked`
 
 
 class Interrupted(KeyboardInterrupt):
@@ -74,12 +74,12 @@ def is_checked(action: argparse.Action) -> bool:
     """True for a flag that takes no value, or whose value is a choice or goes through a check."""
     if action.nargs == 0 or isinstance(action, argparse._SubParsersAction):
         return True
-    return action.choices is not None or action.type in _CHECKS
+    return action.choices is not None or getattr(action.type, _MARK, False)
 
 
 def _check(name: str, fn: Callable[[str], T]) -> Callable[[str], T]:
     fn.__name__ = name  # argparse names the type in "invalid <name> value" messages
-    _CHECKS.add(fn)
+    setattr(fn, _MARK, True)
     return fn
 
 
