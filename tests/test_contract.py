@@ -38,7 +38,8 @@ import torch
 PACKAGE = str(Path(__file__).resolve().parents[1] / "packing")
 FACADES = [
     "packing", "packing.data", "packing.attention", "packing.planning", "packing.train",
-    "packing.datasets", "packing.model", "packing.verify", "packing.serve", "packing.server",
+    "packing.datasets", "packing.encode", "packing.model", "packing.verify", "packing.serve",
+    "packing.server",
     "packing.integrations.diffusers",
 ]  # fmt: skip
 
@@ -167,6 +168,7 @@ Base = Callable[[], tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
 def _base() -> dict[str, Base]:
     import packing.attention as A
     import packing.data as D
+    import packing.encode as E
     import packing.integrations.diffusers as F
     import packing.model as M
     import packing.planning as P
@@ -237,6 +239,10 @@ def _base() -> dict[str, Base]:
         # verify
         "packing.VerifyConfig": lambda: (V.VerifyConfig, (), {}),
         "packing.verify.Tolerances": lambda: (V.Tolerances, (), {"loss_rel": 1e-6, "grad_rel": 1e-5}),
+        "packing.verify.load_factory": lambda: (V.load_factory, ("packing.model:tiny_reference_model",), {}),
+        # encode
+        "packing.encode.EncodeConfig": lambda: (E.EncodeConfig, ("src", "dst"), {}),
+        "packing.encode.tiny_vae": lambda: (E.tiny_vae, (), {}),
         # the diffusers integration's functions that need no transformer
         "packing.integrations.diffusers.per_token_timesteps": lambda: (
             F.per_token_timesteps, (torch.tensor([700.0, 300.0]), _grid_layout()), {}),
@@ -332,6 +338,10 @@ NOT_CALLED: dict[str, str] = {
     "packing.verify.VerifyReport.to_json": "a result record's file (tests/test_verify.py)",
     "packing.verify.VerifyReport.format": "a result record's rendering (tests/test_verify.py)",
     "packing.verify.assert_no_leaks": "runs a model (tests/test_leak.py)",
+    "packing.verify.verify_rank": "one rank of a torchrun process group (tests/test_ddp.py)",
+    "packing.encode.encode_dataset": "reads and writes datasets; EncodeConfig is checked (tests/test_encode.py)",
+    "packing.encode.EncodeReport": "a result record built by encode_dataset",
+    "packing.encode.EncodeReport.format": "a result record's rendering (tests/test_encode.py)",
     "packing.serve.Engine": "needs a model (serve/faults branches: tests/test_serve.py)",
     "packing.serve.Engine.submit": "needs an engine (bad requests: tests/test_serve_faults.py)",
     "packing.serve.Engine.cancel": "needs an engine (tests/test_serve_faults.py)",
@@ -383,6 +393,9 @@ _KEYS = "seed step episode_index"
 _HASHED = "an int64 key, hashed by splitmix64: 0 and negatives are distinct valid keys"
 for _fn in ("packing.episode_noise", "packing.train.episode_seed"):
     allow(_fn, _KEYS, "zero negative", _HASHED)
+allow("packing.encode.EncodeConfig", "num_workers", "zero", "0: decode between encodes (default)")
+allow("packing.encode.EncodeConfig", "seed", "zero", "seed 0 of the random-init VAEs")
+allow("packing.encode.tiny_vae", "seed", "zero", "seed 0 of the random init")
 for _fn in ("packing.episode_timesteps", "packing.train.cfg_dropout_mask"):
     allow(_fn, "seed step", "zero negative", _HASHED)
 allow("packing.PackedBatchSampler", "rank", "zero", "rank 0 is a rank")
@@ -417,13 +430,8 @@ allow("packing.PackedBatchSampler.set_epoch", "epoch", "zero huge", "any epoch >
 allow("packing.PackedBatchSampler.replan_packs", "epoch", "zero huge", "any epoch >= 0")
 allow("packing.PackedBatchSampler.schedule", "epoch", "zero huge", "any epoch >= 0")
 allow("packing.PackedBatchSampler.state_dict", "consumed", "zero", "nothing consumed yet")
-allow(
-    "packing.PackedCollator",
-    "token_budget pad_to_multiple max_docs",
-    "huge",
-    "a size: refused only when a pack is built over it",
-)
-allow("packing.Stream", "tokens_per_step budget", "huge", "a size, checked against the data")
+allow("packing.PackedCollator", "max_docs", "huge", "a size: refused only when a pack is over it")
+allow("packing.Stream", "tokens_per_step", "huge", "a size, checked against the data")
 allow("packing.frames_to_tokens", "temporal_compression", "huge", "one latent frame per episode")
 allow("packing.frames_to_tokens", "action_tokens_per_frame text_tokens", "zero", "none (default)")
 allow(
@@ -471,7 +479,7 @@ allow("packing.DiTConfig", "dim depth ffn_dim", "huge", "a width, as above")
 allow("packing.DiTConfig.wan_1_3b", "depth", "huge", "a config, not a model")
 allow("packing.DiTConfig.wan_2_2_5b", "depth", "huge", "a config, not a model")
 allow("packing.model.text_tokens", "text_len", "huge", "refused when over the vocabulary limit")
-allow("packing.model.pack_text", "text_len pad_to_multiple", "huge", "a size")
+allow("packing.model.pack_text", "text_len", "huge", "a size")
 allow("packing.VerifyConfig", "seed", "zero", "seed 0 is the default")
 
 allow("packing.server.DiTAdapter", "seed", "zero", "seed 0 is a seed")

@@ -34,12 +34,13 @@ LAYERS = (
     "serve",
     "server",
     "integrations",
+    "cli",
 )
 FOLDERS = (
     *(f"packing.{n}" for n in LAYERS if n != "integrations" and (ROOT / n).is_dir()),
     "packing.integrations.diffusers",
 )
-PUBLIC_MODULES = {"packing.integrations.diffusers.testing", "packing.cli"}
+PUBLIC_MODULES = {"packing.integrations.diffusers.testing"}
 
 
 def _facade_names(module: str) -> list[str]:
@@ -162,10 +163,6 @@ CROSS_FOLDER_PRIVATE = {
     ("packing/server/_adapter.py", "packing.serve._limits", "MAX_FRAMES"),
     ("packing/server/_adapter.py", "packing.serve._limits", "MAX_STEPS"),
     ("packing/server/_adapter.py", "packing.serve._request", "SEED_MAX"),
-    # The commands' plumbing: the --model factory loader and the torchrun rank entry.
-    ("packing/_serve_command.py", "packing.verify._command", "load_factory"),
-    ("packing/cli.py", "packing.verify._distributed", "launched_by_torchrun"),
-    ("packing/cli.py", "packing.verify._distributed", "verify_rank"),
 }
 
 
