@@ -21,7 +21,6 @@ import packing.serve._request as request_module
 import packing.serve._video_request as video_request_module
 from packing.serve import (
     ContextCache,
-    DiTAdapter,
     Engine,
     EngineConfig,
     PackShape,
@@ -30,8 +29,8 @@ from packing.serve import (
     VideoPack,
     VideoRequest,
     VideoShape,
-    WanAdapter,
 )
+from packing.server import DiTAdapter, WanAdapter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, 2 busy cores
 
@@ -279,7 +278,7 @@ def test_wan_adapter_refuses_text_and_prompt_together():
 def test_a_context_cache_pool_too_large_is_refused_with_its_bytes(monkeypatch):
     with pytest.raises(ValueError, match=r"ContextCache\.pages=16777216 must be <= 1048576"):
         ContextCache(pages=2**24)
-    with pytest.raises(ValueError, match=r"pages=262,144 x page_frames=8 = 2,097,152 frames"):
+    with pytest.raises(ValueError, match=r"pages=262,144 x ContextCache\.page_frames=8 = 2,097"):
         ContextCache(pages=2**18, page_frames=8)
     import packing.serve._device as device_module
 
@@ -306,7 +305,7 @@ def _server_engine(cls: Any = None) -> Any:
 
 
 def test_one_engine_object_serves_one_slot():
-    from packing.serve import PolicyServer
+    from packing.server import PolicyServer
 
     e = _engine()
     for engines in ([e, e], [e] * 2, [_engine(), e, e]):
@@ -328,7 +327,7 @@ def test_one_engine_object_serves_one_slot():
 def test_a_server_whose_engine_refuses_its_default_request_does_not_start(adapter, engine, match):
     """``packing serve --steps 100 --max-steps 50`` started and answered every robot with an
     error; now the server is refused at construction, naming the engine and the fix."""
-    from packing.serve import PolicyServer
+    from packing.server import PolicyServer
 
     e = _engine() if engine == "dit" else _video_engine()
     with pytest.raises(ValueError, match=r"engine 0 refuses the adapter's default request.*"
@@ -344,7 +343,7 @@ def test_a_robots_bad_observation_changes_nothing_for_the_other_robots():
     pytest.importorskip("websockets", reason="needs packing[serve]")
     from serve_robots import ADAPTER, assert_alone, observation, wait_until
 
-    from packing.serve import PolicyClient, PolicyServer, ServerConfig, ServerError
+    from packing.server import PolicyClient, PolicyServer, ServerConfig, ServerError
 
     e = _server_engine()  # its first model call waits for the gate: all of them in one pack
     srv = PolicyServer(e, ADAPTER, ServerConfig(port=0, drain_s=T))
@@ -414,7 +413,7 @@ def test_shutdown_sends_the_reply_it_owes_and_healthz_says_draining():
     from serve_robots import assert_alone, engine, observation, wait_until
     from websockets.exceptions import InvalidStatus
 
-    from packing.serve import PolicyClient, PolicyServer, ServerConfig
+    from packing.server import PolicyClient, PolicyServer, ServerConfig
 
     adapter = _SlowReply(frames=1, actions=4, steps=4)
     srv = PolicyServer(engine(), adapter, ServerConfig(port=0, drain_s=T))
@@ -439,7 +438,7 @@ def _serve_main(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, s
     """``packing serve FLAGS`` in this process; a server that would start raises instead of
     serving forever (the test then fails, it does not hang)."""
     from packing.cli import main
-    from packing.serve import PolicyServer
+    from packing.server import PolicyServer
 
     def started(self: Any) -> None:
         raise AssertionError(f"packing serve {' '.join(flags)} started a server")
@@ -458,8 +457,9 @@ def raising_factory(device: str) -> Any:
 @pytest.mark.parametrize(
     ("flags", "match"),
     [
-        (["--max-message-mb", "inf"], r"--max-message-mb inf must be a finite size"),
-        (["--checkpoint", "{tmp}/missing.pt"], r"--checkpoint \S+missing\.pt: no such file"),
+        (["--max-message-mb", "inf"], r"--max-message-mb: inf must be a finite number"),
+        (["--max-message-mb", "1e-9"], r"--max-message-mb=0 must be >= 1"),
+        (["--checkpoint", "{tmp}/missing.pt"], r"--checkpoint: \S+missing\.pt does not exist"),
         (
             ["--checkpoint", "{tmp}/garbage.pt"],
             r"--checkpoint \S+garbage\.pt: not a torch "
@@ -475,13 +475,16 @@ def raising_factory(device: str) -> Any:
             r"--model test_serve_boundaries:raising_factory: the factory raised RuntimeError: the "
             r"checkpoint server is down; fix the factory",
         ),
-        (["--device", "bogus"], r"--device 'bogus' is not a torch device; use cpu, cuda"),
-        (["--device", "meta"], r"--device meta: meta is not available here"),
+        (["--device", "bogus"], r"--device: 'bogus' is not a torch device; use cpu, cuda"),
+        (["--device", "meta"], r"--device: 'meta' is not a torch device"),
         (["--steps", "100"], r"Request\.steps=100 > EngineConfig\.max_steps=50"),
         (["--shape", "2,16,1", "--frames", "4"], r"needs 4 frames and 16 actions, more than"),
-        (["--drain-s", "1e300"], r"--drain-s=1e\+300 must be <= 86400\.0 s"),
-        (["--summary-every-s", "1e-6"], r"--summary-every-s=1e-06 must be >= 0\.1"),
-        (["--context-cache", "16777216"], r"--context-cache=16777216 must be <= 1048576"),
+        (["--drain-s", "1e300"], r"--drain-s: 1e300 must be a finite number in \[0, 3600\]"),
+        (["--summary-every-s", "1e-6"], r"--summary-every-s: 1e-6 must be a finite number in "),
+        (["--context-cache", "16777216"], r"--context-cache: 16777216 is above 1,048,576"),
+        (["--context-cache", "262144", "--page-frames", "8", "--mask", "frame-causal"],
+         r"--context-cache=262,144 x --page-frames=8 = 2,097,152 frames, more than the "
+         r"1,048,576 a pool may hold; lower --context-cache or --page-frames"),
     ],
 )
 def test_packing_serve_refuses_bad_flags_with_one_line_and_exit_2(flags, match, tmp_path, capsys):

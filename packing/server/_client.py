@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from packing._validate import check_int
-from packing.serve._config import check_seconds
-from packing.serve._wire import decode, encode
+from packing.server._config import check_seconds
+from packing.server._extra import serve_extra
+from packing.server._wire import decode, encode
 
 __all__ = ["PolicyClient", "ServerError"]
 
@@ -48,10 +49,7 @@ class PolicyClient:
         timeout_s = check_seconds("PolicyClient timeout_s", timeout_s, hint="each call's limit")
         max_message_bytes = check_int("PolicyClient max_message_bytes", max_message_bytes,
                                       min=1, max=1 << 40)  # fmt: skip
-        try:
-            from websockets.sync.client import connect
-        except ImportError as e:
-            raise ImportError("PolicyClient needs websockets: pip install 'packing[serve]'") from e
+        connect = serve_extra("websockets.sync.client").connect
         headers = {"Authorization": f"Api-Key {api_key}"} if api_key else None
         self.timeout_s, self.max_message_bytes = timeout_s, max_message_bytes
         opened = connect(f"ws://{host}:{port}", compression=None, max_size=max_message_bytes,
