@@ -482,9 +482,11 @@ def raising_factory(device: str) -> Any:
         (["--drain-s", "1e300"], r"--drain-s: 1e300 must be a finite number in \[0, 3600\]"),
         (["--summary-every-s", "1e-6"], r"--summary-every-s: 1e-6 must be a finite number in "),
         (["--context-cache", "16777216"], r"--context-cache: 16777216 is above 1,048,576"),
-        (["--context-cache", "262144", "--page-frames", "8", "--mask", "frame-causal"],
-         r"--context-cache=262,144 x --page-frames=8 = 2,097,152 frames, more than the "
-         r"1,048,576 a pool may hold; lower --context-cache or --page-frames"),
+        (
+            ["--context-cache", "262144", "--page-frames", "8", "--mask", "frame-causal"],
+            r"--context-cache=262,144 x --page-frames=8 = 2,097,152 frames, more than the "
+            r"1,048,576 a pool may hold; lower --context-cache or --page-frames",
+        ),
     ],
 )
 def test_packing_serve_refuses_bad_flags_with_one_line_and_exit_2(flags, match, tmp_path, capsys):
