@@ -266,6 +266,35 @@ def test_adapters_refuse_foreign_byte_order_and_non_numbers_naming_the_key():
         WanAdapter().request({"context": np.zeros((0, 2, 2, 2), "<f4"), "text": text}, "s")
 
 
+@settings(max_examples=80)
+@given(
+    key=st.sampled_from(["DiT context", "Wan context", "Wan text"]),
+    dtype=st.sampled_from([">f4", ">f8", ">i4", "<c8", "O", "<U3", "<M8[s]", "<f8 1e39"]),
+)
+def test_every_bad_observation_array_is_refused_naming_its_key(key, dtype):
+    """Random bad arrays in every array key an adapter reads: foreign byte order, complex,
+    objects, strings, dates, a float64 past float32's range. Always packing's one line
+    naming the key, never torch's error and never an accepted request."""
+    adapter = DiTAdapter() if key.startswith("DiT") else WanAdapter()
+    name = key.split()[1]
+    shape = {"DiT context": (1, *FRAME), "Wan context": (1, 2, 2, 2), "Wan text": (2, 3)}[key]
+    if dtype == "<f8 1e39":
+        bad = np.zeros(shape, "<f8")
+        bad.reshape(-1)[-1] = 1e39
+    elif dtype == "O":
+        bad = np.empty(shape, dtype=object)
+    else:
+        bad = np.zeros(shape, dtype=np.dtype(dtype))
+    obs: dict[str, Any] = {"context": np.zeros((0, *shape[1:]), np.float32)}
+    if key.startswith("Wan"):
+        obs["text"] = np.zeros((1, 3), np.float32)
+    obs[name] = bad
+    with pytest.raises((TypeError, ValueError)) as info:
+        adapter.request(obs, "s")
+    assert f"'{name}'" in str(info.value), info.value
+    assert "packing" in info.traceback[-1].path.parts, info.traceback[-1].path
+
+
 def test_wan_adapter_refuses_text_and_prompt_together():
     adapter = WanAdapter(text_encoder=lambda p: torch.ones(1, 3))
     obs = {"context": np.zeros((0, 2, 2, 2), np.float32), "text": np.zeros((1, 3), np.float32)}
