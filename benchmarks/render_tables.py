@@ -226,6 +226,12 @@ TABLES: dict[str, Table] = {
             rows.robots_rows("serving_robots_h200.json"),
         ),
         Table(
+            "robots_h200_steps",
+            ("serving_robots_h200.json",),
+            ("requests in the pack", "step ms", "ms a request", "one request's chunk ms", "from"),
+            rows.step_cost_rows("serving_robots_h200.json"),
+        ),
+        Table(
             "robots_cpu",
             ("serving_robots_cpu.json",),
             ROBOTS_COLUMNS,

@@ -186,6 +186,20 @@ def robots_rows(source: str) -> Callable[[Docs], list[Row]]:
     return rows
 
 
+def step_cost_rows(source: str) -> Callable[[Docs], list[Row]]:
+    """robots.py's `step_costs`: one model call of the warmed engine alone, by pack size."""
+
+    def rows(docs: Docs) -> list[Row]:
+        out = list[Row]()
+        for c in docs[source]["step_costs"]:
+            chunk = ms(c["chunk_ms"]) if "chunk_ms" in c else "—"
+            cells = (str(c["requests"]), f"{c['step_ms']:.1f}", f"{c['per_request_ms']:.1f}")
+            out.append((*cells, chunk, source))
+        return out
+
+    return rows
+
+
 def cache_rows(docs: Docs) -> list[Row]:
     name = "serve_cache_h200.json"
     doc, rows = docs[name], list[Row]()
