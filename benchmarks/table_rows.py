@@ -421,3 +421,27 @@ def cache_p99_goal(robots: int, most_ms: float) -> Callable[[Doc], tuple[str, bo
         return f"{ms(r['p99_ms'])} ms of {r['requests']} chunks", r["p99_ms"] <= most_ms
 
     return measure
+
+
+def robots_lone_goal(doc: Doc) -> tuple[str, bool]:
+    """A lone robot's chunk through the server against the engine's own one-request chunk."""
+    lone = by_arm(doc, "packed", robots=1)["p50_ms"]
+    engine = next(c["chunk_ms"] for c in doc["step_costs"] if c["requests"] == 1)
+    return f"{ms(lone)} ms vs {ms(engine)} ms ({ratio(lone / engine)})", lone <= 1.1 * engine
+
+
+def robots_p99_goal(robots: int, most_ms: float) -> Callable[[Doc], tuple[str, bool]]:
+    def measure(doc: Doc) -> tuple[str, bool]:
+        r = by_arm(doc, "packed", robots=robots)
+        return f"{ms(r['p99_ms'])} ms of {r['chunks']} chunks", r["p99_ms"] <= most_ms
+
+    return measure
+
+
+def robots_rate_goal(robots: int, least: float) -> Callable[[Doc], tuple[str, bool]]:
+    def measure(doc: Doc) -> tuple[str, bool]:
+        packed = by_arm(doc, "packed", robots=robots)["chunks_per_s"]
+        x = packed / by_arm(doc, "one_at_a_time", robots=robots)["chunks_per_s"]
+        return f"{ratio(x)} (robots' pacing caps it: docs/serving.md)", x >= least
+
+    return measure
