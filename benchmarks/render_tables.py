@@ -136,6 +136,14 @@ GOALS: tuple[Goal, ...] = (
          rows.cache_p99_goal(8, 300)),
     Goal("serve_cache_h200.json", "context cache p99 ≤ 600 ms at 16 robots",
          rows.cache_p99_goal(16, 600)),
+    Goal("serving_robots_h200.json", "a lone robot through the server ≤ 1.1× the engine's chunk",
+         rows.robots_lone_goal),
+    Goal("serving_robots_h200.json", "8 robots through the server: p99 ≤ 300 ms",
+         rows.robots_p99_goal(8, 300)),
+    Goal("serving_robots_h200.json", "16 robots through the server: p99 ≤ 600 ms",
+         rows.robots_p99_goal(16, 600)),
+    Goal("serving_robots_h200.json", "8 robots: packed ≥ 3× one at a time, chunks/s",
+         rows.robots_rate_goal(8, 3.0)),
 )  # fmt: skip
 
 
@@ -224,6 +232,12 @@ TABLES: dict[str, Table] = {
             ("serving_robots_h200.json",),
             ROBOTS_COLUMNS,
             rows.robots_rows("serving_robots_h200.json"),
+        ),
+        Table(
+            "robots_h200_steps",
+            ("serving_robots_h200.json",),
+            ("requests in the pack", "step ms", "ms a request", "one request's chunk ms", "from"),
+            rows.step_cost_rows("serving_robots_h200.json"),
         ),
         Table(
             "robots_cpu",

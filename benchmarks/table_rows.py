@@ -186,6 +186,20 @@ def robots_rows(source: str) -> Callable[[Docs], list[Row]]:
     return rows
 
 
+def step_cost_rows(source: str) -> Callable[[Docs], list[Row]]:
+    """robots.py's `step_costs`: one model call of the warmed engine alone, by pack size."""
+
+    def rows(docs: Docs) -> list[Row]:
+        out = list[Row]()
+        for c in docs[source]["step_costs"]:
+            chunk = ms(c["chunk_ms"]) if "chunk_ms" in c else "—"
+            cells = (str(c["requests"]), f"{c['step_ms']:.1f}", f"{c['per_request_ms']:.1f}")
+            out.append((*cells, chunk, source))
+        return out
+
+    return rows
+
+
 def cache_rows(docs: Docs) -> list[Row]:
     name = "serve_cache_h200.json"
     doc, rows = docs[name], list[Row]()
@@ -405,5 +419,29 @@ def cache_p99_goal(robots: int, most_ms: float) -> Callable[[Doc], tuple[str, bo
     def measure(doc: Doc) -> tuple[str, bool]:
         r = by_arm(doc, f"cached@{robots}")
         return f"{ms(r['p99_ms'])} ms of {r['requests']} chunks", r["p99_ms"] <= most_ms
+
+    return measure
+
+
+def robots_lone_goal(doc: Doc) -> tuple[str, bool]:
+    """A lone robot's chunk through the server against the engine's own one-request chunk."""
+    lone = by_arm(doc, "packed", robots=1)["p50_ms"]
+    engine = next(c["chunk_ms"] for c in doc["step_costs"] if c["requests"] == 1)
+    return f"{ms(lone)} ms vs {ms(engine)} ms ({ratio(lone / engine)})", lone <= 1.1 * engine
+
+
+def robots_p99_goal(robots: int, most_ms: float) -> Callable[[Doc], tuple[str, bool]]:
+    def measure(doc: Doc) -> tuple[str, bool]:
+        r = by_arm(doc, "packed", robots=robots)
+        return f"{ms(r['p99_ms'])} ms of {r['chunks']} chunks", r["p99_ms"] <= most_ms
+
+    return measure
+
+
+def robots_rate_goal(robots: int, least: float) -> Callable[[Doc], tuple[str, bool]]:
+    def measure(doc: Doc) -> tuple[str, bool]:
+        packed = by_arm(doc, "packed", robots=robots)["chunks_per_s"]
+        x = packed / by_arm(doc, "one_at_a_time", robots=robots)["chunks_per_s"]
+        return f"{ratio(x)} (robots' pacing caps it: docs/serving.md)", x >= least
 
     return measure

@@ -240,7 +240,8 @@ class Engine:
 
     @property
     def compiles_after_warm_up(self) -> int | None:
-        """Graphs dynamo compiled (in this process) since `warm_up`; None before it."""
+        """Graphs dynamo compiled in this process since `warm_up`; None before it. The count
+        is dynamo's, per process: another engine warmed later in the same process adds to it."""
         marks = getattr(self, "_warm_marks", None)
         return None if marks is None else _compiles() - marks[0]
 
