@@ -69,12 +69,14 @@ class LeRobotReference(nn.Module):
         seed, step = batch_rng_keys(batch)
         (episode,) = batch.episode_ids
         f = batch.layout("latents").steps_K[0]
-        latents = batch["latents"][:f].permute(1, 0, 2, 3)[None]
+        # Contiguous, as LeRobot's VAE output is: its noise is zeros_like(latents).normal_(),
+        # which fills in memory order, so a permuted view would get its noise in another order.
+        latents = batch["latents"][:f].permute(1, 0, 2, 3)[None].contiguous()
         act = batch["actions"][:f]  # (F, apf, n_used)
         A = int(policy.config.action_dim)
         full = act.new_zeros((f, self.apf, A))
         full[..., list(self.used)] = act
-        actions = full.permute(2, 0, 1)[None, ..., None].to(latents.dtype)  # [1, A, F, apf, 1]
+        actions = full.permute(2, 0, 1)[None, ..., None].to(latents.dtype).contiguous()
         mask = torch.zeros(A, dtype=latents.dtype, device=latents.device)
         mask[list(self.used)] = 1.0
         text = batch["text"][: batch.layout("text").lengths_K[0]][None]
