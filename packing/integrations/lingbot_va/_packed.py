@@ -21,6 +21,7 @@ first (a no-op for a bf16 model).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from packing.attention import Backend, prepare_attention
-from packing.data import PackedBatch, PackedCollator, Stream
+from packing.data import PackedBatch, PackedCollator, Stream, StreamLayout
 from packing.integrations.lingbot_va import _checks
 from packing.integrations.lingbot_va._attention import (
     MaskSlot,
@@ -111,6 +112,12 @@ class PackedLingBotVA(nn.Module):
         self._slot = MaskSlot()
         self._lerobot_ops = swap_attention_ops(transformer.blocks, self._slot)
 
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The transformer's blocks (what `packing.train.shard_model` wraps, one FSDP2 unit
+        and checkpoint each); a property, so ``state_dict`` keeps LeRobot's names alone."""
+        return self.transformer.blocks
+
     # -- data -------------------------------------------------------------------------------
     def collator(
         self,
@@ -156,10 +163,10 @@ class PackedLingBotVA(nn.Module):
         act = stream_inputs(
             x_act, draws, frames_K, sched_act, action=True, mask=self._channel_mask(x_act)
         )
-        tok = dual_stream_tokens(
-            batch, [d.chunk_size for d in draws], [d.window_size for d in draws],
-            action_per_frame=self.action_per_frame,
-        )  # fmt: skip
+        chunks, windows = [d.chunk_size for d in draws], [d.window_size for d in draws]
+        if self._ablation == "one_chunk_window":  # a planted mistake (testing.py)
+            chunks, windows = chunks[:1] * len(chunks), windows[:1] * len(windows)
+        tok = dual_stream_tokens(batch, chunks, windows, action_per_frame=self.action_per_frame)
         pred_lat, pred_act = self._run(batch, tok, lat, act)
         return per_token_losses(
             pred_lat, pred_act, lat, act, self._channel_mask(x_act), len(self.used_channels), batch,
@@ -265,21 +272,12 @@ class PackedLingBotVA(nn.Module):
         text = m._input_embed(batch["text"].to(wdtype)[None], input_type="text")
         rope = m.rope(tok.grid_J3.t()[None])[:, :, None]
         temb, proj = self._time(batch, tok, lat, act, hidden.dtype)
-        head_dim = m.attention_head_dim
-        self._slot.self_mask = prepare_attention(
-            tok.layout, None, None, self.backend, dtype=hidden.dtype, head_dim=head_dim,
-            mask_mod=lingbot_va_mask(tok),
-        )  # fmt: skip
-        self._slot.cross_mask = prepare_attention(
-            tok.layout, batch.layout("text"), None, self.backend, dtype=hidden.dtype,
-            head_dim=head_dim,
-        )  # fmt: skip
+        self._set_masks(batch, tok, hidden.dtype)
         h = hidden[None]
-        try:
-            for block in m.blocks:
-                h = block(h, text, proj[None], rope, update_cache=False)
-        finally:
-            self._slot.self_mask = self._slot.cross_mask = None
+        # The masks stay in the slot after the loop: activation checkpointing reruns the
+        # blocks' forward during the backward, after this method has returned.
+        for block in m.blocks:
+            h = block(h, text, proj[None], rope, update_cache=False)
         table = m.scale_shift_table[None] + temb[None, :, None, ...]
         shift, scale = rearrange(table, "b l n c -> b n l c").chunk(2, dim=1)
         shift, scale = shift.squeeze(1), scale.squeeze(1)
@@ -287,6 +285,19 @@ class PackedLingBotVA(nn.Module):
         pred_lat = m.proj_out(tok.take(h, "noisy_latents"))
         pred_act = m.action_proj_out(tok.take(h, "noisy_actions"))
         return pred_lat, pred_act
+
+    def _set_masks(self, batch: PackedBatch, tok: DualStreamTokens, dtype: torch.dtype) -> None:
+        """This step's self mask (document & `lingbot_va_mask`) and cross mask (document),
+        shared by every block; ``_ablation`` plants testing.py's mistakes."""
+        joint, text = tok.layout, batch.layout("text")
+        if self._ablation == "no_document_mask":  # every real token in one document
+            joint, text = _one_document(joint), _one_document(text)
+        rule = lingbot_va_mask(tok, window=self._ablation != "no_window")
+        kw: dict[str, Any] = dict(dtype=dtype, head_dim=self.transformer.attention_head_dim)
+        self._slot.self_mask = prepare_attention(
+            joint, None, None, self.backend, mask_mod=rule, **kw
+        )
+        self._slot.cross_mask = prepare_attention(joint, text, None, self.backend, **kw)
 
     def _time(
         self,
@@ -313,3 +324,12 @@ class PackedLingBotVA(nn.Module):
         temb = tok.join({k: v[0] for k, v in out.items()})
         proj = tok.join({k: v[1] for k, v in out.items()}).unflatten(1, (6, -1))
         return temb, proj
+
+
+def _one_document(layout: StreamLayout) -> StreamLayout:
+    """The layout with every real token in document 0 (the no-document-mask control)."""
+    doc = layout.doc_ids_T
+    n = layout.num_tokens
+    return replace(
+        layout, doc_ids_T=torch.where(doc >= 0, 0, -1).to(doc.dtype), lengths_K=(n,), steps_K=(n,)
+    )
