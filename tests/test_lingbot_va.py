@@ -9,6 +9,8 @@ after ``torch.manual_seed`` of the episode's seed, its ``forward_train``, its
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +18,8 @@ import torch
 pytest.importorskip("lerobot.policies.lingbot_va.modeling_lingbot_va")
 pytest.importorskip("transformers")
 
-from packing.attention import dense_mask, make_block_mask  # noqa: E402
-from packing.integrations.lingbot_va import (  # noqa: E402
+from packing.attention import dense_mask, make_block_mask
+from packing.integrations.lingbot_va import (
     REDUCTIONS,
     draw_episode,
     dual_stream_tokens,
@@ -25,8 +27,10 @@ from packing.integrations.lingbot_va import (  # noqa: E402
     lingbot_episodes,
     lingbot_va_mask,
 )
-from packing.integrations.lingbot_va import testing as T  # noqa: E402
-from packing.verify import VerifyConfig, run_verify  # noqa: E402
+from packing.integrations.lingbot_va import testing as T
+from packing.verify import VerifyConfig, run_verify
+
+sys.path.insert(0, str(Path(__file__).parent))  # accelerate_worker
 
 MODEL = "packing.integrations.lingbot_va.testing:tiny_lingbot_va"
 
@@ -129,7 +133,9 @@ def test_draws_are_lerobots_after_manual_seed() -> None:
         assert cond == (d.cond_ids is not None)
         seen.add(cond)
         if cond:
-            assert torch.equal((torch.rand(3) * 0.5 + 0.5).mul(1000).clamp(0, 999).long(), d.cond_ids)
+            assert torch.equal(
+                (torch.rand(3) * 0.5 + 0.5).mul(1000).clamp(0, 999).long(), d.cond_ids
+            )
             assert torch.equal(torch.zeros(1, 4, 3, 2, 2).normal_()[0], d.cond_noise)
         assert torch.equal((torch.rand(3) * 1000).clamp(0, 999).long(), d.action_ids)
         assert torch.equal(torch.zeros(1, 5, 3, 2, 1).normal_()[0], d.action_noise)
@@ -161,7 +167,9 @@ def test_mask_equals_lerobots_flexattn_mask_per_episode_and_blocks_are_exact() -
         frame_l = torch.arange(f).repeat_interleave(4)
         frame_a = torch.arange(f).repeat_interleave(2)
         frame_ids = torch.cat([frame_l // c * 2] * 2 + [frame_a // c * 2 + 1] * 2)
-        noise_ids = torch.cat([torch.zeros(lat), torch.ones(lat), torch.zeros(act), torch.ones(act)]).long()
+        noise_ids = torch.cat(
+            [torch.zeros(lat), torch.ones(lat), torch.zeros(act), torch.ones(act)]
+        ).long()
         seq = torch.zeros_like(frame_ids)
         mod = FlexAttnFunc._get_mask_mod(seq, frame_ids, noise_ids, w)
         n = frame_ids.shape[0]
@@ -229,12 +237,18 @@ def test_a_checkpoint_saved_by_lerobot_loads_and_trains_packed(tmp_path) -> None
     policy.save_pretrained(tmp_path / "ckpt")
     loaded = LingBotVAPolicy.from_pretrained(tmp_path / "ckpt")
     assert loaded.config.attn_mode == "flex"
-    for (n, a), (_, b) in zip(policy.state_dict().items(), loaded.state_dict().items(), strict=True):
+    for (n, a), (_, b) in zip(
+        policy.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), n
     packed = install(loaded, latent_hw=(4, 4))
-    assert list(packed.state_dict()) == ["transformer." + k for k in loaded.transformer.state_dict()]
+    assert list(packed.state_dict()) == [
+        "transformer." + k for k in loaded.transformer.state_dict()
+    ]
     opt = torch.optim.AdamW(packed.parameters(), lr=1e-3)
-    batch = packed.collator(token_budget=4 * 8, text_budget=2 * 512)([_episode(0, 3), _episode(1, 4)])
+    batch = packed.collator(token_budget=4 * 8, text_budget=2 * 512)(
+        [_episode(0, 3), _episode(1, 4)]
+    )
     losses = []
     for step in range(2):
         batch.extras.update(seed=0, step=step)
@@ -259,7 +273,9 @@ def test_lingbot_episodes_from_a_latent_dataset() -> None:
     with pytest.raises(ValueError, match=r"episode 0: 5 action rows do not match its 5 latent "
                        r"frames x action_per_frame=2 = 10; pass last_frame='drop'"):  # fmt: skip
         lingbot_episodes(source, T.toy_text_embeddings(16), action_per_frame=2)[0]
-    dropped = lingbot_episodes(source, T.toy_text_embeddings(16), action_per_frame=2, last_frame="drop")[0]
+    dropped = lingbot_episodes(
+        source, T.toy_text_embeddings(16), action_per_frame=2, last_frame="drop"
+    )[0]
     assert dropped["latents"].shape[0] == 2 and dropped["actions"].shape == (2, 2, 14)
 
 
@@ -307,3 +323,43 @@ def test_diffusers_install_points_lerobots_wan_at_this_integration() -> None:
     msg = str(err.value)
     assert "lerobot.policies.lingbot_va.utils.WanTransformer3DModel" in msg
     assert "diffusers.models" in msg and "packing.integrations.lingbot_va.install" in msg
+
+
+# -- Hugging Face Accelerate -----------------------------------------------------------------
+def test_packed_sampler_under_accelerate_prepare_is_exact_once(tmp_path) -> None:
+    """Two CPU processes: ``accelerator.prepare`` deals the loader's batches round-robin, so
+    ``sampler.all_ranks()`` gives each process exactly its rank's packs (every episode once
+    an epoch, none twice), while a per-rank sampler under ``prepare`` drops half of them."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("accelerate")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).with_name("accelerate_worker.py")
+    out = tmp_path / "seen"
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(Path(__file__).parents[1])}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(worker), str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))  # fmt: skip
+    for p in procs:
+        log = p.communicate(timeout=300)[0].decode()
+        assert p.returncode == 0, log[-3000:]
+    seen = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
+    from accelerate_worker import LENGTHS
+
+    for epoch in (0, 1):
+        got = [e for r in (0, 1) for b in seen[r][f"all_ranks/{epoch}"] for e in b]
+        assert sorted(got) == list(range(len(LENGTHS))), (epoch, sorted(got))  # once each
+        for r in (0, 1):  # and each process got its own rank's packs, in order
+            assert seen[r][f"all_ranks/{epoch}"] == seen[r][f"all_ranks/{epoch}/own"]
+    trap = [e for r in (0, 1) for b in seen[r]["per_rank/0"] for e in b]
+    assert len(set(trap)) < len(LENGTHS)  # the per-rank sampler under prepare drops episodes
