@@ -177,7 +177,7 @@ def test_mask_equals_lerobots_flexattn_mask_per_episode_and_blocks_are_exact() -
         theirs = mod(zero, zero, torch.arange(n)[:, None], torch.arange(n)[None])
         assert torch.equal(ours, theirs), k
     for block in (16, 32):
-        _check_blocks(tok.layout.doc_ids_T, rule, dense, block)
+        _check_blocks(tok.layout.doc_ids_T, rule, dense, block, tok)
 
 
 def test_block_mask_from_tile_rules_finds_full_tiles_on_larger_frames() -> None:
@@ -192,11 +192,11 @@ def test_block_mask_from_tile_rules_finds_full_tiles_on_larger_frames() -> None:
     tok = dual_stream_tokens(collate(eps), [2, 1, 4], [4, 7, 64], action_per_frame=2)
     rule = lingbot_va_mask(tok)
     dense = dense_mask(tok.layout.doc_ids_T, None, None, rule)
-    fulls = [_check_blocks(tok.layout.doc_ids_T, rule, dense, b) for b in (16, 32, 48)]
+    fulls = [_check_blocks(tok.layout.doc_ids_T, rule, dense, b, tok) for b in (16, 32, 48)]
     assert min(fulls) > 0, fulls  # the rules found full tiles: sparsity, not just safety
 
 
-def _check_blocks(doc: torch.Tensor, rule, dense: torch.Tensor, block: int) -> int:
+def _check_blocks(doc: torch.Tensor, rule, dense: torch.Tensor, block: int, tok=None) -> int:
     """Every tile with a true pair is listed, every full tile is truly full (the attention is
     exact); returns the number of full tiles."""
     bm = make_block_mask(doc, None, None, block, mask_mod=rule, inner_fallback="error")
@@ -209,13 +209,18 @@ def _check_blocks(doc: torch.Tensor, rule, dense: torch.Tensor, block: int) -> i
         k = int(bm.full_kv_num_blocks[0, 0, r])  # type: ignore[index]
         full[r, bm.full_kv_indices[0, 0, r, :k].long()] = True  # type: ignore[index]
     assert not (full & ~want_all).any(), f"block {block}: a tile listed full is not"
-    # Exact where a q tile and a kv tile each hold one episode (a tile spanning two episodes
-    # mixes their chunk ranges: listed, checked pair by pair in the kernel, still exact).
+    # Exact where a q tile and a kv tile each hold one part (copy and stream) of one episode;
+    # a tile mixing parts or episodes mixes their chunk ranges: listed, masked pair by pair.
     T = doc.shape[0]
-    tiles = torch.nn.functional.pad(doc, (0, n * block - T), value=-1).view(n, block)
-    one = (tiles >= 0).all(1) & (tiles.amin(1) == tiles.amax(1))
+    part = doc * 4 + (tok.copy_J + 2 * tok.kind_J if tok is not None else 0)
+
+    def tiles(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, n * block - T), value=-1).view(n, block)
+
+    d, pt = tiles(doc), tiles(part)
+    one = (d >= 0).all(1) & (pt.amin(1) == pt.amax(1))
     both = one[:, None] & one[None]
-    assert not (listed & ~want_any & both).any(), f"block {block}: loose on one-episode tiles"
+    assert not (listed & ~want_any & both).any(), f"block {block}: loose on one-part tiles"
     return int(full.sum())
 
 
@@ -393,7 +398,7 @@ def test_block_mask_invariants_on_random_packs(frames, chunks, windows, grid, ap
     tok = dual_stream_tokens(collate(eps), chunks[:k], windows[:k], action_per_frame=apf)
     rule = lingbot_va_mask(tok)
     dense = dense_mask(tok.layout.doc_ids_T, None, None, rule)
-    _check_blocks(tok.layout.doc_ids_T, rule, dense, block)
+    _check_blocks(tok.layout.doc_ids_T, rule, dense, block, tok)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
