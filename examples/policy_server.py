@@ -1,6 +1,6 @@
 """Several simulated robots against one packed policy server, end to end.
 
-The server (`packing.serve.PolicyServer`, openpi's websocket protocol on 127.0.0.1) serves the
+The server (`packing.server.PolicyServer`, openpi's websocket protocol on 127.0.0.1) serves the
 tiny reference DiT; each robot is a thread with its own `PolicyClient` connection (as a
 separate computer would have) and its own control rate. A robot runs a bounded closed loop: send its last context frames, get the
 next latent frame and action chunk back, "execute" the chunk (sleep chunk / rate), append
@@ -25,16 +25,8 @@ import numpy as np
 import torch
 
 from packing.model import DiT, DiTConfig
-from packing.serve import (
-    DiTAdapter,
-    Engine,
-    EngineConfig,
-    FlowScheduler,
-    PackShape,
-    PolicyClient,
-    PolicyServer,
-    ServerConfig,
-)
+from packing.serve import Engine, EngineConfig, FlowScheduler, PackShape
+from packing.server import DiTAdapter, PolicyClient, PolicyServer, ServerConfig
 
 FRAME = (8, 4, 8)  # (C, H, W) latents of the tiny model
 ADAPTER = DiTAdapter(frames=1, actions=4, steps=4)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from packing.serve._batching import ContinuousBatcher
+from packing.serve import Engine
 
 
 class LateEvent:
@@ -35,5 +35,5 @@ def flags_arrive_late(monkeypatch: pytest.MonkeyPatch) -> list[LateEvent]:
         events.append(LateEvent())
         return flags.clone(), events[-1]
 
-    monkeypatch.setattr(ContinuousBatcher, "_copy_flags", copy)
+    monkeypatch.setattr(Engine, "_copy_flags", copy)
     return events

@@ -17,15 +17,8 @@ import numpy as np
 import torch
 
 from packing.model import DiT, DiTConfig
-from packing.serve import (
-    DiTAdapter,
-    Engine,
-    EngineConfig,
-    FlowScheduler,
-    PackShape,
-    Request,
-    Result,
-)
+from packing.serve import Engine, EngineConfig, FlowScheduler, PackShape, Request, Result
+from packing.server import DiTAdapter
 
 FRAME = (8, 4, 8)  # (C, H, W) latents of the tiny model
 ADAPTER = DiTAdapter(frames=1, actions=4, steps=4)

@@ -40,7 +40,8 @@ import torch
 PACKAGE = str(Path(__file__).resolve().parents[1] / "packing")
 FACADES = [
     "packing", "packing.data", "packing.attention", "packing.planning", "packing.train",
-    "packing.datasets", "packing.model", "packing.verify", "packing.serve",
+    "packing.datasets", "packing.encode", "packing.model", "packing.verify", "packing.serve",
+    "packing.server",
     "packing.integrations.diffusers",
 ]  # fmt: skip
 # LeRobot's LingBot-VA needs lerobot 0.6.1 and transformers: the oldest venv has them.
@@ -233,10 +234,12 @@ Base = Callable[[], tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
 def _base() -> dict[str, Base]:
     import packing.attention as A
     import packing.data as D
+    import packing.encode as E
     import packing.integrations.diffusers as F
     import packing.model as M
     import packing.planning as P
     import packing.serve as S
+    import packing.server as SV
     import packing.train as T
     import packing.verify as V
 
@@ -302,6 +305,10 @@ def _base() -> dict[str, Base]:
         # verify
         "packing.VerifyConfig": lambda: (V.VerifyConfig, (), {}),
         "packing.verify.Tolerances": lambda: (V.Tolerances, (), {"loss_rel": 1e-6, "grad_rel": 1e-5}),
+        "packing.verify.load_factory": lambda: (V.load_factory, ("packing.model:tiny_reference_model",), {}),
+        # encode
+        "packing.encode.EncodeConfig": lambda: (E.EncodeConfig, ("src", "dst"), {}),
+        "packing.encode.tiny_vae": lambda: (E.tiny_vae, (), {}),
         # the diffusers integration's functions that need no transformer
         "packing.integrations.diffusers.per_token_timesteps": lambda: (
             F.per_token_timesteps, (torch.tensor([700.0, 300.0]), _grid_layout()), {}),
@@ -317,11 +324,13 @@ def _base() -> dict[str, Base]:
         "packing.serve.VideoRequest": lambda: (
             S.VideoRequest, (), {"context": _ctx(), "text": torch.zeros(3, 8), "frames": 2}),
         "packing.serve.FlowScheduler": lambda: (S.FlowScheduler, (), {}),
-        "packing.serve.DiTAdapter": lambda: (S.DiTAdapter, (), {}),
-        "packing.serve.WanAdapter": lambda: (S.WanAdapter, (), {}),
-        "packing.serve.ServerConfig": lambda: (S.ServerConfig, (), {}),
+        "packing.server.DiTAdapter": lambda: (SV.DiTAdapter, (), {}),
+        "packing.server.WanAdapter": lambda: (SV.WanAdapter, (), {}),
+        "packing.server.ServerConfig": lambda: (SV.ServerConfig, (), {}),
         "packing.serve.ContextCache": lambda: (S.ContextCache, (), {"pages": 4}),
         "packing.serve.ContextCache.pass_size": lambda: (S.ContextCache(pages=4).pass_size, (3,), {}),
+        "packing.serve.ContextCache.window_pages": lambda: (
+            S.ContextCache(pages=4, context_frames=8).window_pages, (2,), {}),
         "packing.serve.FlowScheduler.sigmas": lambda: (S.FlowScheduler().sigmas, (4,), {}),
         "packing.serve.FlowScheduler.coefficients": lambda: (S.FlowScheduler().coefficients, (4,), {}),
         "packing.serve.EngineConfig": lambda: (
@@ -395,19 +404,27 @@ NOT_CALLED: dict[str, str] = {
     "packing.verify.VerifyReport.to_json": "a result record's file (tests/test_verify.py)",
     "packing.verify.VerifyReport.format": "a result record's rendering (tests/test_verify.py)",
     "packing.verify.assert_no_leaks": "runs a model (tests/test_leak.py)",
+    "packing.verify.verify_rank": "one rank of a torchrun process group (tests/test_ddp.py)",
+    "packing.encode.encode_dataset": "reads and writes datasets; EncodeConfig is checked (tests/test_encode.py)",
+    "packing.encode.EncodeReport": "a result record built by encode_dataset",
+    "packing.encode.EncodeReport.format": "a result record's rendering (tests/test_encode.py)",
     "packing.serve.Engine": "needs a model (serve/faults branches: tests/test_serve.py)",
+    "packing.serve.Engine.submit": "needs an engine (bad requests: tests/test_serve_faults.py)",
+    "packing.serve.Engine.cancel": "needs an engine (tests/test_serve_faults.py)",
+    "packing.serve.Engine.end_session": "needs an engine (tests/test_serve_cache.py)",
+    "packing.serve.Engine.warm_up": "needs an engine (tests/test_serve_warm_up.py)",
     "packing.serve.InferenceReport": "a result record built by verify_inference",
     "packing.serve.InferenceReport.to_json": "a result record's file",
     "packing.serve.PackShape.fits": "takes Requests (tests/test_serve.py)",
     "packing.serve.VideoShape.fits": "takes VideoRequests (tests/test_serve.py)",
-    "packing.serve.PolicyClient": "connects to a server (tests/test_serve_server.py)",
-    "packing.serve.PolicyClient.infer": "a network call (tests/test_serve_server.py)",
-    "packing.serve.DiTAdapter.request": "takes a client's observation (tests/test_serve_server.py)",
-    "packing.serve.DiTAdapter.reply": "takes the engine's Result (tests/test_serve_server.py)",
-    "packing.serve.WanAdapter.request": "takes a client's observation (tests/test_serve_server.py)",
-    "packing.serve.WanAdapter.reply": "takes the engine's Result (tests/test_serve_server.py)",
-    "packing.serve.PolicyServer": "needs an engine and a port (tests/test_serve_server.py)",
-    "packing.serve.PolicyServer.running": "starts a server (tests/test_serve_server.py)",
+    "packing.server.PolicyClient": "connects to a server (tests/test_serve_server.py)",
+    "packing.server.PolicyClient.infer": "a network call (tests/test_serve_server.py)",
+    "packing.server.DiTAdapter.request": "takes a client's observation (tests/test_serve_server.py)",
+    "packing.server.DiTAdapter.reply": "takes the engine's Result (tests/test_serve_server.py)",
+    "packing.server.WanAdapter.request": "takes a client's observation (tests/test_serve_server.py)",
+    "packing.server.WanAdapter.reply": "takes the engine's Result (tests/test_serve_server.py)",
+    "packing.server.PolicyServer": "needs an engine and a port (tests/test_serve_server.py)",
+    "packing.server.PolicyServer.running": "starts a server (tests/test_serve_server.py)",
     "packing.serve.Request.noise": "the engine's call (tests/test_serve.py)",
     "packing.serve.Result": "a result record built by the engine",
     "packing.serve.VideoEngine": "needs a model (serve/faults branches: tests/test_serve_wan.py)",
@@ -451,6 +468,9 @@ _KEYS = "seed step episode_index"
 _HASHED = "an int64 key, hashed by splitmix64: 0 and negatives are distinct valid keys"
 for _fn in ("packing.episode_noise", "packing.train.episode_seed"):
     allow(_fn, _KEYS, "zero negative", _HASHED)
+allow("packing.encode.EncodeConfig", "num_workers", "zero", "0: decode between encodes (default)")
+allow("packing.encode.EncodeConfig", "seed", "zero", "seed 0 of the random-init VAEs")
+allow("packing.encode.tiny_vae", "seed", "zero", "seed 0 of the random init")
 for _fn in ("packing.episode_timesteps", "packing.train.cfg_dropout_mask"):
     allow(_fn, "seed step", "zero negative", _HASHED)
 allow("packing.PackedBatchSampler", "rank", "zero", "rank 0 is a rank")
@@ -485,13 +505,8 @@ allow("packing.PackedBatchSampler.set_epoch", "epoch", "zero huge", "any epoch >
 allow("packing.PackedBatchSampler.replan_packs", "epoch", "zero huge", "any epoch >= 0")
 allow("packing.PackedBatchSampler.schedule", "epoch", "zero huge", "any epoch >= 0")
 allow("packing.PackedBatchSampler.state_dict", "consumed", "zero", "nothing consumed yet")
-allow(
-    "packing.PackedCollator",
-    "token_budget pad_to_multiple max_docs",
-    "huge",
-    "a size: refused only when a pack is built over it",
-)
-allow("packing.Stream", "tokens_per_step budget", "huge", "a size, checked against the data")
+allow("packing.PackedCollator", "max_docs", "huge", "a size: refused only when a pack is over it")
+allow("packing.Stream", "tokens_per_step", "huge", "a size, checked against the data")
 allow("packing.frames_to_tokens", "temporal_compression", "huge", "one latent frame per episode")
 allow("packing.frames_to_tokens", "action_tokens_per_frame text_tokens", "zero", "none (default)")
 allow(
@@ -539,7 +554,7 @@ allow("packing.DiTConfig", "dim depth ffn_dim", "huge", "a width, as above")
 allow("packing.DiTConfig.wan_1_3b", "depth", "huge", "a config, not a model")
 allow("packing.DiTConfig.wan_2_2_5b", "depth", "huge", "a config, not a model")
 allow("packing.model.text_tokens", "text_len", "huge", "refused when over the vocabulary limit")
-allow("packing.model.pack_text", "text_len pad_to_multiple", "huge", "a size")
+allow("packing.model.pack_text", "text_len", "huge", "a size")
 allow("packing.VerifyConfig", "seed", "zero", "seed 0 is the default")
 _LB = "packing.integrations.lingbot_va."
 allow(_LB + "draw_episode", _KEYS, "zero negative", _HASHED)
@@ -547,10 +562,12 @@ allow(_LB + "PackedLingBotVA.collator", "token_budget max_docs text_budget", "hu
       "a size: refused only when a pack is built over it")  # fmt: skip
 allow(_LB + "lingbot_episodes", "action_per_frame", "huge", "checked against each episode read")
 
-allow("packing.serve.DiTAdapter", "seed", "zero", "seed 0 is a seed")
-allow("packing.serve.WanAdapter", "seed", "zero", "seed 0 is a seed")
-allow("packing.serve.ServerConfig", "port", "zero", "port 0: the OS picks a free port")
-allow("packing.serve.DiTAdapter", "frames", "zero", "a chunk may generate no frames (actions only)")
+allow("packing.server.DiTAdapter", "seed", "zero", "seed 0 is a seed")
+allow("packing.server.WanAdapter", "seed", "zero", "seed 0 is a seed")
+allow("packing.server.ServerConfig", "port", "zero", "port 0: the OS picks a free port")
+allow(
+    "packing.server.DiTAdapter", "frames", "zero", "a chunk may generate no frames (actions only)"
+)
 allow("packing.serve.Request", "frames", "zero", "a request may generate no frames")
 allow("packing.serve.Request", "seed", "zero", "seed 0 is a seed")
 allow("packing.serve.VideoRequest", "seed", "zero", "seed 0 is a seed")

@@ -188,7 +188,7 @@ def test_the_index_names_every_public_name_on_its_folders_row() -> None:
     }
     serve = ("serve",) if (ROOT / "packing" / "serve" / "__init__.py").exists() else ()
     lingbot = ("integrations/lingbot_va",) if _has_lingbot() else ()
-    for folder in (*FOLDERS, *serve, "integrations/diffusers", *lingbot, "cli.py"):
+    for folder in (*FOLDERS, *serve, "integrations/diffusers", *lingbot, "cli"):
         assert folder in rows, f"docs/index.md has no row for packing/{folder}"
         module = "packing." + folder.removesuffix(".py").replace("/", ".")
         names = set(importlib.import_module(module).__all__)

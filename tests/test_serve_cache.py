@@ -41,11 +41,17 @@ def _uncached() -> EngineConfig:
                         max_steps=6)  # fmt: skip
 
 
-def _cached(pages: int = 16, page_frames: int = 2, prefill_frames: int = 3) -> EngineConfig:
+def _cached(
+    pages: int = 16,
+    page_frames: int = 2,
+    prefill_frames: int = 3,
+    context_frames: int | None = None,
+) -> EngineConfig:
     return EngineConfig(
         shapes=(PackShape(frames=2, actions=6, requests=2), PackShape(frames=6, actions=16, requests=4)),
         scheduler=SCHED, max_steps=6,
-        context_cache=ContextCache(pages=pages, page_frames=page_frames, prefill_frames=prefill_frames),
+        context_cache=ContextCache(pages=pages, page_frames=page_frames, prefill_frames=prefill_frames,
+                                   context_frames=context_frames),
     )  # fmt: skip
 
 
@@ -100,16 +106,19 @@ def test_cli_verify_inference_with_the_context_cache(capsys):
     assert "add --inference" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_arrivals_cached_equal_uncached(seed):
+def test_random_arrivals_cached_equal_uncached(seed, window):
     """Random requests (dropped frames, sessions continuing, committed actions) joining at
-    random steps, small pool: every result equals the request alone without the cache."""
+    random steps, small pool: every result equals the request alone without the cache.
+    ``window=5``: each pack attends over its own pages only (3 a request), not the pool."""
     rng = random.Random(seed)
     model = _model()
     engine = Engine(
         model,
-        _cached(pages=7, page_frames=2, prefill_frames=(rng.randint(1, 2), rng.randint(3, 5))),
-    )
+        _cached(pages=7, page_frames=2, prefill_frames=(rng.randint(1, 2), rng.randint(3, 5)),
+                context_frames=window),
+    )  # fmt: skip
     reqs, when, sessions = [], [], {}
     for i in range(9):
         s = f"robot {rng.randint(0, 2)}"
@@ -182,7 +191,7 @@ def test_a_corrupted_page_shows_in_the_result():
     engine = Engine(model, _cached())
     engine.submit(Request(context=f[:2], frames=1, actions=2, session="arm", steps=2))
     engine.run()
-    engine.pool.k[:, : engine.pool.page_tokens] += 0.5  # page 0: frames 0, 1 of "arm"
+    engine.packs.pool.k[:, : engine.packs.pool.page_tokens] += 0.5  # page 0: frames 0, 1 of "arm"
     r = Request(context=f[:4], frames=1, actions=2, session="arm", steps=2)
     engine.submit(r)
     (got,) = engine.run()
@@ -204,7 +213,7 @@ def test_two_chunks_of_one_session_never_share_a_pack():
 def test_lru_eviction_end_session_and_cancel_free_pages():
     model = _model()
     engine = Engine(model, _cached(pages=4, page_frames=2))  # 4 pages of 2 frames
-    pool = engine.pages
+    pool = engine.packs.pages
     for s in ("a", "b"):  # each keeps 2 pages after its request
         engine.submit(Request(context=_frames(3), frames=1, actions=2, session=s, steps=2))
         engine.run()
@@ -333,7 +342,7 @@ def test_the_pool_masks_can_be_read_on_every_pair_of_their_padded_tiles():
     for i in range(2):
         engine.submit(Request(context=_frames(3, i), frames=2, actions=6, steps=2, seed=i))
     engine.step()  # admitted: page tables loaded, the pack laid out
-    b, pool = engine._buffers[engine._shape], engine.pool
+    b, pool = engine.packs.buffers[engine._shape], engine.packs.pool
     doc_N, pos_N = pool.keys()
     cases = {
         "step": (b.doc_J, b.pos_J, torch.cat([doc_N, b.doc_J]), torch.cat([pos_N, b.pos_J])),
@@ -342,13 +351,13 @@ def test_the_pool_masks_can_be_read_on_every_pair_of_their_padded_tiles():
     for name, (q_doc, q_pos, kv_doc, kv_pos) in cases.items():
         Tq, Tk = q_doc.shape[0], kv_doc.shape[0]
         assert Tq % 128 and Tk % 128, (name, Tq, Tk)  # both last tiles ragged: the case
-        mask = pool_mask(q_doc, q_pos, kv_doc, kv_pos, backend="flex", inner=engine._inner,
+        mask = pool_mask(q_doc, q_pos, kv_doc, kv_pos, backend="flex", inner=engine.packs._inner,
                          document_mask=True)  # fmt: skip
         R, C = -(-Tq // 128), -(-Tk // 128)
         q, kv = torch.arange(R * 128)[:, None], torch.arange(C * 128)[None, :]
         zero = torch.zeros((), dtype=torch.int64)
         got = mask.block_mask.mask_mod(zero, zero, q, kv)  # raised IndexError before
-        dense = pool_mask(q_doc, q_pos, kv_doc, kv_pos, backend="sdpa", inner=engine._inner,
+        dense = pool_mask(q_doc, q_pos, kv_doc, kv_pos, backend="sdpa", inner=engine.packs._inner,
                           document_mask=True)  # fmt: skip
         want = torch.zeros(R * 128, C * 128, dtype=torch.bool)
         want[:Tq, :Tk] = dense.dense_TT & dense.keep_T[:, None]
@@ -361,15 +370,15 @@ def test_a_request_removed_by_any_path_frees_its_pages_zeroed():
     engine = Engine(model, _cached(pages=4, page_frames=2))
     rid = engine.submit(Request(context=_frames(3), frames=1, actions=2, session="arm", steps=3))
     engine.step()
-    pt = engine.pool.page_tokens
-    engine.pool.k[:, : 2 * pt] = float("nan")  # its 2 pages: as a failed request's could be
+    pt = engine.packs.pool.page_tokens
+    engine.packs.pool.k[:, : 2 * pt] = float("nan")  # its 2 pages: as a failed request's could be
     assert engine._drop(rid)  # how cancel and the non-finite quarantine remove a member
     r = Request(context=_frames(1, 1), frames=1, actions=2, steps=3)  # 1 page; NaN pages masked
     engine.submit(r)
     (got,) = engine.run()
-    assert "arm" not in engine.pages.entries and len(engine.pages.free) == 4
+    assert "arm" not in engine.packs.pages.entries and len(engine.packs.pages.free) == 4
     assert _rel(got, _alone(model, r)) <= 1e-5
-    pool = engine.pages  # after a failed model call: entries whose request is gone are swept
+    pool = engine.packs.pages  # after a failed model call: entries whose request is gone are swept
     pool.claim("gone", [b"x"], owner=41)
     pool.claim("here", [b"y"], owner=42)
     pool.sweep({42})
@@ -416,6 +425,67 @@ def test_a_request_whose_prefill_raises_fails_alone():
     ids = [engine.submit(r) for r in reqs]
     out = {r.request_id: r for r in engine.run()}
     assert out[ids[1]].error is not None and "prefilling its context raised" in out[ids[1]].error
-    assert "s1" not in engine.pages.entries
+    assert "s1" not in engine.packs.pages.entries
     for i in (0, 2):
         assert out[ids[i]].error is None and _rel(out[ids[i]], _alone(_model(), reqs[i])) <= 1e-5
+
+
+def test_a_steps_keys_follow_the_pages_its_pack_uses_not_the_pool(monkeypatch):
+    """With ``context_frames`` a pack attends over its window of pages: the same two requests
+    in a pool of 32 and of 512 pages run over the same number of keys, with equal results;
+    without it (the control) the keys grow with the pool."""
+    import packing.serve._cached_step as cached_step
+
+    seen: list[int] = []
+    real = cached_step.pool_mask
+
+    def spy(q_doc, q_pos, kv_doc, kv_pos, **kw):
+        seen.append(kv_doc.shape[0])
+        return real(q_doc, q_pos, kv_doc, kv_pos, **kw)
+
+    monkeypatch.setattr(cached_step, "pool_mask", spy)
+    model = _model()
+    reqs = [Request(context=_frames(5, i), frames=1, actions=3, steps=2, seed=i, session=f"s{i}")
+            for i in range(2)]  # fmt: skip
+    keys, outs = {}, {}
+    for pages, window in ((32, 5), (512, 5), (32, None), (512, None)):
+        seen.clear()
+        engine = Engine(model, _cached(pages=pages, context_frames=window))
+        for r in reqs:
+            engine.submit(r)
+        outs[pages, window] = sorted(engine.run(), key=lambda r: r.request_id)
+        keys[pages, window] = max(seen)
+    assert keys[32, 5] == keys[512, 5] == 2 * 3 * 2 * 8 + 2 * 8 + 6  # 2 requests x 3 pages
+    assert keys[512, None] > 10 * keys[32, 5]  # the control: the whole pool
+    for a, b in zip(outs[32, 5], outs[512, None], strict=True):
+        assert _rel(a, b) <= 1e-5
+
+
+def test_a_request_with_more_context_than_the_window_is_refused():
+    engine = Engine(_model(), _cached(context_frames=4))
+    with pytest.raises(
+        ValueError, match=r"keeps 5 context frames, more than ContextCache\.context_frames=4"
+    ):
+        engine.submit(Request(context=_frames(5), frames=1, actions=2, steps=2))
+    with pytest.raises(ValueError, match=r"ContextCache\.context_frames"):
+        ContextCache(pages=4, context_frames=0)
+
+
+def test_the_serving_masks_keep_flexattention_off_its_decoding_kernel():
+    """A pack of one request has fewer than 128 queries (80 at 5B widths), which inductor
+    lowers to FlexAttention's decoding kernel: 2.6 ms a call against 0.083 ms on an H200
+    (benchmarks/reports/2026-12-04_served_engine.md). Every serving mask forces the main one."""
+    from packing.attention import frame_causal
+    from packing.serve._cached_step import pool_mask
+    from packing.serve._step import cross_mask, step_masks
+
+    doc, pos = torch.zeros(80, dtype=torch.int64), torch.arange(80)
+    text = torch.zeros(16, dtype=torch.int64)
+    inner = frame_causal(8)
+    masks = [*step_masks(doc, text, backend="flex", inner=inner, document_mask=True),
+             cross_mask(doc, text, backend="flex", document_mask=True),
+             pool_mask(doc, pos, doc, pos, backend="flex", inner=inner, document_mask=True)]  # fmt: skip
+    for m in masks:
+        assert m.kernel_options == {"FORCE_USE_FLEX_ATTENTION": True}, m
+    sdpa = pool_mask(doc, pos, doc, pos, backend="sdpa", inner=inner, document_mask=True)
+    assert sdpa.kernel_options is None  # the control: SDPA has no such option

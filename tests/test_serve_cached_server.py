@@ -15,18 +15,10 @@ import pytest
 pytest.importorskip("websockets", reason="needs packing[serve]")
 from serve_robots import ADAPTER, FRAME, model, wait_until
 
-from packing import _serve_command
+from packing.cli import _serve as _serve_command
 from packing.cli import build_parser, main
-from packing.serve import (
-    ContextCache,
-    Engine,
-    EngineConfig,
-    FlowScheduler,
-    PackShape,
-    PolicyClient,
-    PolicyServer,
-    ServerConfig,
-)
+from packing.serve import ContextCache, Engine, EngineConfig, FlowScheduler, PackShape
+from packing.server import PolicyClient, PolicyServer, ServerConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T = 20.0
@@ -75,14 +67,14 @@ def test_an_episodes_next_chunk_reuses_its_cached_frames_and_equals_uncached():
             deltas.append({k: engine.stats[k] - before[k] for k in before})
         assert deltas[0]["prefilled_frames"] == 2 and deltas[0]["reused_frames"] == 0
         assert deltas[1]["prefilled_frames"] == 2 and deltas[1]["reused_frames"] == 2
-        assert len(engine.pages.free) == PAGES - 2  # the episode keeps its 4 frames' pages
+        assert len(engine.packs.pages.free) == PAGES - 2  # the episode keeps its 4 frames' pages
         assert robot.end_episode()["episode"] == "end"
-        wait_until(lambda: len(engine.pages.free) == PAGES and not engine.pages.entries)
+        wait_until(lambda: len(engine.packs.pages.free) == PAGES and not engine.packs.pages.entries)
         obs = chunk(frames, 4)  # a new episode: nothing of the last one is reused
         before = dict(engine.stats)
         assert rel(robot.infer(obs), uncached(obs)) <= 1e-5
         assert engine.stats["reused_frames"] == before["reused_frames"]
-    wait_until(lambda: len(engine.pages.free) == PAGES)  # the disconnect ended it
+    wait_until(lambda: len(engine.packs.pages.free) == PAGES)  # the disconnect ended it
 
 
 @pytest.mark.parametrize("check_hashes", [True, False])
@@ -91,7 +83,7 @@ def test_a_changed_earlier_frame_is_prefilled_again_not_reused(check_hashes):
     equals uncached. The control (the pool's test hook: reuse by position, no hash check)
     serves the OLD frame 1's keys, i.e. exactly the unchanged episode's answer."""
     engine = cached_engine()
-    engine.pages.check_hashes = check_hashes
+    engine.packs.pages.check_hashes = check_hashes
     frames = np.random.default_rng(1).standard_normal((6, *FRAME)).astype(np.float32)
     changed = frames.copy()
     changed[1] += 0.5
@@ -116,7 +108,9 @@ def test_packing_serve_context_cache_builds_the_cached_engine():
                                       "--page-frames", "2", "--prefill-frames", "8",
                                       "--frames", "2", "--actions", "8"])  # fmt: skip
     engine, _ = _serve_command._build(args, "cpu")
-    assert engine.config.context_cache == ContextCache(pages=32, page_frames=2, prefill_frames=8)
+    assert engine.config.context_cache == ContextCache(
+        pages=32, page_frames=2, prefill_frames=8, context_frames=4
+    )  # --context-frames
     # the default shapes: 1, 2, 4, 8 requests of generated frames only (no room for context)
     assert [(s.frames, s.actions, s.requests) for s in engine.shapes] == [
         (2, 8, 1), (4, 16, 2), (8, 32, 4), (16, 64, 8)]  # fmt: skip
@@ -130,7 +124,7 @@ def test_packing_serve_context_cache_builds_the_cached_engine():
         (["--context-cache", "16"], r"frame-causal model.*--mask frame-causal"),
         (["--page-frames", "2"], r"--page-frames sizes the context cache; add --context-cache"),
         (["--prefill-frames", "4"], r"--prefill-frames sizes the context cache"),
-        (["--context-cache", "0", "--mask", "frame-causal"], r"ContextCache\.pages"),
+        (["--context-cache", "0", "--mask", "frame-causal"], r"--context-cache: 0 is below 1"),
         (["--context-cache", "4", "--model", "serve_robots:cli_engine"], r"a factory builds"),
     ],
 )

@@ -22,7 +22,6 @@ from packing.serve import (
     VideoRequest,
     VideoShape,
 )
-from packing.serve._batching import ContinuousBatcher
 from packing.serve._device import quarantine
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models, 2 busy cores
@@ -143,7 +142,7 @@ def test_buffers_too_large_for_the_device_fail_at_construction_naming_the_field(
         Engine(model, EngineConfig(shapes=(ok, big)))
     monkeypatch.undo()
     engine = Engine(model, EngineConfig(shapes=(ok,), max_steps=4))  # allocated up front
-    assert set(engine._buffers) == {ok}
+    assert set(engine.packs.buffers) == {ok}
 
 
 # -- 2. a request's tensors are copied at submit ---------------------------------------------
@@ -167,7 +166,7 @@ def test_a_context_that_requires_grad_leaves_no_grad_in_the_engine():
     engine.submit(_req(2, steps=2))  # a later client
     later = engine.run()
     assert not any(r.latents.requires_grad or r.action.requires_grad for r in first + later)
-    b = engine._buffers[engine.shape]  # type: ignore[index]
+    b = engine.packs.buffers[engine.shape]  # type: ignore[index]
     assert not any(t.requires_grad for t in (b.x_v, b.x_a, b.vp_v, b.vp_a))
     assert ctx.grad is None
 
@@ -271,9 +270,9 @@ class _NaNModel(DiT):
 def lagging(monkeypatch):
     """The host reads the non-finite flags only at the end of ``run()``, as when a GPU runs
     far behind the host: a failed request then stays in the pack for its remaining steps."""
-    read = ContinuousBatcher._read_flags
+    read = Engine._read_flags
     monkeypatch.setattr(
-        ContinuousBatcher,
+        Engine,
         "_read_flags",
         lambda self, *, wait: read(self, wait=True) if wait else None,
     )
@@ -292,7 +291,7 @@ def test_a_request_whose_state_turns_nan_fails_and_its_pack_mate_equals_alone(sl
     out: dict[int, Result] = {}
     while engine.active or engine.waiting:
         out.update({r.request_id: r for r in engine.step()})
-        b = engine._buffers[engine.shape]  # type: ignore[index]
+        b = engine.packs.buffers[engine.shape]  # type: ignore[index]
         assert torch.isfinite(b.x_v).all() and torch.isfinite(b.vp_v).all()  # zeroed at once
     out.update({r.request_id: r for r in engine.run()})
     assert sorted(out) == ids

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("websockets", reason="needs packing[serve]")
 from serve_robots import ADAPTER, GateEngine, alone, engine, log_line, start_packing_serve
 
-from packing.serve import PolicyServer, ServerConfig
+from packing.server import PolicyServer, ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ROBOT = Path(__file__).with_name("openpi_robot.py")

@@ -20,8 +20,7 @@ import torch
 from late_flags import LateEvent, flags_arrive_late
 from serve_robots import engine as tiny_engine
 
-from packing.serve import Request, Result
-from packing.serve._batching import ContinuousBatcher
+from packing.serve import Engine, Request, Result
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,7 +67,7 @@ def test_a_step_waits_for_the_call_before_its_own_and_no_further(behind):
 
 
 def test_control_a_host_that_never_waits_fails_the_check(behind, monkeypatch):
-    monkeypatch.setattr(ContinuousBatcher, "_in_flight", 10**9)
+    monkeypatch.setattr(Engine, "_in_flight", 10**9)
     with pytest.raises(AssertionError, match="more than a call late"):
         _serve(tiny_engine(requests=4), behind)
 
@@ -78,7 +77,7 @@ def test_a_results_copies_are_queued_before_the_flags_that_hand_it_out(monkeypat
     if the flag event that released it was queued after the result's own copies."""
     log: list[tuple[str, int]] = []
     engine = tiny_engine(requests=4)
-    result, copy = type(engine)._result, ContinuousBatcher._copy_flags
+    result, copy = type(engine)._result, Engine._copy_flags
 
     def logged_result(self: Any, m: Any) -> Result:
         log.append(("result", self.clock))
@@ -89,7 +88,7 @@ def test_a_results_copies_are_queued_before_the_flags_that_hand_it_out(monkeypat
         return copy(self, flags)
 
     monkeypatch.setattr(type(engine), "_result", logged_result)
-    monkeypatch.setattr(ContinuousBatcher, "_copy_flags", logged_copy)
+    monkeypatch.setattr(Engine, "_copy_flags", logged_copy)
     for i in range(4):
         engine.submit(_request(i))
     assert len(engine.run()) == 4

@@ -34,8 +34,8 @@ from serve_robots import (
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from packing.serve import DiTAdapter, PolicyClient, PolicyServer, ServerConfig, ServerError
-from packing.serve._wire import encode
+from packing.server import DiTAdapter, PolicyClient, PolicyServer, ServerConfig, ServerError
+from packing.server._wire import encode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T = 20.0  # every client call's time limit
@@ -368,7 +368,7 @@ def test_packing_serve_imports_without_the_serve_extra():
     says which extra to install."""
     code = (
         "import sys; sys.modules['msgpack'] = None; sys.modules['websockets'] = None\n"
-        "import packing.serve as s\n"
+        "import packing.serve, packing.server as s\n"
         "try:\n    s._wire.encode({})\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -383,7 +383,8 @@ def test_a_diffusers_wan_behind_the_server_with_wan_adapter():
 
     from packing.integrations.diffusers import ServedWan, install
     from packing.integrations.diffusers.testing import tiny_wan
-    from packing.serve import VideoEngine, VideoShape, WanAdapter
+    from packing.serve import VideoEngine, VideoShape
+    from packing.server import WanAdapter
 
     def wan_engine() -> VideoEngine:
         torch.manual_seed(0)

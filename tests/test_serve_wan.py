@@ -51,7 +51,7 @@ def test_the_host_pack_matches_the_docstring_picture():
     for ctx, frames, words in ((1, 2, 3), (0, 1, 2), (0, 2, 1)):
         engine.submit(_request(g, ctx, frames, words, steps=4))
     engine.step()
-    b = engine._buffers[engine.shape]  # type: ignore[index]
+    b = engine.packs.buffers[engine.shape]  # type: ignore[index]
     tpf = 6
     assert b.pack.doc_T[::tpf].tolist() == [0, 0, 0, 1, 2, 2] and b.pack.doc_T.shape == (36,)
     assert b.slot_S.tolist() == [-1, 0, 0, 1, 2, 2]
@@ -158,7 +158,7 @@ def test_context_frames_stay_clean_and_condition_the_generated_ones():
     engine = VideoEngine(served, [VideoShape(frames=3, text=3, requests=1)], max_steps=3)
     engine.submit(r)
     (got,) = engine.run()
-    assert torch.equal(engine._buffers[engine.shape].x_S[0], r.context[0])  # type: ignore[index]
+    assert torch.equal(engine.packs.buffers[engine.shape].x_S[0], r.context[0])  # type: ignore[index]
     assert _rel(got.latents, reference_generate(model, r, FlowScheduler())) <= 1e-5
     no_ctx = VideoRequest(text=r.text, context=r.context[:0], frames=2, seed=3, steps=3)
     assert _rel(got.latents, reference_generate(model, no_ctx, FlowScheduler())) > 1e-3

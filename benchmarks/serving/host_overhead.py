@@ -17,7 +17,7 @@ pack fill and the device's busy fraction, for
 - ``before`` (40b14ba): the host never waits for the device, so it queues every member's
   remaining calls at once, and a reply's ``.cpu()`` on the engine's stream waits for every
   call queued after it;
-- ``after``: the host stays one call ahead (``ContinuousBatcher._in_flight``) and a reply is
+- ``after``: the host stays one call ahead (``Engine._in_flight``) and a reply is
   read on a side stream (`packing.serve._device.to_host`), waiting for no later call;
 
 and the packed arm twice: shapes of 1, 2, 4, 8 requests (``packed``) and one shape per
@@ -47,18 +47,9 @@ import packing.serve._engine as engine_module
 from benchmarks.harness import RESULTS_DIR, base_parser, markdown_table, summarize, write_json
 from benchmarks.serving.robots import longest_context, observation, run_robots
 from packing.model import DiT, DiTConfig
-from packing.serve import (
-    DiTAdapter,
-    Engine,
-    EngineConfig,
-    FlowScheduler,
-    PackShape,
-    PolicyClient,
-    PolicyServer,
-    Result,
-    ServerConfig,
-)
+from packing.serve import Engine, EngineConfig, FlowScheduler, PackShape, Result
 from packing.serve._step import Buffers
+from packing.server import DiTAdapter, PolicyClient, PolicyServer, ServerConfig
 
 PHASE_COLUMNS = ["noise_tokens_ms", "layout_ms", "state_copies_ms", "admit_other_ms", "call_ms",
                  "results_ms", "flags_ms", "other_ms"]  # fmt: skip
@@ -110,7 +101,7 @@ class StandInEngine(Engine):
     costs: dict[int, float] | None = None
 
     def _run(self, shape: PackShape) -> None:
-        self._buffers[shape].step_K.add_(1)  # what the step changes that the host reads
+        self.packs.buffers[shape].step_K.add_(1)  # what the step changes that the host reads
         if self.costs is not None:
             self.stand_in.launch(self.costs[shape.requests])
 

@@ -245,16 +245,17 @@ def _one_document(lay: StreamLayout) -> StreamLayout:
 class KVCache(NamedTuple):
     """One layer's view of a key/value pool (`packing.serve`'s context cache): this pass's
     keys and values go to rows ``rows`` of ``k``/``v`` ``(N, H, D)``, then the queries attend
-    over ``k[:keys]``, ``v[:keys]`` (the pool's cached tokens, these tokens' rows among them)::
+    over the rows ``keys`` names: ``k[:keys]`` for an int, ``k[keys]`` for an int64 index
+    tensor (a window of the pool's pages gathered, these tokens' rows among them)::
 
-        k      [ cached context pages ............ | this pass's rows | ... ]
-        keys   |<-------------------- keys -------------------------->|
+        k      [ page 0 | page 1 | page 2 | ... | this pass's rows | ... ]
+        keys   [ page 2 rows, page 0 rows, this pass's rows ]    (a window, gathered)
     """
 
     k: Tensor
     v: Tensor
     rows: Tensor
-    keys: int
+    keys: int | Tensor
 
 
 # Outside torch.compile: an in-place write into a graph input is what a pool is, and a compiled
@@ -263,6 +264,8 @@ class KVCache(NamedTuple):
 def _store(cache: KVCache, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     cache.k.index_copy_(0, cache.rows, k.to(cache.k.dtype))
     cache.v.index_copy_(0, cache.rows, v.to(cache.v.dtype))
+    if isinstance(cache.keys, Tensor):
+        return cache.k.index_select(0, cache.keys), cache.v.index_select(0, cache.keys)
     return cache.k[: cache.keys], cache.v[: cache.keys]
 
 

@@ -14,47 +14,34 @@
   a packed diffusers Wan (`packing.integrations.diffusers.ServedWan`).
 - `verify_inference`, `InferenceReport`: the proof that each request's output packed with
   others equals the same request run alone (``packing verify --inference``).
-- `PolicyServer`, `ServerConfig`: robots speak openpi's websocket protocol (msgpack with
-  numpy arrays, metadata on connect, ``/healthz``, an API key off loopback) to one or more
-  engines, whose continuous batcher packs every robot's requests together (docs/serving.md;
-  ``packing serve``; needs ``pip install 'packing[serve]'``).
-- `DiTAdapter`, `WanAdapter`: an observation dict becomes a request, a result the reply.
-- `PolicyClient`, `ServerError`: a robot's side in Python (openpi-client works too).
+
+The policy server that puts robots in front of an engine is `packing.server`.
 """
 
-from packing.serve._adapter import DiTAdapter, WanAdapter
 from packing.serve._cache import ContextCache
-from packing.serve._client import PolicyClient, ServerError
-from packing.serve._config import ServerConfig
-from packing.serve._engine import Engine, EngineConfig
+from packing.serve._config import EngineConfig
+from packing.serve._engine import Engine
 from packing.serve._pack import PackShape
 from packing.serve._proof import InferenceReport, verify_inference
 from packing.serve._request import Request, Result
 from packing.serve._schedulers import FlowScheduler, reference_sample
-from packing.serve._server import PolicyServer
 from packing.serve._video import VideoEngine
 from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
 
 __all__ = [
     "ContextCache",
-    "DiTAdapter",
     "Engine",
     "EngineConfig",
     "FlowScheduler",
     "InferenceReport",
     "PackShape",
-    "PolicyClient",
-    "PolicyServer",
     "Request",
     "Result",
-    "ServerConfig",
-    "ServerError",
     "VideoEngine",
     "VideoModel",
     "VideoPack",
     "VideoRequest",
     "VideoShape",
-    "WanAdapter",
     "reference_sample",
     "verify_inference",
 ]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from packing._validate import check_int
-from packing.serve._limits import MAX_FRAMES
+from packing.serve._limits import MAX_FRAMES, MAX_REQUESTS
 from packing.serve._pack import PackShape
 from packing.serve._request import Request
 
@@ -52,11 +52,18 @@ class ContextCache:
     With a cache, a `PackShape`'s ``frames`` count the pack's **generated** frames only (its
     context is in the pool), and the pool must hold the largest shape's requests: the engine
     checks it. A page of ``page_frames * tokens_per_frame`` tokens is 128 tokens (one
-    FlexAttention tile) at 4 frames of 32 tokens."""
+    FlexAttention tile) at 4 frames of 32 tokens.
+
+    ``context_frames``: the most context frames one request keeps (a longer one is refused at
+    submit). A pack's step attends over a static window of its own requests' pages, ``requests
+    x ceil(context_frames / page_frames)`` pages (at most ``pages``), gathered from the pool,
+    so a step costs what its pack uses whatever the pool's size; ``None``: the window is the
+    whole pool (a step then costs the pool)."""
 
     pages: int
     page_frames: int = 4
     prefill_frames: int | tuple[int, ...] = (4, 32)
+    context_frames: int | None = None
 
     def __post_init__(self) -> None:
         for name, top in (("pages", 1 << 24), ("page_frames", MAX_FRAMES)):
@@ -72,6 +79,18 @@ class ContextCache:
             )
         )
         object.__setattr__(self, "prefill_frames", sizes)
+        if self.context_frames is not None:
+            n = check_int("ContextCache.context_frames", self.context_frames, min=1, max=MAX_FRAMES)
+            object.__setattr__(self, "context_frames", n)
+
+    def window_pages(self, requests: int) -> int:
+        """The pages a pack of ``requests`` requests attends over: ``requests`` times one
+        request's most pages, at most the pool (``pages=256, page_frames=4,
+        context_frames=22``: 6 pages a request, 48 for 8 requests)."""
+        requests = check_int("requests", requests, min=1, max=MAX_REQUESTS)
+        if self.context_frames is None:
+            return self.pages
+        return min(self.pages, requests * -(-self.context_frames // self.page_frames))
 
     @property
     def pass_sizes(self) -> tuple[int, ...]:
@@ -94,10 +113,11 @@ def pages_for(r: Request, page_frames: int) -> int:
 @dataclass(frozen=True, kw_only=True)
 class CachedShape(PackShape):
     """A `PackShape` of the cached engine: ``frames`` are generated frames, and the pack's
-    contexts must fit the pool (``pool_pages`` of ``page_frames``). Two chunks of one session
-    never share a pack: the second waits for the first (its pages are being read)."""
+    contexts must fit its window of the pool (``window_pages`` of ``page_frames``, see
+    `ContextCache.window_pages`). Two chunks of one session never share a pack: the second
+    waits for the first (its pages are being read)."""
 
-    pool_pages: int
+    window_pages: int
     page_frames: int
 
     def fits(self, requests: Sequence[Request]) -> bool:
@@ -109,7 +129,7 @@ class CachedShape(PackShape):
             len(requests) <= self.requests
             and frames <= self.frames
             and actions <= self.actions
-            and pages <= self.pool_pages
+            and pages <= self.window_pages
             and len(sessions) == len(set(sessions))
         )
 

@@ -34,7 +34,8 @@ from packing.attention import AttentionMask, InnerMask
 from packing.attention._block_tables import tables_from_flags
 from packing.model import DiT, KVCache, PackInputs
 from packing.serve._cache import ContextCache
-from packing.serve._step import Buffers, cross_mask, schedule, velocity_update
+from packing.serve._device import pinned
+from packing.serve._step import FLEX_OPTIONS, Buffers, cross_mask, schedule, velocity_update
 
 __all__ = ["DevicePool", "PrefillBlock", "cached_step", "pool_mask", "prefill_step"]
 
@@ -65,23 +66,34 @@ class PrefillBlock:
 
 
 class DevicePool:
-    """The static device tensors of the cache: the pool ``(depth, N + tail, H, D)`` of keys
-    and of values (zeros, so a masked key never holds a NaN), the page tables and one
-    `PrefillBlock` per prefill size."""
+    """The static device tensors of the cache: the pool ``(depth, (P + 1) * page_tokens +
+    tail, H, D)`` of keys and of values (zeros, so a masked key never holds a NaN; page ``P``
+    is never handed out and stays zero: a window's unused slots point at it), the window's
+    page tables and one `PrefillBlock` per prefill size.
+
+    A pack attends over a **window**: the pages of its own requests, gathered in order into
+    ``W`` static slots (``W``: the shape's `ContextCache.window_pages`), so a step's keys,
+    mask and attention grow with the pages the pack uses, not with the pool::
+
+        pool pages   0    1    2    3    4    5   ...  255  | zero page | tail
+        window       a:0  b:0  a:1  zero zero                   (W = 5: requests a, b)
+    """
 
     def __init__(self, model: DiT, cache: ContextCache, tail: int, device: torch.device) -> None:
         cfg = model.config
         tpf, P = cfg.tokens_per_frame, cache.pages
-        self.tpf, self.page_tokens = tpf, cache.page_frames * tpf
-        self.N = P * self.page_tokens
+        self.tpf, self.page_tokens, self.zero_page = tpf, cache.page_frames * tpf, P
+        self.N = (P + 1) * self.page_tokens  # the pool's rows, its zero page included
         dtype = next(model.parameters()).dtype
         size = (cfg.depth, self.N + tail, cfg.heads, cfg.head_dim)
         self.k = torch.zeros(size, dtype=dtype, device=device)
         self.v = torch.zeros(size, dtype=dtype, device=device)
         i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
-        self.page_doc = torch.full((P,), -1, **i64)  # the request (pack doc) holding the page
-        self.page_frame = torch.zeros(P, **i64)  # its first frame's index in that context
-        self.page_fill = torch.zeros(P, **i64)  # frames of the page in use
+        W = P  # slots: every shape's window is at most the pool
+        self.page_W = torch.full((W,), P, **i64)  # the pool page in each window slot
+        self.doc_W = torch.full((W,), -1, **i64)  # the request (pack doc) holding it
+        self.frame_W = torch.zeros(W, **i64)  # its first frame's index in that context
+        self.fill_W = torch.zeros(W, **i64)  # frames of the page in use
         slot = torch.arange(self.page_tokens, **i64)
         self.slot_frame, self.slot_token = slot // tpf, slot % tpf
         self.tail_rows = self.N + torch.arange(tail, **i64)
@@ -91,33 +103,55 @@ class DevicePool:
         self.no_actions = (torch.zeros(0, cfg.action_dim, dtype=dtype, device=device),
                            torch.zeros(0, **i64))  # fmt: skip
 
-    def load_pages(self, page_doc: Tensor, page_frame: Tensor, page_fill: Tensor) -> None:
-        for dst, src in ((self.page_doc, page_doc), (self.page_frame, page_frame),
-                         (self.page_fill, page_fill)):  # fmt: skip
-            dst.copy_(src, non_blocking=True)
+    @property
+    def window_slots(self) -> int:
+        return self.page_W.shape[0]
+
+    def load_window(self, pages: list[tuple[int, int, int, int]]) -> None:
+        """The window's slots in order: ``(pool page, request, first frame, frames used)``
+        each; the slots after them point at the zero page, used by no request."""
+        W = self.window_slots
+        if len(pages) > W:
+            raise AssertionError(f"{len(pages)} pages in a window of {W}")
+        cols = [torch.tensor(c, dtype=torch.int64) for c in zip(*pages, strict=True)] or [
+            torch.zeros(0, dtype=torch.int64)
+        ] * 4
+        pads = (self.zero_page, -1, 0, 0)
+        for dst, col, pad in zip((self.page_W, self.doc_W, self.frame_W, self.fill_W), cols,
+                                 pads, strict=True):  # fmt: skip
+            full = torch.full((W,), pad, dtype=torch.int64)
+            full[: col.shape[0]] = col
+            dst.copy_(pinned(full, dst.device), non_blocking=True)
 
     def clear(self, pages: list[int]) -> None:
         """Zero ``pages`` in every layer (freed pages: see `PagePool.take_released`)."""
         if not pages:
             return
         rows = torch.tensor(pages, dtype=torch.int64)[:, None] * self.page_tokens
-        rows = (
-            (rows + torch.arange(self.page_tokens)).flatten().to(self.k.device, non_blocking=True)
-        )
+        rows = (rows + torch.arange(self.page_tokens)).flatten()
+        rows = pinned(rows, self.k.device).to(self.k.device, non_blocking=True)
         self.k.index_fill_(1, rows, 0)
         self.v.index_fill_(1, rows, 0)
 
-    def keys(self) -> tuple[Tensor, Tensor]:
-        """Document and position of every pool key ``(N,)``, from the page tables (device
-        work, no sync): page p's slot s is frame ``page_frame[p] + s // tpf`` of request
-        ``page_doc[p]``, in use while that frame is below ``page_fill[p]``; -1 elsewhere."""
-        used = self.slot_frame[None, :] < self.page_fill[:, None]
-        doc = torch.where(used, self.page_doc[:, None], -1).flatten()
-        frame = self.page_frame[:, None] + self.slot_frame[None, :]
+    def keys(self, W: int | None = None) -> tuple[Tensor, Tensor]:
+        """Document and position of the first ``W`` window slots' keys ``(W * page_tokens,)``
+        (all slots by default), from the window's tables (device work, no sync): slot w's
+        token s is frame ``frame_W[w] + s // tpf`` of request ``doc_W[w]``, in use while that
+        frame is below ``fill_W[w]``; -1 elsewhere."""
+        W = self.window_slots if W is None else W
+        used = self.slot_frame[None, :] < self.fill_W[:W, None]
+        doc = torch.where(used, self.doc_W[:W, None], -1).flatten()
+        frame = self.frame_W[:W, None] + self.slot_frame[None, :]
         return doc, (frame * self.tpf + self.slot_token[None, :]).flatten()
 
-    def layers(self, rows: Tensor, keys: int) -> list[KVCache]:
-        return [KVCache(self.k[i], self.v[i], rows, keys) for i in range(self.k.shape[0])]
+    def rows(self, W: int) -> Tensor:
+        """The pool rows of the first ``W`` window slots, ``(W * page_tokens,)``."""
+        slot = torch.arange(self.page_tokens, device=self.page_W.device)
+        return (self.page_W[:W, None] * self.page_tokens + slot[None, :]).flatten()
+
+    def layers(self, write: Tensor, read: Tensor) -> list[KVCache]:
+        """One `KVCache` a block: write these tokens at rows ``write``, attend over ``read``."""
+        return [KVCache(self.k[i], self.v[i], write, read) for i in range(self.k.shape[0])]
 
 
 def pool_mask(
@@ -167,37 +201,38 @@ def pool_mask(
         seq_lengths=(Tq, Tk), **tables._asdict(), BLOCK_SIZE=(_TILE, _TILE),
         mask_mod=pool_document,
     )  # fmt: skip
-    options = {"BACKEND": "FLASH"} if backend == "flex_flash" else None
-    return AttentionMask(**common, block_mask=block_mask, kernel_options=options)
+    return AttentionMask(**common, block_mask=block_mask, kernel_options=FLEX_OPTIONS[backend])
 
 
 def cached_step(
-    model: DiT, b: Buffers, pool: DevicePool, *, backend: str, inner: InnerMask,
+    model: DiT, b: Buffers, pool: DevicePool, W: int, *, backend: str, inner: InnerMask,
     document_mask: bool,
 ) -> None:  # fmt: skip
-    """One denoising step of the pack's generated tokens over the pool, in place on ``b``:
-    each block writes their keys and values to the pool's tail and attends over
-    ``pool ++ tail``."""
+    """One denoising step of the pack's generated tokens over its window of ``W`` pages, in
+    place on ``b``: each block writes their keys and values to the pool's tail and attends
+    over ``window ++ tail``."""
     t_R, ab_K2 = schedule(b)
     J = b.doc_J.shape[0]
-    doc_N, pos_N = pool.keys()
+    doc_N, pos_N = pool.keys(W)
     kv_doc, kv_pos = torch.cat([doc_N, b.doc_J]), torch.cat([pos_N, b.pos_J])
     self_mask = pool_mask(b.doc_J, b.pos_J, kv_doc, kv_pos, backend=backend, inner=inner,
                           document_mask=document_mask)  # fmt: skip
     cross = cross_mask(b.doc_J, b.text_doc_X, backend=backend, document_mask=document_mask)
     pack = PackInputs(b.src_index_J, b.latents_dest_T, b.action_dest_T, b.thw_J3, b.text_X,
                       self_mask, cross)  # fmt: skip
-    velocity_update(model, b, t_R, ab_K2, pack, pool.layers(pool.tail_rows[:J], pool.N + J))
+    read = torch.cat([pool.rows(W), pool.tail_rows[:J]])
+    velocity_update(model, b, t_R, ab_K2, pack, pool.layers(pool.tail_rows[:J], read))
 
 
 def prefill_step(
-    model: DiT, pool: DevicePool, p: PrefillBlock, b: Buffers, *, backend: str,
+    model: DiT, pool: DevicePool, W: int, p: PrefillBlock, b: Buffers, *, backend: str,
     inner: InnerMask, document_mask: bool,
 ) -> None:  # fmt: skip
     """One prefill pass: block ``p``'s context tokens (clean, t = 0) through every block,
     their keys and values written to their pool rows (padding writes the tail) and attended
-    over the pool. ``b`` holds the pack's text (the requests' tasks)."""
-    doc_N, pos_N = pool.keys()
+    over the pack's window of ``W`` pages (which holds those rows). ``b`` holds the pack's
+    text (the requests' tasks)."""
+    doc_N, pos_N = pool.keys(W)
     self_mask = pool_mask(p.doc, p.pos, doc_N, pos_N, backend=backend, inner=inner,
                           document_mask=document_mask)  # fmt: skip
     cross = cross_mask(p.doc, b.text_doc_X, backend=backend, document_mask=document_mask)
@@ -205,4 +240,4 @@ def prefill_step(
     pack = PackInputs(p.index, p.index, no_rows, p.thw, b.text_X, self_mask, cross)
     tokens = {"latents": p.x.to(no_act.dtype), "action": no_act}
     t_R = p.x.new_zeros(1)  # every context token at t = 0
-    model.velocity(tokens, t_R, p.row, pack, pool.layers(p.rows, pool.N))
+    model.velocity(tokens, t_R, p.row, pack, pool.layers(p.rows, pool.rows(W)))

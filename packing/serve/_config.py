@@ -1,73 +1,54 @@
-"""`ServerConfig`: where the policy server listens and the limits it enforces (plain data).
-
-Safe by default: loopback only; binding any other address needs ``api_key`` (the server
-refuses to start without one). Every limit is checked before the server allocates for it:
-``max_message_bytes`` is the websocket frame limit (a larger frame closes the connection
-with code 1009 before its payload is read; a connection buffers at most 2 frames, so memory
-for messages stays under ``max_connections * 3 * max_message_bytes``), ``max_connections`` is
-checked in the handshake,
-``max_queue`` bounds the requests waiting or running per engine (one more gets a "busy"
-reply at once), ``deadline_s`` cancels a request that has not finished in time.
-"""
+"""`EngineConfig`: the static packs, the schedule tables' width, CUDA graphs, the attention
+backend and the context cache of an `Engine` serving the reference DiT (plain data)."""
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import get_args
 
-from packing._validate import check_int, check_real
+from packing._validate import check_bool, check_choice, check_int, check_sequence
+from packing.attention import Backend
+from packing.serve._cache import ContextCache
+from packing.serve._limits import MAX_STEPS
+from packing.serve._pack import PackShape
+from packing.serve._schedulers import FlowScheduler, check_scheduler
 
-__all__ = ["ServerConfig"]
+__all__ = ["EngineConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerConfig:
-    """``host``/``port`` (``port=0``: any free port, see ``PolicyServer.address``);
-    ``api_key``: required unless ``host`` is a loopback address; ``metadata``: the map sent to
-    each robot on connect (openpi's server metadata); limits as the module docstring says."""
+class EngineConfig:
+    """``shapes``: the static packs (a few token budgets); ``max_steps``: the most denoising
+    steps a request may ask for (the width of the schedule tables); ``cuda_graphs``: capture
+    each shape's step in a CUDA graph (CUDA only); ``attention``: the backend (``auto``: sdpa
+    on CPU, FlexAttention on CUDA); ``context_cache``: compute each request's clean context
+    once into a paged K/V pool and run only the generated tokens at every step (frame-causal
+    models only; `ContextCache`; ``None``: every step runs the whole pack)."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_message_bytes: int = 64 * 2**20
-    max_connections: int = 64
-    max_queue: int = 64
-    deadline_s: float = 30.0
-    drain_s: float = 30.0
-    send_timeout_s: float = 30.0
-    handshake_timeout_s: float = 10.0
-    summary_every_s: float = 60.0
-    metadata: dict[str, Any] = field(default_factory=dict)
+    shapes: tuple[PackShape, ...]
+    scheduler: FlowScheduler = field(default_factory=FlowScheduler)
+    max_steps: int = 50
+    cuda_graphs: bool = False
+    attention: Backend = "auto"
+    context_cache: ContextCache | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host:
-            raise TypeError(f"ServerConfig.host={self.host!r} must be a host name or address")
-        check_int("ServerConfig.port", self.port, min=0, max=65535)
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key
-                                         or not self.api_key.isascii() or not self.api_key.isprintable()):  # fmt: skip
-            raise ValueError("ServerConfig.api_key must be a non-empty printable ASCII string")
-        if self.api_key is None and not _loopback(self.host):
-            raise ValueError(
-                f"binding {self.host!r} serves the network, which needs an API key: pass "
-                "api_key= (packing serve: set PACKING_API_KEY), or bind 127.0.0.1"
+        shapes = tuple(check_sequence("EngineConfig.shapes", self.shapes))
+        if not shapes or not all(isinstance(s, PackShape) for s in shapes):
+            raise ValueError(f"EngineConfig.shapes={self.shapes!r}; give one or more PackShape")
+        object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(
+            self,
+            "max_steps",
+            check_int("EngineConfig.max_steps", self.max_steps, min=1, max=MAX_STEPS),
+        )
+        check_scheduler("EngineConfig.scheduler", self.scheduler)
+        object.__setattr__(
+            self, "cuda_graphs", check_bool("EngineConfig.cuda_graphs", self.cuda_graphs)
+        )
+        check_choice("EngineConfig.attention", self.attention, get_args(Backend))
+        if self.context_cache is not None and not isinstance(self.context_cache, ContextCache):
+            raise TypeError(
+                f"EngineConfig.context_cache must be a ContextCache or None, got "
+                f"{type(self.context_cache).__name__}"
             )
-        for name, top in (("max_message_bytes", 1 << 40), ("max_connections", 1 << 20),
-                          ("max_queue", 1 << 20)):  # fmt: skip
-            check_int(f"ServerConfig.{name}", getattr(self, name), min=1, max=top)
-        check_real("ServerConfig.drain_s", self.drain_s, min=0.0)
-        for name in ("deadline_s", "send_timeout_s", "handshake_timeout_s", "summary_every_s"):
-            check_real(f"ServerConfig.{name}", getattr(self, name), above=0.0)
-        if not isinstance(self.metadata, dict) or not all(
-            isinstance(k, str) for k in self.metadata
-        ):
-            raise TypeError("ServerConfig.metadata must be a dict with str keys")
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False

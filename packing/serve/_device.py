@@ -29,7 +29,7 @@ def to_host(t: Tensor) -> Tensor:
     engine's stream it would first wait for the model call the engine has queued after the
     result (it keeps the next call queued), a whole pack's call added to every reply. Safe
     because a result is handed out only once the event queued after its copy has completed
-    (`ContinuousBatcher._ran`); nothing then remains for the side stream to wait for."""
+    (`Engine._ran`); nothing then remains for the side stream to wait for."""
     if t.device.type != "cuda":
         return t.cpu()
     with torch.cuda.stream(torch.cuda.Stream(t.device)):

@@ -34,7 +34,8 @@ import torch
 
 from packing.model import DiT, DiTConfig
 from packing.serve._cache import ContextCache
-from packing.serve._engine import Engine, EngineConfig
+from packing.serve._config import EngineConfig
+from packing.serve._engine import Engine
 from packing.serve._pack import PackShape
 from packing.serve._request import Request, Result
 from packing.serve._schedulers import FlowScheduler, Solver
@@ -134,7 +135,7 @@ def verify_inference(
     requests += _session(seed)
     engine = Engine(model, cached if context_cache else config)
     if stale_cache:
-        engine.pages.check_hashes = False  # type: ignore[attr-defined]
+        engine.packs.pages.check_hashes = False  # type: ignore[attr-defined]
     packed, trace = _run_packed(engine, requests)
     errors, scratch, same = {}, {}, True
     for i, r in enumerate(requests):
@@ -146,7 +147,7 @@ def verify_inference(
             same &= torch.equal(ref.action[:k], r.committed_actions)
         if context_cache and i > len(_PLAN):  # a session chunk that reused cached frames
             scratch[i] = _rel_error(packed[i], _alone(model, cached, r))
-    stats = engine.stats if context_cache else {}  # type: ignore[attr-defined]
+    stats = engine.stats if context_cache else {}
     ok = all(e <= tolerance for e in [*errors.values(), *scratch.values()]) and same
     covered = trace["distinct"] >= 3 and trace["joined"] >= 1 and len(trace["shapes"]) >= 2
     if context_cache:  # both later chunks reused frames (2 + 1), and the change was seen

@@ -29,9 +29,20 @@ from packing.serve._pack import HostPack, PackShape
 from packing.train import broadcast_to_tokens
 
 __all__ = [
-    "Buffers", "GraphedStep", "cross_mask", "run_step", "schedule", "step_masks",
-    "velocity_update",
+    "FLEX_OPTIONS", "Buffers", "GraphedStep", "Steps", "cross_mask", "run_step", "schedule",
+    "step_masks", "velocity_update",
 ]  # fmt: skip
+
+# FlexAttention's kernel options by backend. Inductor lowers a call with fewer than 128 queries
+# to its decoding kernel (made for a few queries over a long cache: one block of all queries,
+# the keys split across the SMs); a pack of one request's generated tokens (80 at 5B widths)
+# has that few, and on an H200 the decoding kernel took 2.6 ms a call where the main kernel
+# takes 0.083 ms (94.8 -> 18.9 ms a step, benchmarks/reports/2026-12-04_served_engine.md).
+FLEX_OPTIONS: dict[str, dict[str, Any] | None] = {
+    "flex": {"FORCE_USE_FLEX_ATTENTION": True},
+    "flex_flash": {"BACKEND": "FLASH"},
+    "sdpa": None,
+}
 
 _INDEX_FIELDS = (
     "doc_J", "row_J", "src_index_J", "latents_dest_T", "action_dest_T", "thw_J3", "text_X",
@@ -112,11 +123,10 @@ def step_masks(
             inner=inner, cross=False, dense_TT=dense, keep_T=has_key,
         )  # fmt: skip
     else:
-        options = {"BACKEND": "FLASH"} if backend == "flex_flash" else None
         self_mask = AttentionMask(
             backend=backend, kernel=backend, reason="packing.serve step", q_len=J, kv_len=J,
             inner=inner, cross=False, block_mask=make_block_mask(doc_J, None, inner),
-            kernel_options=options,
+            kernel_options=FLEX_OPTIONS[backend],
         )  # fmt: skip
     return self_mask, cross_mask(doc_J, text_doc_X, backend=backend, document_mask=document_mask)
 
@@ -137,10 +147,10 @@ def cross_mask(
         dense = dense_mask(doc_J, text_doc_X, None)
         has_key = dense.any(dim=1)
         return AttentionMask(**common, dense_TT=dense | ~has_key[:, None], keep_T=has_key)
-    options = {"BACKEND": "FLASH"} if backend == "flex_flash" else None
     return AttentionMask(
-        **common, block_mask=make_block_mask(doc_J, text_doc_X, None), kernel_options=options
-    )
+        **common, block_mask=make_block_mask(doc_J, text_doc_X, None),
+        kernel_options=FLEX_OPTIONS[backend],
+    )  # fmt: skip
 
 
 def run_step(
@@ -227,3 +237,43 @@ class GraphedStep:
 
     def __call__(self) -> None:
         self.graph.replay()
+
+
+class Steps:
+    """Every step function an engine runs, by key (a pack shape, a prefill pass): called
+    plainly, or captured once in a CUDA graph (``cuda_graphs``) and replayed.
+
+    After `seal` (the engine's warm-up ran every key) a key never run is an error, not a
+    silent compile and capture in service: ``captures`` counts the graphs captured and
+    ``keys`` the keys run, so a server can say how many happened after its warm-up."""
+
+    def __init__(self, cuda_graphs: bool) -> None:
+        self.cuda_graphs = cuda_graphs
+        self.graphs: dict[Any, GraphedStep] = {}
+        self.keys: set[Any] = set()
+        self.captures = 0
+        self.sealed = False
+
+    def run(self, key: Any, fn: Callable[[], None], holder: Any) -> None:
+        """``fn`` (whose state ``holder.state()`` names), for ``key``."""
+        if key not in self.keys:
+            if self.sealed:
+                raise RuntimeError(
+                    f"{key!r} was not warmed up: the engine's warm-up runs every pack shape and "
+                    "prefill pass it can meet, so this one would compile and capture in "
+                    "service; give the engine this shape when it is built"
+                )
+            self.keys.add(key)
+        if not self.cuda_graphs:
+            with torch.no_grad():
+                fn()
+            return
+        g = self.graphs.get(key)
+        if g is None:
+            with torch.no_grad():
+                g = self.graphs[key] = GraphedStep(fn, holder)
+            self.captures += 1
+        g()
+
+    def seal(self) -> None:
+        self.sealed = True

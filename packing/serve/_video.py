@@ -2,7 +2,7 @@
 velocity over the pack given per-token times, and runs the scheduler itself.
 
 `Engine` serves the reference DiT (video and action streams, its own patchify and text ids);
-`VideoEngine` serves any `VideoModel`, e.g. a packed diffusers Wan
+`VideoEngine` is the same engine over `VideoPacks`, for any `VideoModel`, e.g. a packed diffusers Wan
 (`packing.integrations.diffusers.ServedWan`). A request is one episode: its text embeddings,
 optional clean context frames and the latent frames to generate. The pack is frame-major, one
 frame ``tokens_per_frame`` tokens, tokens of a frame in (h, w) order::
@@ -22,21 +22,23 @@ requests); admission copies a composition into the shape's static buffers, and t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from packing._validate import check_int
-from packing.serve._batching import ContinuousBatcher
 from packing.serve._device import allocate, pinned, quarantine
+from packing.serve._engine import Engine
 from packing.serve._limits import MAX_STEPS
-from packing.serve._request import Result, host_copy
+from packing.serve._packs import Packs, Spans
+from packing.serve._request import host_copy
 from packing.serve._schedulers import FlowScheduler, check_scheduler
+from packing.serve._step import Steps
 from packing.serve._video_request import VideoModel, VideoPack, VideoRequest, VideoShape
 from packing.train import broadcast_to_tokens
 
-__all__ = ["VideoEngine", "video_step"]
+__all__ = ["VideoEngine", "VideoPacks", "video_step"]
 
 
 class _Buffers:
@@ -80,67 +82,24 @@ def video_step(model: VideoModel, b: _Buffers) -> None:
     b.step_K.add_(1)
 
 
-@dataclass
-class _Member:
-    rid: int
-    request: VideoRequest
-    admitted: int
-    step: int = 0
-    start: int = 0  # first frame in the pack
-    fresh: Tensor | None = None  # host frames (clean context, noise) to join
-    saved: tuple[Tensor, Tensor] | None = None  # its state (x, vp) to rejoin
+class VideoPacks(Packs[VideoRequest, VideoShape]):
+    """Packs of `VideoRequest`s for a `VideoModel`: one state group, the pack's frames (each
+    request's clean context frames, then its generated ones)."""
 
-
-class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
-    """Serve `VideoRequest`s with one `VideoModel.velocity` call per step over a pack.
-
-    ``engine.submit(req) -> id``; ``engine.step() -> [Result, ...]`` (those that finished;
-    ``Result.latents`` the generated frames ``(frames, C, H, W)``, ``Result.action`` empty);
-    ``engine.run()`` steps until every request is done. Admission is `Engine`'s: FIFO while
-    the largest shape holds them, the smallest shape that fits; state carries over in place.
-    """
-
-    def __init__(
-        self,
-        model: VideoModel,
-        shapes: Sequence[VideoShape],
-        *,
-        scheduler: FlowScheduler | None = None,
-        max_steps: int = 50,
-        context_cache: object = None,
-    ) -> None:
-        if context_cache is not None:  # the context cache's refusal (issue 34)
-            raise ValueError(
-                "VideoEngine cannot cache context: its models (a diffusers Wan) attend "
-                "bidirectionally, so every context token attends to the generated frames and "
-                "its keys and values change at every step; pass context_cache=None (the context "
-                "is recomputed each step), or serve a frame-causal DiT with Engine"
-            )
-        missing = [a for a in ("frame_shape", "grid", "text_dim", "device", "velocity")
-                   if not hasattr(model, a)]  # fmt: skip
-        if missing:
-            raise TypeError(
-                f"VideoEngine's model must be a VideoModel; {type(model).__name__} has no "
-                f"{missing}: wrap a packed diffusers Wan in ServedWan "
-                "(packing.integrations.diffusers), serve the reference DiT with Engine"
-            )
+    def __init__(self, model: VideoModel, shapes: Sequence[VideoShape], max_steps: int) -> None:
         shapes = tuple(shapes)
         if not shapes or not all(isinstance(s, VideoShape) for s in shapes):
             raise ValueError(f"shapes={shapes!r}; give one or more VideoShape")
-        self.model, self.max_steps = model, check_int("max_steps", max_steps, min=1, max=MAX_STEPS)
-        self.scheduler = (
-            FlowScheduler() if scheduler is None else check_scheduler("scheduler", scheduler)
-        )
+        self.model, self.max_steps = model, max_steps
         self.shapes = sorted(shapes, key=lambda s: (s.frames, s.text, s.requests))
         self.device = torch.device(model.device)
-        self._buffers = allocate(
-            self.shapes, lambda s, dev: _Buffers(s, model, self.max_steps, dev), self.device,
+        self.buffers = allocate(
+            self.shapes, lambda s, dev: _Buffers(s, model, max_steps, dev), self.device,
             "max_steps",
         )  # fmt: skip
-        self._start()
+        self.steps = Steps(cuda_graphs=False)
 
-    # -- internals --------------------------------------------------------------------------
-    def _check(self, request: VideoRequest) -> VideoRequest:
+    def check(self, request: VideoRequest) -> VideoRequest:
         if not isinstance(request, VideoRequest):
             raise TypeError(f"submit takes a VideoRequest, got {type(request).__name__}")
         m = self.model
@@ -169,52 +128,30 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
         # Copied (re-checked finite) so the caller may reuse its buffers once submitted.
         return replace(request, text=host_copy(request.text), context=host_copy(request.context))
 
-    def _member(self, rid: int, r: VideoRequest) -> _Member:
-        """The request's host work at admission: clean context frames, then its noise."""
-        return _Member(rid, r, admitted=self.clock, fresh=torch.cat([r.context.float(), r.noise()]))
+    def fresh(self, r: VideoRequest) -> tuple[Tensor, ...]:
+        """Its clean context frames, then its noise."""
+        return (torch.cat([r.context.float(), r.noise()]),)
 
-    def _save(self, m: _Member) -> None:
-        b, n = self._buffers[self._shape], m.request.context.shape[0] + m.request.frames  # type: ignore[index]
-        m.saved = (b.x_S[m.start : m.start + n].clone(), b.vp_S[m.start : m.start + n].clone())
-
-    def _flags(self, shape: VideoShape) -> Tensor:
-        return self._buffers[shape].bad_K
-
-    def _run(self, shape: VideoShape) -> None:
-        with torch.no_grad():
-            video_step(self.model, self._buffers[shape])
-
-    def _recompose(self, shape: VideoShape, staying: list[_Member], joining: list[_Member]) -> None:
-        """Lay the members out in ``shape``: host index tensors, then in-place device copies
-        (the staying requests' frames gathered from the old buffers, the joining ones' clean
-        context and noise written in)."""
-        dev, (gh, gw) = self.device, self.model.grid
-        members = staying + joining
-        b = self._buffers[shape]
-        old = self._buffers[self._shape] if self._shape is not None else None
-        S, X, R = shape.frames, shape.text, shape.requests
+    def layout(
+        self, shape: VideoShape, requests: Sequence[VideoRequest], tables: tuple[Tensor, ...]
+    ) -> list[Spans]:
+        """The host index tensors of ``requests`` in ``shape``, copied in (no sync)."""
+        (gh, gw), b = self.model.grid, self.buffers[shape]
+        S, X = shape.frames, shape.text
         doc_S = torch.full((S,), -1, dtype=torch.int64)
         slot_S, pos_S = doc_S.clone(), torch.zeros(S, dtype=torch.int64)
-        take_S = doc_S.clone()  # the old pack's frame each new frame comes from (-1: none)
         text_doc_X = torch.full((X,), -1, dtype=torch.int64)
         text_XD = torch.zeros(X, self.model.text_dim)
-        fresh, fresh_rows = [torch.zeros(0, *self.model.frame_shape)], []
+        spans: list[Spans] = []
         s0 = x0 = 0
-        for k, m in enumerate(members):
-            r = m.request
+        for k, r in enumerate(requests):
             f_c, n, L = r.context.shape[0], r.context.shape[0] + r.frames, r.text.shape[0]
             doc_S[s0 : s0 + n] = k
             slot_S[s0 + f_c : s0 + n] = k
             pos_S[s0 : s0 + n] = torch.arange(n)
             text_doc_X[x0 : x0 + L] = k
             text_XD[x0 : x0 + L] = r.text.float()
-            if k < len(staying):
-                take_S[s0 : s0 + n] = torch.arange(m.start, m.start + n)
-            elif m.fresh is not None:
-                fresh.append(m.fresh)
-                fresh_rows.append(torch.arange(s0, s0 + n))
-                m.fresh = None
-            m.start = s0
+            spans.append(((s0, n),))
             s0, x0 = s0 + n, x0 + L
         tpf = gh * gw
         hw = torch.stack(torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij"), -1)
@@ -222,34 +159,64 @@ class VideoEngine(ContinuousBatcher[VideoRequest, VideoShape]):
                             hw.reshape(1, tpf, 2).expand(S, tpf, 2)], -1).reshape(-1, 3)  # fmt: skip
         doc_T = doc_S.repeat_interleave(tpf)
         thw_T3 = torch.where((doc_T >= 0)[:, None], thw_T3, 0)
-        # Carry the staying requests' state (gather first: ``old`` may be ``b``).
-        take = pinned(take_S, dev).to(dev, non_blocking=True)
-        keep, idx = (take >= 0)[:, None, None, None], take.clamp(min=0)
-        if old is not None:
-            gx, gvp = old.x_S.index_select(0, idx), old.vp_S.index_select(0, idx)
-            b.x_S.copy_(torch.where(keep, gx, 0.0))
-            b.vp_S.copy_(torch.where(keep, gvp, 0.0))
-        else:
-            b.x_S.zero_()
-            b.vp_S.zero_()
-        if fresh_rows:
-            rows = pinned(torch.cat(fresh_rows), dev).to(dev, non_blocking=True)
-            b.x_S.index_copy_(0, rows, pinned(torch.cat(fresh), dev).to(dev, non_blocking=True))
-        for m in members[len(staying) :]:
-            if m.saved is not None:  # rejoins after a failed model call (`_isolate`)
-                n = m.request.context.shape[0] + m.request.frames
-                b.x_S[m.start : m.start + n], b.vp_S[m.start : m.start + n] = m.saved
-        t, coef, step = self._tables(members, R)
+        t, coef, step = tables
         for dst, src in ((b.slot_S, slot_S), (b.text_XD, text_XD), (b.pack.doc_T, doc_T),
                          (b.pack.thw_T3, thw_T3), (b.pack.text_doc_X, text_doc_X),
                          (b.t_table, t), (b.coef, coef), (b.step_K, step)):  # fmt: skip
-            dst.copy_(pinned(src, dev), non_blocking=True)
-        self._members, self._shape = members, shape
+            dst.copy_(pinned(src, self.device), non_blocking=True)
+        return spans
 
-    def _result(self, m: _Member) -> Result:
-        b = self._buffers[self._shape]  # type: ignore[index]
-        r = m.request
-        s0 = m.start + r.context.shape[0]
-        lat = b.x_S[s0 : s0 + r.frames].clone()
-        act = torch.zeros(0, 0, device=lat.device)
-        return Result(m.rid, lat, act, admitted=m.admitted, finished=self.clock)
+    def state(self, shape: VideoShape) -> tuple[tuple[Tensor, Tensor], ...]:
+        b = self.buffers[shape]
+        return ((b.x_S, b.vp_S),)
+
+    def step(self, shape: VideoShape) -> None:
+        b = self.buffers[shape]
+        self.steps.run(shape, lambda: video_step(self.model, b), b)
+
+    def flags(self, shape: VideoShape) -> Tensor:
+        return self.buffers[shape].bad_K
+
+    def result(self, shape: VideoShape, r: VideoRequest, spans: Spans) -> tuple[Tensor, Tensor]:
+        ((s0, _),) = spans
+        lat = self.buffers[shape].x_S[s0 + r.context.shape[0] : s0 + r.context.shape[0] + r.frames]
+        return lat.clone(), torch.zeros(0, 0, device=lat.device)
+
+
+class VideoEngine(Engine):
+    """`Engine` serving `VideoRequest`s with one `VideoModel.velocity` call per step.
+
+    ``engine.submit(req) -> id``; ``engine.step() -> [Result, ...]`` (those that finished;
+    ``Result.latents`` the generated frames ``(frames, C, H, W)``, ``Result.action`` empty);
+    ``engine.run()`` steps until every request is done. The same loop as `Engine` (FIFO
+    admission, the smallest shape that fits, state carried over in place) over `VideoPacks`.
+    """
+
+    def __init__(
+        self,
+        model: VideoModel,
+        shapes: Sequence[VideoShape],
+        *,
+        scheduler: FlowScheduler | None = None,
+        max_steps: int = 50,
+        context_cache: object = None,
+    ) -> None:
+        if context_cache is not None:  # the context cache's refusal (issue 34)
+            raise ValueError(
+                "VideoEngine cannot cache context: its models (a diffusers Wan) attend "
+                "bidirectionally, so every context token attends to the generated frames and "
+                "its keys and values change at every step; pass context_cache=None (the context "
+                "is recomputed each step), or serve a frame-causal DiT with Engine"
+            )
+        missing = [a for a in ("frame_shape", "grid", "text_dim", "device", "velocity")
+                   if not hasattr(model, a)]  # fmt: skip
+        if missing:
+            raise TypeError(
+                f"VideoEngine's model must be a VideoModel; {type(model).__name__} has no "
+                f"{missing}: wrap a packed diffusers Wan in ServedWan "
+                "(packing.integrations.diffusers), serve the reference DiT with Engine"
+            )
+        max_steps = check_int("max_steps", max_steps, min=1, max=MAX_STEPS)
+        sched = FlowScheduler() if scheduler is None else check_scheduler("scheduler", scheduler)
+        self.model, self.config = model, None
+        self._serve(VideoPacks(model, shapes, max_steps), sched, max_steps)

@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from packing._validate import check_bool, check_int
+from packing.serve import Request, Result, VideoRequest
 from packing.serve._device import to_host
 from packing.serve._limits import MAX_ACTIONS, MAX_FRAMES, MAX_STEPS
-from packing.serve._request import SEED_MAX, Request, Result
-from packing.serve._video_request import VideoRequest
+from packing.serve._request import SEED_MAX
 
 __all__ = ["Adapter", "DiTAdapter", "WanAdapter", "episode_control"]
 

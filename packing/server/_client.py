@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from packing.serve._wire import decode, encode
+from packing.server._extra import serve_extra
+from packing.server._wire import decode, encode
 
 __all__ = ["PolicyClient", "ServerError"]
 
@@ -36,10 +37,7 @@ class PolicyClient:
         timeout_s: float = 60.0,
         max_message_bytes: int = 256 * 2**20,
     ) -> None:
-        try:
-            from websockets.sync.client import connect
-        except ImportError as e:
-            raise ImportError("PolicyClient needs websockets: pip install 'packing[serve]'") from e
+        connect = serve_extra("websockets.sync.client").connect
         headers = {"Authorization": f"Api-Key {api_key}"} if api_key else None
         self.timeout_s, self.max_message_bytes = timeout_s, max_message_bytes
         opened = connect(f"ws://{host}:{port}", compression=None, max_size=max_message_bytes,

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from packing.server._extra import serve_extra
+
 __all__ = ["DTYPES", "WireError", "decode", "encode"]
 
 # Little-endian (or byte-sized) dtypes a robot sends: images, latents, states, ids.
@@ -28,11 +30,7 @@ MAX_DIMS = 8
 
 
 def _msgpack() -> Any:
-    try:
-        import msgpack
-    except ImportError as e:  # the one lazy boundary for the optional extra
-        raise ImportError("the policy server needs msgpack: pip install 'packing[serve]'") from e
-    return msgpack
+    return serve_extra("msgpack")
 
 
 class WireError(ValueError):

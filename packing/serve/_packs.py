@@ -1,0 +1,229 @@
+"""What a served model gives the engine: a few static pack shapes, a layout, a step.
+
+The engine (`packing.serve._engine`) is one continuous-batching loop for every model; a model
+is served through a `Packs`, which owns its static buffers (and its cache, if it keeps one)::
+
+    engine                              Packs (one per served model)
+    ------                              ----------------------------
+    submit  -> check                    the request, validated and copied to the host
+    admit   -> fresh                    a joining request's initial state rows (host)
+            -> layout(shape, requests)  index tensors and schedule tables into the shape's
+                                        buffers; each request's rows in each state group
+            -> (carry the state)        state(shape): (x, v_prev) per group, rows first
+            -> joined                   (a cache: claim pages, prefill; failures returned)
+    step    -> step(shape)              one model call + every request's solver update
+            -> flags(shape)             (R,) bool: whose state went non-finite
+    finish  -> result(shape, rows)      (latents, actions) on the device
+            -> left / sweep             (a cache: free or keep the request's pages)
+
+Three implementations: `DiTPacks` (the reference DiT, its context in the pack),
+`packing.serve._cached_packs.CachedDiTPacks` (the DiT with its context in a paged pool) and
+`packing.serve._video.VideoPacks` (any `VideoModel`, e.g. a packed diffusers Wan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import Tensor
+
+from packing.attention import frame_causal, resolve_backend
+from packing.model import DiT
+from packing.serve._config import EngineConfig
+from packing.serve._device import allocate
+from packing.serve._pack import PackShape, build_pack, initial_tokens
+from packing.serve._request import Request, host_copy
+from packing.serve._step import Buffers, Steps, run_step
+
+__all__ = ["DiTPacks", "Packs", "Spans"]
+
+R = TypeVar("R")  # the request type
+S = TypeVar("S")  # the pack shape type
+Spans = tuple[tuple[int, int], ...]  # a request's (first row, rows) in each state group
+
+
+class Packs(Generic[R, S]):
+    """The per-model protocol (module docstring). Subclasses set ``shapes`` (smallest
+    first), ``device``, ``steps`` (`Steps`: the step functions run or captured, by key) and
+    give the methods that raise here; the hooks with a body are what a model without a
+    cache keeps: nothing."""
+
+    shapes: list[S]
+    device: torch.device
+    steps: Steps
+
+    def check(self, request: R) -> R:
+        raise NotImplementedError
+
+    def fits(self, shape: S, requests: Sequence[R]) -> bool:
+        return shape.fits(requests)  # type: ignore[attr-defined]
+
+    def fresh(self, request: R) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+    def layout(self, shape: S, requests: Sequence[R], tables: tuple[Tensor, ...]) -> list[Spans]:
+        raise NotImplementedError
+
+    def state(self, shape: S) -> tuple[tuple[Tensor, Tensor], ...]:
+        raise NotImplementedError
+
+    def step(self, shape: S) -> None:
+        raise NotImplementedError
+
+    def flags(self, shape: S) -> Tensor:
+        raise NotImplementedError
+
+    def result(self, shape: S, request: R, spans: Spans) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def warm_keys(self) -> list[tuple[str, Callable[[], None]]]:
+        """Every step function the engine can meet, as (label, run it once)."""
+        return [(_label(s), partial(self.step, s)) for s in self.shapes]
+
+    # -- a cache's hooks --------------------------------------------------------------------
+    def member(self, rid: int, request: R) -> Any:
+        """The model's own record of a joining request (a cache: its session, its hashes)."""
+        return None
+
+    def joined(self, shape: S, members: list[Any], first: int) -> list[tuple[Any, str]]:
+        """After ``members`` were laid out in ``shape`` (``members[first:]`` joined): the
+        members that failed here, each with why."""
+        return []
+
+    def left(self, member: Any, *, finished: bool) -> None:
+        """``member`` left the pack (``finished``: its last step ran, it did not fail)."""
+
+    def end_session(self, session: str) -> None:
+        """Free what is kept for ``session`` (nothing without a cache)."""
+
+    def sweep(self, live: set[int]) -> None:
+        """After a failed model call: free what belongs to requests not in ``live``."""
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+class DiTPacks(Packs[Request, PackShape]):
+    """The reference `packing.model.DiT` (or anything with its ``config``, ``patchify``/
+    ``unpatchify`` and ``velocity``): two state groups, video tokens then action tokens, each
+    request's clean context laid out in the pack before its generated tokens."""
+
+    packs_context = True  # the cached packs lay out the generated tokens only
+
+    def __init__(self, model: DiT, config: EngineConfig, device: torch.device) -> None:
+        p = next(model.parameters())
+        if p.device != device:
+            raise ValueError(f"the model is on {p.device} but device={device}; move it")
+        if config.cuda_graphs and device.type != "cuda":
+            raise ValueError("EngineConfig.cuda_graphs=True needs a CUDA model; use False on CPU")
+        cfg = model.config
+        self.model, self.config, self.device = model, config, device
+        self.inner = frame_causal(cfg.tokens_per_frame) if cfg.frame_causal else None
+        self.backend = resolve_backend(config.attention, device=device, dtype=p.dtype,
+                                       head_dim=cfg.head_dim, inner=self.inner)  # fmt: skip
+        if self.backend == "varlen":
+            raise ValueError(
+                "the engine builds its masks inside the step from doc ids; backend 'varlen' "
+                "needs host-side lengths: use attention='flex' (or 'sdpa' on CPU)"
+            )
+        self.shapes = sorted(config.shapes, key=lambda s: (s.frames, s.actions, s.requests))
+        self.buffers = allocate(
+            self.shapes,
+            lambda s, dev: Buffers(s, model, max_steps=config.max_steps, device=dev),
+            device,
+            "EngineConfig.max_steps",
+        )
+        self.steps = Steps(config.cuda_graphs)
+
+    def check(self, r: Request) -> Request:
+        if not isinstance(r, Request):
+            raise TypeError(f"submit takes a packing.serve.Request, got {type(r).__name__}")
+        cfg = self.model.config
+        frame = (cfg.latent_channels, *cfg.latent_hw)
+        if tuple(r.context.shape[1:]) != frame:
+            raise ValueError(
+                f"Request.context frames are {tuple(r.context.shape[1:])}, the model takes "
+                f"(C, H, W) = {frame}; encode the frames at the model's latent size"
+            )
+        if r.committed_actions is not None and r.committed_actions.shape[1] != cfg.action_dim:
+            raise ValueError(
+                f"Request.committed_actions has {r.committed_actions.shape[1]} action dims, the "
+                f"model takes action_dim={cfg.action_dim}"
+            )
+        if r.steps > self.config.max_steps:
+            raise ValueError(
+                f"Request.steps={r.steps} > EngineConfig.max_steps={self.config.max_steps}; "
+                "raise max_steps or ask for fewer steps"
+            )
+        self.check_fits(r)
+        done = r.committed_actions
+        return replace(r, context=host_copy(r.context),  # re-checked (finite) as copied
+                       committed_actions=None if done is None else host_copy(done))  # fmt: skip
+
+    def check_fits(self, r: Request) -> None:
+        if not self.shapes[-1].fits([r]):
+            s = self.shapes[-1]
+            raise ValueError(
+                f"the request needs {len(r.kept) + r.frames} frames and {r.actions} actions, "
+                f"more than the largest PackShape (frames={s.frames}, actions={s.actions}); "
+                "add a larger shape or drop context frames (keep_frames=)"
+            )
+
+    def context_frames(self, r: Request) -> int:
+        """Context frames of ``r`` laid out in the pack (all kept ones; none when cached)."""
+        return len(r.kept) if self.packs_context else 0
+
+    def fresh(self, r: Request) -> tuple[Tensor, ...]:
+        """Its tokens: clean context then noise (video), committed actions then noise."""
+        cfg = self.model.config
+        lat, act = initial_tokens(r, (cfg.latent_channels, *cfg.latent_hw), cfg.action_dim)
+        ctx = r.context[list(r.kept[: self.context_frames(r)])].float()
+        return self.model.patchify(torch.cat([ctx, lat])), act
+
+    def layout(
+        self, shape: PackShape, requests: Sequence[Request], tables: tuple[Tensor, ...]
+    ) -> list[Spans]:
+        cfg = self.model.config
+        host = build_pack(requests, shape, grid=cfg.grid, text_len=cfg.text_len,
+                          context=self.packs_context)  # fmt: skip
+        self.buffers[shape].load(host, *tables)
+        tpf = cfg.tokens_per_frame
+        return [
+            ((v0, (self.context_frames(r) + r.frames) * tpf), (a0, r.actions))
+            for r, v0, a0 in zip(requests, host.video_start, host.action_start, strict=True)
+        ]
+
+    def state(self, shape: PackShape) -> tuple[tuple[Tensor, Tensor], ...]:
+        b = self.buffers[shape]
+        return (b.x_v, b.vp_v), (b.x_a, b.vp_a)
+
+    def step(self, shape: PackShape) -> None:
+        b = self.buffers[shape]
+
+        def fn() -> None:
+            run_step(self.model, b, backend=self.backend, inner=self.inner,
+                     document_mask=self.model.config.document_mask)  # fmt: skip
+
+        self.steps.run(shape, fn, b)
+
+    def flags(self, shape: PackShape) -> Tensor:
+        return self.buffers[shape].bad_K
+
+    def result(self, shape: PackShape, r: Request, spans: Spans) -> tuple[Tensor, Tensor]:
+        b, tpf = self.buffers[shape], self.model.config.tokens_per_frame
+        (v0, _), (a0, _) = spans
+        v0 += self.context_frames(r) * tpf
+        lat = self.model.unpatchify(b.x_v[v0 : v0 + r.frames * tpf].clone())
+        return lat, b.x_a[a0 : a0 + r.actions].clone()
+
+
+def _label(shape: Any) -> str:
+    """``pack 4 frames, 64 actions, 4 requests``: what a warm-up progress line names."""
+    fields = [f"{v} {k}" for k, v in vars(shape).items() if k in ("frames", "actions", "text",
+                                                                  "requests")]  # fmt: skip
+    return "pack " + ", ".join(fields)
