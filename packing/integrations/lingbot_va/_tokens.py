@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from packing._validate import check_int, check_sequence, is_int
-from packing.data import JointLayout, PackedBatch, StreamLayout, joint_layout
+from packing.data import JointLayout, PackedBatch, StreamLayout, joint_layout, layout_from_lengths
 
 __all__ = ["COPIES", "DualStreamTokens", "dual_stream_tokens"]
 
@@ -107,12 +107,15 @@ def dual_stream_tokens(
                 f"{name}={values!r}; pass one int per episode of the pack ({lat.num_docs}), "
                 "chunk sizes >= 1 and windows >= 0"
             )
-    parts = {name: (lat if stream == "latents" else act) for name, stream, _ in COPIES}
+    # Host copies of the two layouts, rebuilt from their host-side lengths: reading the
+    # batch's own (device) tensors back would be a host-device sync every step.
+    lat_h, act_h = _host(lat), _host(act)
+    parts = {name: (lat_h if stream == "latents" else act_h) for name, stream, _ in COPIES}
     shadow = PackedBatch(streams={}, layouts=parts, per_episode={}, primary="noisy_latents")
-    joint = joint_layout(shadow, [name for name, _, _ in COPIES]).to("cpu")
+    joint = joint_layout(shadow, [name for name, _, _ in COPIES])
     src = joint.src_index_J.numpy()
-    cols = [_part_columns(lat, copy=c, kind=0) for c in (0, 1)]
-    cols += [_part_columns(act, copy=c, kind=1, apf=action_per_frame) for c in (0, 1)]
+    cols = [_part_columns(lat_h, copy=c, kind=0) for c in (0, 1)]
+    cols += [_part_columns(act_h, copy=c, kind=1, apf=action_per_frame) for c in (0, 1)]
     doc, copy, kind, frame, grid = (np.concatenate(x)[src] for x in zip(*cols, strict=True))
     real = doc >= 0
     chunk_k = np.asarray(list(chunk_size_K) or [1], dtype=np.int64)
@@ -136,17 +139,24 @@ def dual_stream_tokens(
     )
 
 
+def _host(lay: StreamLayout) -> StreamLayout:
+    """``lay`` rebuilt on the host from its lengths (no device tensor is read)."""
+    return layout_from_lengths(
+        list(lay.lengths_K), list(lay.steps_K), lay.padded_len, lay.tokens_per_step, lay.grid
+    )
+
+
 def _part_columns(
     lay: StreamLayout, *, copy: int, kind: int, apf: int = 1
 ) -> tuple[np.ndarray, ...]:
     """(doc, copy, kind, frame, grid) of one part's padded tokens, in its stream's order."""
-    doc = lay.doc_ids_T.cpu().numpy().astype(np.int64)
-    pos = lay.position_ids_T.cpu().numpy().astype(np.int64)
+    doc = lay.doc_ids_T.numpy().astype(np.int64)
+    pos = lay.position_ids_T.numpy().astype(np.int64)
     real = doc >= 0
     frame = np.where(real, pos // lay.tokens_per_step, 0)
     if kind == 0:  # latent tokens: (f, h, w) of the patch grid, as get_mesh_id(action=False)
         thw = lay.thw_T3
-        grid = np.zeros((doc.shape[0], 3), np.float32) if thw is None else thw.cpu().numpy()
+        grid = np.zeros((doc.shape[0], 3), np.float32) if thw is None else thw.numpy()
         grid = grid.astype(np.float32)
     else:  # action tokens: f + (j + 1) / (apf + 1), h = w = -1, as get_mesh_id(action=True)
         offset = (torch.ones(apf).cumsum(0) / (apf + 1)).numpy()  # float32, LeRobot's values
