@@ -424,3 +424,22 @@ def test_random_episodes_are_packed_or_refused_naming_the_episode(frames, act_sh
         return
     with pytest.raises(ValueError, match=r"^episode 11"):
         collate([ep])
+
+
+def test_compiled_blocks_do_not_recompile_as_the_packs_change() -> None:
+    """Static shapes: three packs of different compositions, one compiled graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    packed = install(T.tiny_policy(action_per_frame=2), latent_hw=(4, 4))
+    counter = CompileCounterWithBackend("eager")
+    for i, block in enumerate(packed.blocks):
+        packed.blocks[i] = torch.compile(block, backend=counter, dynamic=False)
+    collate = packed.collator(token_budget=4 * 12, text_budget=3 * 512)
+    packs = [[(0, 3), (1, 5), (2, 2)], [(3, 6), (4, 4)], [(5, 2), (6, 2), (7, 3)]]
+    for step, pack in enumerate(packs):
+        batch = collate([_episode(i, f) for i, f in pack])
+        batch.extras.update(seed=0, step=step)
+        packed.loss(batch).backward()
+        assert counter.frame_count == 1, (step, counter.frame_count)
+    assert counter.op_count > 0  # the blocks really ran compiled
