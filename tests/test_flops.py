@@ -9,8 +9,8 @@ pairs, so the count must agree with it; the old count (K/V on every token) must 
 from __future__ import annotations
 
 import sys
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -128,7 +128,7 @@ def test_lingbot_count_matches_torch_flop_counter_within_2_percent(
 ) -> None:
     from benchmarks.harness.flops import LingbotEpisode, lingbot_flops
 
-    counted_, (cfg, ep, lay) = _lingbot_count(frames, chunk, window, backward=backward)
+    counted_, (cfg, _ep, lay) = _lingbot_count(frames, chunk, window, backward=backward)
     shape = LingbotEpisode(frames=frames, tokens_per_frame=4, pairs=float(lay.T * lay.T))
     ours = lingbot_flops({**cfg, "num_layers": 2}, [shape], backward=backward).model
     assert abs(ours / counted_ - 1) < 0.02, (ours, counted_)

@@ -67,7 +67,10 @@ def lerobot_lingbot() -> tuple[Any, Any]:
     import lerobot
 
     root = lerobot.__path__[0] + "/policies"
-    for name, path in (("lerobot.policies", root), ("lerobot.policies.lingbot_va", root + "/lingbot_va")):
+    for name, path in (
+        ("lerobot.policies", root),
+        ("lerobot.policies.lingbot_va", root + "/lingbot_va"),
+    ):
         mod = types.ModuleType(name)
         mod.__path__ = [path]
         sys.modules[name] = mod
@@ -147,7 +150,9 @@ def make_episode(index: int, frames: int, cfg: dict[str, Any], hw: tuple[int, in
     return Episode(
         index=index,
         latents=torch.randn(shape, generator=g).to(bf),
-        actions=(torch.randn(frames, cfg["action_dim"], ACTIONS_PER_FRAME, generator=g) * used).to(bf),
+        actions=(torch.randn(frames, cfg["action_dim"], ACTIONS_PER_FRAME, generator=g) * used).to(
+            bf
+        ),
         text=torch.randn(TEXT_LEN, cfg["text_dim"], generator=g).to(bf),
         lat_ids=ids(),
         lat_noise=torch.randn(shape, generator=g).to(bf),
@@ -215,7 +220,9 @@ def lerobot_loss(model: Any, holder: Any, ep: Episode, amask: Tensor) -> Tensor:
     input_dict = {"latent_dict": ld, "action_dict": ad, "chunk_size": ep.chunk,
                   "window_size": ep.window}  # fmt: skip
     pred = model(input_dict, train_mode=True)
-    latent_loss, action_loss = modeling.LingBotVAPolicy._flow_matching_loss(holder, input_dict, pred)
+    latent_loss, action_loss = modeling.LingBotVAPolicy._flow_matching_loss(
+        holder, input_dict, pred
+    )
     return latent_loss + action_loss
 
 
@@ -243,17 +250,24 @@ MASKS = _Masks()
 
 class SelfAttention(torch.nn.Module):
     """Replaces a ``WanAttention``'s ``attn_op`` (``(1, S, H, D)`` in and out); its projections,
-    norms and RoPE stay LeRobot's."""
+    norms and RoPE stay LeRobot's. The call runs outside a compiled block (a graph break, as
+    LeRobot's own ``FlexAttnFunc`` runs): the masks are read from `MASKS`, never guarded on,
+    and attention is its own compiled function (`flex`)."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        o = MASKS.self_attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), MASKS.self_mask)
-        return o.transpose(1, 2)
+        return _attend(q, k, v, cross=False)
 
 
 class CrossAttention(torch.nn.Module):
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        o = MASKS.cross_attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), MASKS.cross_mask)
-        return o.transpose(1, 2)
+        return _attend(q, k, v, cross=True)
+
+
+@torch._dynamo.disable
+def _attend(q: Tensor, k: Tensor, v: Tensor, cross: bool) -> Tensor:
+    fn, mask = ((MASKS.cross_attend, MASKS.cross_mask) if cross else
+                (MASKS.self_attend, MASKS.self_mask))  # fmt: skip
+    return fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
 
 
 def swap_attention(model: Any) -> None:
@@ -293,16 +307,38 @@ def dense_flex(q: Tensor, k: Tensor, v: Tensor, block_mask: Any = None, **_: Any
     return (p @ v.float()).to(q.dtype)
 
 
-_FLEX: Any = None
+def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: Any) -> Tensor:
+    # its own code object: dynamo's cache (and its recompile limit) is per code object, and
+    # LeRobot's FlexAttnFunc compiles flex_attention itself
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask)
+
+
+def _build_call(mod: Any, q_len: int, kv_len: int, device: torch.device) -> Any:
+    # its own code object: LeRobot's compiled create_block_mask recompiles per window until
+    # the limit marks create_block_mask's code to run eager, which would take this one along
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mod, 1, 1, q_len, kv_len, device=device)
+
+
+_COMPILED: dict[str, Any] = {}
 
 
 def _compiled_flex() -> Any:
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    if "flex" not in _COMPILED:
+        _COMPILED["flex"] = torch.compile(_flex_call, dynamic=True)
+    return _COMPILED["flex"]
 
-        _FLEX = torch.compile(flex_attention, dynamic=True)
-    return _FLEX
+
+def block_mask(mod: Any, q_len: int, kv_len: int, device: torch.device) -> Any:
+    """A FlexAttention ``BlockMask`` of ``mod`` (compiled on a GPU, one graph for all lengths)."""
+    if device.type != "cuda":
+        return _build_call(mod, q_len, kv_len, device)
+    if "mask" not in _COMPILED:
+        _COMPILED["mask"] = torch.compile(_build_call, dynamic=True)
+    return _COMPILED["mask"](mod, q_len, kv_len, device)
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Any) -> Tensor:
@@ -557,20 +593,17 @@ def blocks_runner(model: Any, checkpointing: bool, compiled_step: Any = None) ->
     def run(x: Tensor, text: Tensor, proj: Tensor, rope: Tensor) -> Tensor:
         for blk in model.blocks:
             if checkpointing and torch.is_grad_enabled():
-                x = checkpoint(step, blk, x, text, proj, rope, MASKS.self_mask, MASKS.cross_mask,
-                               use_reentrant=False)  # fmt: skip
+                x = checkpoint(step, blk, x, text, proj, rope, use_reentrant=False)
             else:
-                x = step(blk, x, text, proj, rope, MASKS.self_mask, MASKS.cross_mask)
+                x = step(blk, x, text, proj, rope)
         return x
 
     return run
 
 
-def block_step(blk: Any, x: Tensor, text: Tensor, proj: Tensor, rope: Tensor, self_mask: Any,
-               cross_mask: Any) -> Tensor:  # fmt: skip
-    """One LeRobot block with this step's masks (passed in, so a compiled step takes them as
-    inputs rather than guarding on them)."""
-    MASKS.self_mask, MASKS.cross_mask = self_mask, cross_mask
+def block_step(blk: Any, x: Tensor, text: Tensor, proj: Tensor, rope: Tensor) -> Tensor:
+    """One LeRobot block, unmodified (its attention ops read the masks from `MASKS`; the
+    backward's recompute runs before the next masks are set)."""
     return blk(x, text, proj, rope, update_cache=False)
 
 
