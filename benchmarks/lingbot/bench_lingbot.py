@@ -60,12 +60,12 @@ from benchmarks.lingbot import common as lb
 # regime: frames min/max, budget (model tokens), max_docs
 SEED = (144, 336)
 SHORT_FRAMES = 4
-SMOKE = {"seed": (5, 9, 384, 4), "short": (2, 2, 128, 8)}
+SMOKE = {"seed": (5, 9, 384, 4), "short": (4, 4, 256, 4)}
 
 
 # -- steps -------------------------------------------------------------------------------------
 def draw_steps(args: Any, regime: str, cfg: dict[str, Any], hw: tuple[int, int], n: int,
-               budget: int, max_docs: int) -> list[list[lb.Episode]]:  # fmt: skip
+               budget: int, max_docs: int, dev: torch.device) -> list[list[lb.Episode]]:  # fmt: skip
     """``n`` optimizer steps of episodes: seed-regime lengths filling ``budget`` model tokens,
     or ``max_docs`` short windows (the same episodes for every arm)."""
     rng = random.Random(args.seed)
@@ -73,14 +73,14 @@ def draw_steps(args: Any, regime: str, cfg: dict[str, Any], hw: tuple[int, int],
               (SEED if regime == "seed" else (SHORT_FRAMES, SHORT_FRAMES)))  # fmt: skip
     per_frame = 2 * ((hw[0] // 2) * (hw[1] // 2) + lb.ACTIONS_PER_FRAME)
     steps, index = [], 0
-    for _ in range(n):
+    for step in range(n):
         eps: list[lb.Episode] = []
         used = 0
         while len(eps) < max_docs:
             f = rng.randint(lo, hi)
             if used + f * per_frame > budget:
                 break
-            eps.append(lb.make_episode(index, f, cfg, hw, args.seed))
+            eps.append(lb.make_episode(index, f, cfg, hw, args.seed, step, dev))
             used += f * per_frame
             index += 1
         steps.append(eps)
@@ -157,6 +157,7 @@ class LeanArm(Arm):
         on_gpu = self.dev.type == "cuda"
         step = torch.compile(_lean_block_step, dynamic=True) if on_gpu else None
         self.run_blocks = lb.blocks_runner(self.model, checkpointing=True, compiled_step=step)
+        self.loss_module = lb.LeanLoss(self.model)
         self.masks: OrderedDict[tuple[int, int, int], Any] = OrderedDict()
         self.attend = lb.flex
         self.info["compiled"] = on_gpu
@@ -208,7 +209,7 @@ class LeanArm(Arm):
             lay = lb.layout_to(host_lay, self.dev)
             inp = lb.noise_inputs([ep], self.holder, self.amask, lb.TEXT_LEN, num_docs=len(eps))
             lb.MASKS.self_mask, lb.MASKS.cross_mask = self.mask(ep, lay), None
-            loss = lb.lean_loss(self.model, inp, lay, self.run_blocks)
+            loss = self.loss_module(inp, lay, self.run_blocks)
             loss.backward()
             total += loss.detach()
         return total
@@ -225,6 +226,7 @@ class PackedBenchArm(Arm):
         on_gpu = self.dev.type == "cuda"
         step = torch.compile(_packed_block_step, dynamic=False) if on_gpu else None
         self.run_blocks = lb.blocks_runner(self.model, checkpointing=True, compiled_step=step)
+        self.loss_module = lb.LeanLoss(self.model)
         self.budget, self.max_docs = budget, max_docs
         self.slots = max_docs * lb.TEXT_LEN
         # static id buffers, filled in place each step: one mask_mod object, one compile
@@ -266,7 +268,53 @@ class PackedBenchArm(Arm):
             t3 = _now(self.dev, True)
             self.parts["masks"].append(t1 - t0)
             self.parts["conditioning"].append(t3 - t2 + (t2 - t1))  # noising + MLP + gather
-        loss = lb.lean_loss(self.model, inp, lay, self.run_blocks)
+        loss = self.loss_module(inp, lay, self.run_blocks)
+        loss.backward()
+        return loss.detach()
+
+
+class PackedLingbotArm(Arm):
+    """K episodes in one pack through `packing.integrations.lingbot_va` (``install``, its
+    ``collator`` with static budgets, ``loss(batch, "episode")``). Each block compiled once
+    (static shapes) and checkpointed here, the integration's attention op kept out of the
+    compiled graph (its mask is new every step: a guard on it would recompile each step)."""
+
+    name = "packed[lingbot_va]"
+
+    def __init__(self, *a: Any, budget: int, max_docs: int) -> None:
+        super().__init__(*a)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        from packing.integrations.lingbot_va import install
+        from packing.integrations.lingbot_va._attention import PackedAttentionOp
+
+        if not getattr(PackedAttentionOp.forward, "_torchdynamo_disable", False):
+            PackedAttentionOp.forward = torch._dynamo.disable(PackedAttentionOp.forward)
+        self.packed = install(self.model, latent_hw=self.hw)
+        on_gpu = self.dev.type == "cuda"
+        blocks = self.packed.transformer.blocks
+        for i, blk in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(torch.compile(blk, dynamic=False) if on_gpu else blk)
+        self.loss_module = self.packed
+        tpf = (self.hw[0] // 2) * (self.hw[1] // 2)
+        frames = budget // (2 * (tpf + lb.ACTIONS_PER_FRAME))
+        self.collate = self.packed.collator(frames * tpf, max_docs=max_docs,
+                                            text_budget=max_docs * lb.TEXT_LEN)  # fmt: skip
+        self.info["compiled"] = on_gpu
+        self.info["attention"] = f"packing.attention backend {self.packed.backend}"
+
+    def prepare(self, eps: list[lb.Episode]) -> Any:
+        return self.collate([{
+            "latents": ep.latents.cpu(),
+            "actions": ep.actions[:, : lb.USED_ACTIONS].permute(0, 2, 1).cpu(),
+            "text": ep.text.cpu(),
+            "episode_index": ep.index,
+        } for ep in eps])  # fmt: skip
+
+    def step(self, eps: list[lb.Episode], prepared: Any) -> torch.Tensor:
+        batch = prepared.to(self.dev, non_blocking=True) if self.dev.type == "cuda" else prepared
+        batch.extras.update(seed=self.args.seed, step=eps[0].step)
+        loss = self.loss_module.loss(batch, "episode")
         loss.backward()
         return loss.detach()
 
@@ -346,7 +394,46 @@ def packed_parts(
     }
 
 
-def kernel_table(arm: PackedBenchArm, eps: list[lb.Episode]) -> str:
+def lingbot_parts(arm: PackedLingbotArm, steps: list[list[lb.Episode]], step_ms: float) -> dict[str, Any]:
+    """`packed_parts` for the integration: its collator on the host; its draws, noising
+    (``stream_inputs``), conditioning (``_time``) and masks (``_set_masks``) on the device,
+    each bracketed by a sync in one extra step (an upper bound)."""
+    import packing.integrations.lingbot_va._packed as pk
+
+    acc = {"masks": 0.0, "draws": 0.0, "inputs": 0.0, "conditioning": 0.0}
+
+    def timed(key: str, fn: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            t0 = _now(arm.dev, True)
+            out = fn(*a, **k)
+            acc[key] += _now(arm.dev, True) - t0
+            return out
+
+        return run
+
+    p, inputs = arm.packed, pk.stream_inputs
+    p._set_masks, p._time = timed("masks", p._set_masks), timed("conditioning", p._time)
+    p.draws, pk.stream_inputs = timed("draws", p.draws), timed("inputs", inputs)
+    try:
+        arm.step(steps[-1], arm.prepare(steps[-1]))
+        arm.opt.zero_grad(set_to_none=True)
+    finally:
+        del p._set_masks, p._time, p.draws  # the instance's wrappers: the methods are back
+        pk.stream_inputs = inputs
+    collate = harness.time_host(lambda: arm.prepare(steps[-1]), warmup=1, iters=5)
+    own = sum(acc.values())
+    return {
+        "collate ms (host, a loader worker's)": collate.median_ms,
+        "masks ms": acc["masks"],
+        "conditioning ms (noising, timestep MLP, gather)": acc["draws"] + acc["inputs"] + acc["conditioning"],
+        "parts ms": acc,
+        "step ms": step_ms,
+        "share of step (masks + conditioning)": own / step_ms,
+        "share of step incl. collate": (own + collate.median_ms) / step_ms,
+    }
+
+
+def kernel_table(arm: Any, eps: list[lb.Episode]) -> str:
     """The packed step's top kernels by device time (torch.profiler), as text."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -401,6 +488,8 @@ def make_arm(name: str, args: Any, state: dict[str, torch.Tensor], blocks: int,
         return LeRobotArm(args, model, dev, hw)
     if name == "lean":
         return LeanArm(args, model, dev, hw)
+    if name == "packed":
+        return PackedLingbotArm(args, model, dev, hw, budget=budget, max_docs=max_docs)
     return PackedBenchArm(args, model, dev, hw, budget=budget, max_docs=max_docs)
 
 
@@ -417,7 +506,8 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny LingBot-VA on the CPU, seconds")
     p.add_argument("--blocks", default="4,30", help="transformer depths to run (5B has 30)")
     p.add_argument("--regimes", default="seed,short")
-    p.add_argument("--arms", default="packed,lerobot,lean")
+    p.add_argument("--arms", default="packed,packed_bench,lerobot,lean",
+                   help="packed (the integration), packed_bench (built here), lerobot, lean")
     p.add_argument("--short-blocks", default="4", help="depths that also run the short regime")
     p.add_argument("--budget", type=int, default=73728, help="seed packs: model tokens")
     p.add_argument("--windows", type=int, default=128, help="short: 16-frame windows a pack")
@@ -451,8 +541,7 @@ def main() -> None:
             long_run = blocks >= 30 or regime == "short"  # fewer, longer steps: compiled already
             warmup = 1 if long_run and not args.smoke else args.warmup
             n_steps = warmup + (args.long_steps if long_run and not args.smoke else args.steps)
-            steps = [[ep.to(dev) for ep in eps] for eps in
-                     draw_steps(args, regime, cfg, hw, n_steps, budget, max_docs)]  # fmt: skip
+            steps = draw_steps(args, regime, cfg, hw, n_steps, budget, max_docs, dev)
             for name in args.arms.split(","):
                 tag = f"{blocks} blocks, {regime}, {name}"
                 if args.deadline_s and time.monotonic() - t_start > args.deadline_s:
@@ -466,8 +555,9 @@ def main() -> None:
                         arm.probe(steps)
                     res = run_arm(arm, steps, warmup)
                     row = make_row(arm.name, arm, res, blocks, regime, hw)
-                    if isinstance(arm, PackedBenchArm):
-                        extra["profile"][tag] = packed_parts(arm, steps, row["step ms"])
+                    if isinstance(arm, (PackedBenchArm, PackedLingbotArm)):
+                        parts = packed_parts if isinstance(arm, PackedBenchArm) else lingbot_parts
+                        extra["profile"][tag] = parts(arm, steps, row["step ms"])  # type: ignore[operator]
                         row["packing share"] = extra["profile"][tag][
                             "share of step (masks + conditioning)"
                         ]

@@ -109,6 +109,7 @@ class Episode:
     Frame-major, bf16 as the VAE and LeRobot's noise give them."""
 
     index: int
+    step: int  # the optimizer step it trains in (its draws are keyed by seed, step, index)
     latents: Tensor  # (F, C, h, w)
     actions: Tensor  # (F, 30, 4) with the unused channels 0
     text: Tensor  # (512, text_dim)
@@ -132,37 +133,39 @@ class Episode:
         return Episode(**moved)
 
 
-def make_episode(index: int, frames: int, cfg: dict[str, Any], hw: tuple[int, int],
-                 seed: int) -> Episode:  # fmt: skip
-    """Random latents, actions and text, and LeRobot's draws, from one generator keyed by
-    ``(seed, index)``: ``_sample_timestep_id`` (``u * 1000`` clamped), the noise, the branch,
-    ``randint(1, 5)`` chunk and ``randint(4, 65)`` window."""
+def make_episode(index: int, frames: int, cfg: dict[str, Any], hw: tuple[int, int], seed: int,
+                 step: int = 0, device: torch.device | None = None) -> Episode:  # fmt: skip
+    """Random latents, actions and text (keyed by ``(seed, index)``) and LeRobot's draws for
+    ``(seed, step, index)`` from `packing.integrations.lingbot_va.draw_episode` (the numbers
+    LeRobot's ``training_loss_from_streams`` draws after ``torch.manual_seed`` of that
+    episode's seed, noise on ``device`` as LeRobot draws it there), so every arm, the
+    integration's included, trains on the same inputs."""
+    from packing.integrations.lingbot_va import draw_episode
+
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    c, bf = cfg["in_channels"], torch.bfloat16
-    shape = (frames, c, *hw)
-    used = torch.zeros(cfg["action_dim"], 1)
+    c, a, bf = cfg["in_channels"], cfg["action_dim"], torch.bfloat16
+    used = torch.zeros(a, 1)
     used[:USED_ACTIONS] = 1
-
-    def ids(lo: float = 0.0, hi: float = 1.0) -> Tensor:
-        u = torch.rand(frames, generator=g) * (hi - lo) + lo
-        return (u * 1000).clamp(0, 999).to(torch.int64)
-
+    dev = device or torch.device("cpu")
+    d = draw_episode(seed, step, index, latent_shape=(c, frames, *hw),
+                     action_shape=(a, frames, ACTIONS_PER_FRAME, 1), device=dev, dtype=bf)  # fmt: skip
+    cond = d.cond_ids is not None
     return Episode(
         index=index,
-        latents=torch.randn(shape, generator=g).to(bf),
-        actions=(torch.randn(frames, cfg["action_dim"], ACTIONS_PER_FRAME, generator=g) * used).to(
-            bf
-        ),
-        text=torch.randn(TEXT_LEN, cfg["text_dim"], generator=g).to(bf),
-        lat_ids=ids(),
-        lat_noise=torch.randn(shape, generator=g).to(bf),
-        cond=bool(torch.rand(1, generator=g).item() < 0.5),
-        cond_ids=ids(0.5, 1.0),
-        cond_noise=torch.randn(shape, generator=g).to(bf),
-        act_ids=ids(),
-        act_noise=torch.randn(frames, cfg["action_dim"], ACTIONS_PER_FRAME, generator=g).to(bf),
-        chunk=int(torch.randint(1, 5, (1,), generator=g).item()),
-        window=int(torch.randint(4, 65, (1,), generator=g).item()),
+        step=step,
+        latents=torch.randn(frames, c, *hw, generator=g).to(dev, bf),
+        actions=(torch.randn(frames, a, ACTIONS_PER_FRAME, generator=g) * used).to(dev, bf),
+        text=torch.randn(TEXT_LEN, cfg["text_dim"], generator=g).to(dev, bf),
+        lat_ids=d.latent_ids,
+        lat_noise=d.latent_noise.permute(1, 0, 2, 3),
+        cond=cond,
+        cond_ids=d.cond_ids if cond else torch.zeros(frames, dtype=torch.int64),
+        cond_noise=(d.cond_noise.permute(1, 0, 2, 3) if cond
+                    else torch.zeros(frames, c, *hw, device=dev, dtype=bf)),  # fmt: skip
+        act_ids=d.action_ids,
+        act_noise=d.action_noise[..., 0].permute(1, 0, 2),
+        chunk=d.chunk_size,
+        window=d.window_size,
     )
 
 
@@ -581,6 +584,22 @@ def lean_loss(model: Any, inp: StepInputs, lay: Layout, run_blocks: Any) -> Tens
     lat_se = (lat - inp.lat_target.float()).pow(2).sum(-1)
     act_se = ((act - inp.act_target.float()).pow(2) * inp.amask.float()).sum(-1)
     return (lat_se * inp.lat_w).sum() + (act_se * inp.act_w).sum()
+
+
+class LeanLoss(torch.nn.Module):
+    """`lean_loss` as a module's ``forward``: the root FSDP2 unit (its hooks gather the
+    parameters outside the blocks before the embedders and heads run)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    @property
+    def blocks(self) -> Any:
+        return self.model.blocks
+
+    def forward(self, inp: StepInputs, lay: Layout, run_blocks: Any) -> Tensor:
+        return lean_loss(self.model, inp, lay, run_blocks)
 
 
 def blocks_runner(model: Any, checkpointing: bool, compiled_step: Any = None) -> Any:
