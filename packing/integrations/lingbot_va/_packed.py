@@ -150,10 +150,23 @@ class PackedLingBotVA(nn.Module):
         return _checks.CheckedCollator(inner, self.config.frame_chunk_size)
 
     # -- the step ---------------------------------------------------------------------------
-    def forward(self, batch: PackedBatch) -> dict[str, Tensor]:
+    def forward(
+        self,
+        batch: PackedBatch,
+        reduction: str | None = None,
+        *,
+        micro_batches: Sequence[PackedBatch] | None = None,
+    ) -> Any:
         """Per-token losses ``{"latents": (T_lat,), "actions": (T_act,)}`` of a pack (its
-        ``extras`` hold ``seed`` and ``step``): reduce them with `loss` (or
-        `packing.train.LossNormalizer`, as `packing verify` does)."""
+        ``extras`` hold ``seed`` and ``step``), as `packing verify` takes them; with a
+        ``reduction``, the loss to ``backward()`` (see `loss`; through ``forward`` so a
+        DDP / Accelerate wrapper sees the call)."""
+        if reduction is not None:
+            red = _checks.reduction(reduction)
+            return self._reduce(self._losses(batch), batch, red, micro_batches)
+        return self._losses(batch)
+
+    def _losses(self, batch: PackedBatch) -> dict[str, Tensor]:
         lat_lay = batch.layout("latents")
         frames_K = list(lat_lay.steps_K)
         draws = self.draws(batch)
@@ -210,9 +223,16 @@ class PackedLingBotVA(nn.Module):
         this optimizer step on this rank (fetched first); the denominator then covers them
         and every rank (one all_reduce), so accumulation and data parallelism stay exact.
         None: this pack is the whole step."""
-        red = _checks.reduction(reduction)
+        return self(batch, _checks.reduction(reduction), micro_batches=micro_batches)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _reduce(
+        losses: dict[str, Tensor],
+        batch: PackedBatch,
+        red: str,
+        micro_batches: Sequence[PackedBatch] | None,
+    ) -> Tensor:
         group = list(micro_batches) if micro_batches is not None else [batch]
-        losses = self(batch)
         total = torch.zeros((), device=batch["latents"].device)
         for stream, per_token in losses.items():
             lays = [b.layout(stream) for b in group]
