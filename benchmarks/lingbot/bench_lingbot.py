@@ -46,6 +46,7 @@ import random
 import statistics
 import sys
 import time
+import types
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -290,7 +291,12 @@ class PackedLingbotArm(Arm):
 
         if not getattr(PackedAttentionOp.forward, "_torchdynamo_disable", False):
             PackedAttentionOp.forward = torch._dynamo.disable(PackedAttentionOp.forward)
-        self.packed = install(self.model, latent_hw=self.hw)
+        # LeRobot's defaults, passed: install(transformer) without config= reads the config
+        # class, where used_action_channel_ids is a field factory (AttributeError, reported)
+        cfg = types.SimpleNamespace(action_per_frame=lb.ACTIONS_PER_FRAME, frame_chunk_size=4,
+                                    used_action_channel_ids=list(range(lb.USED_ACTIONS)),
+                                    snr_shift=5.0, action_snr_shift=0.05)  # fmt: skip
+        self.packed = install(self.model, latent_hw=self.hw, config=cfg)
         on_gpu = self.dev.type == "cuda"
         blocks = self.packed.transformer.blocks
         for i, blk in enumerate(blocks):
