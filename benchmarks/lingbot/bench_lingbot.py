@@ -400,7 +400,9 @@ def packed_parts(
     }
 
 
-def lingbot_parts(arm: PackedLingbotArm, steps: list[list[lb.Episode]], step_ms: float) -> dict[str, Any]:
+def lingbot_parts(
+    arm: PackedLingbotArm, steps: list[list[lb.Episode]], step_ms: float
+) -> dict[str, Any]:
     """`packed_parts` for the integration: its collator on the host; its draws, noising
     (``stream_inputs``), conditioning (``_time``) and masks (``_set_masks``) on the device,
     each bracketed by a sync in one extra step (an upper bound)."""
@@ -431,7 +433,9 @@ def lingbot_parts(arm: PackedLingbotArm, steps: list[list[lb.Episode]], step_ms:
     return {
         "collate ms (host, a loader worker's)": collate.median_ms,
         "masks ms": acc["masks"],
-        "conditioning ms (noising, timestep MLP, gather)": acc["draws"] + acc["inputs"] + acc["conditioning"],
+        "conditioning ms (noising, timestep MLP, gather)": acc["draws"]
+        + acc["inputs"]
+        + acc["conditioning"],
         "parts ms": acc,
         "step ms": step_ms,
         "share of step (masks + conditioning)": own / step_ms,
@@ -512,8 +516,11 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny LingBot-VA on the CPU, seconds")
     p.add_argument("--blocks", default="4,30", help="transformer depths to run (5B has 30)")
     p.add_argument("--regimes", default="seed,short")
-    p.add_argument("--arms", default="packed,packed_bench,lerobot,lean",
-                   help="packed (the integration), packed_bench (built here), lerobot, lean")
+    p.add_argument(
+        "--arms",
+        default="packed,packed_bench,lerobot,lean",
+        help="packed (the integration), packed_bench (built here), lerobot, lean",
+    )
     p.add_argument("--short-blocks", default="4", help="depths that also run the short regime")
     p.add_argument("--budget", type=int, default=73728, help="seed packs: model tokens")
     p.add_argument("--windows", type=int, default=128, help="short: 16-frame windows a pack")
@@ -591,8 +598,10 @@ def main() -> None:
         if args.smoke
         else ("LeRobot LingBot-VA transformer, Wan2.2-5B widths, bf16, checkpointed, AdamW")
     )
-    table = f"{what}; {args.steps} timed steps after {args.warmup} warm-up\n\n" + \
-        harness.markdown_table(rows, cols)  # fmt: skip
+    table = (
+        f"{what}; {args.steps} timed steps after {args.warmup} warm-up ({args.long_steps} "
+        "after 1 at 30 blocks and in the short regime)\n\n" + harness.markdown_table(rows, cols)
+    )
     print()
     print(table)
     path = harness.write_json("lingbot_va_h200", args, {"rows": rows, **extra}, device=dev)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -56,14 +57,15 @@ def count_collectives() -> None:
 
 
 def shard(arm: bl.Arm, dev: torch.device) -> None:
-    """FSDP2 over the arm's model: each block a unit, then the root; a fresh optimizer over
-    the sharded parameters."""
+    """FSDP2 over the arm's model: each block a unit, then the root (the module whose
+    ``forward`` the step calls: the transformer for LeRobot's path, the loss module or the
+    integration's `PackedLingBotVA` otherwise); a fresh optimizer over the sharded parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for blk in arm.model.blocks:
         fully_shard(blk, mp_policy=mp)
-    fully_shard(arm.model, mp_policy=mp)
+    arm.root = fully_shard(getattr(arm, "loss_module", arm.model), mp_policy=mp)
     arm.opt = torch.optim.AdamW(arm.model.parameters(), lr=1e-5, fused=dev.type == "cuda")
 
 
@@ -75,12 +77,12 @@ class LeanNoReshard(bl.LeanArm):
         lb.MASKS.self_attend, lb.MASKS.cross_attend = self.attend, lb.sdpa
         for i, (ep, host_lay) in enumerate(zip(eps, prepared, strict=True)):
             last = i == len(eps) - 1
-            self.model.set_requires_gradient_sync(last)
-            self.model.set_reshard_after_backward(last)
+            self.root.set_requires_gradient_sync(last)
+            self.root.set_reshard_after_backward(last)
             lay = lb.layout_to(host_lay, self.dev)
             inp = lb.noise_inputs([ep], self.holder, self.amask, lb.TEXT_LEN, num_docs=len(eps))
             lb.MASKS.self_mask, lb.MASKS.cross_mask = self.mask(ep, lay), None
-            loss = lb.lean_loss(self.model, inp, lay, self.run_blocks)
+            loss = self.loss_module(inp, lay, self.run_blocks)
             loss.backward()
             total += loss.detach()
         return total
@@ -96,6 +98,8 @@ def make(name: str, args: Any, state: dict[str, Any], blocks: int, dev: torch.de
         arm = bl.LeRobotArm(args, model, dev, hw)
     elif name == "lean":
         arm = LeanNoReshard(args, model, dev, hw)
+    elif name == "packed":
+        arm = bl.PackedLingbotArm(args, model, dev, hw, budget=budget, max_docs=max_docs)
     else:
         arm = bl.PackedBenchArm(args, model, dev, hw, budget=budget, max_docs=max_docs)
     shard(arm, dev)
@@ -158,7 +162,11 @@ def main() -> None:
     p = harness.base_parser(__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model, CPU, gloo")
     p.add_argument("--blocks", type=int, default=30)
-    p.add_argument("--arms", default="packed,lerobot,lean")
+    p.add_argument(
+        "--arms",
+        default="packed,lerobot,lean",
+        help="packed (the integration), packed_bench, lerobot, lean",
+    )
     p.add_argument("--budget", type=int, default=73728, help="model tokens a rank a step")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -183,13 +191,15 @@ def main() -> None:
     budget, max_docs = bl.regime_sizes(args, "seed") if not args.smoke else (384, 4)
     args.seed_rank = args.seed + 1000 * rank  # each rank its own episodes
     draw_args = type("A", (), {"seed": args.seed_rank, "smoke": args.smoke})()
-    steps = [[ep.to(dev) for ep in eps] for eps in
-             bl.draw_steps(draw_args, "seed", cfg, hw, args.warmup + args.steps, budget, max_docs)]  # fmt: skip
+    steps = bl.draw_steps(
+        draw_args, "seed", cfg, hw, args.warmup + args.steps, budget, max_docs, dev
+    )
     # every rank runs the same number of micro-steps (FSDP's collectives pair up across ranks)
     counts = torch.tensor([len(eps) for eps in steps], dtype=torch.int64)
     dist.all_reduce(counts, op=dist.ReduceOp.MIN)
     steps = [eps[: int(n)] for eps, n in zip(steps, counts, strict=True)]
-    state = bl._initial_state(cfg, args.blocks, dev, args.seed)
+    state = bl._initial_state(cfg, args.blocks, dev, args.seed)  # the same weights everywhere
+    args.seed = args.seed_rank  # the seed this rank's episodes were drawn with (the draws' key)
     rows = []
     for name in args.arms.split(","):
         try:
@@ -200,6 +210,8 @@ def main() -> None:
             rows.append(row(arm.name, arm, res, steps, args.warmup, args.blocks, hw))
             del arm
         except Exception as e:  # one failed arm must not lose the others
+            if rank == 0:
+                traceback.print_exc()
             rows.append(
                 {"gpus": world, "arm": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             )

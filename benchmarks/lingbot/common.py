@@ -160,8 +160,11 @@ def make_episode(index: int, frames: int, cfg: dict[str, Any], hw: tuple[int, in
         lat_noise=d.latent_noise.permute(1, 0, 2, 3),
         cond=cond,
         cond_ids=d.cond_ids if cond else torch.zeros(frames, dtype=torch.int64),
-        cond_noise=(d.cond_noise.permute(1, 0, 2, 3) if cond
-                    else torch.zeros(frames, c, *hw, device=dev, dtype=bf)),  # fmt: skip
+        cond_noise=(
+            d.cond_noise.permute(1, 0, 2, 3)
+            if cond
+            else torch.zeros(frames, c, *hw, device=dev, dtype=bf)
+        ),  # fmt: skip
         act_ids=d.action_ids,
         act_noise=d.action_noise[..., 0].permute(1, 0, 2),
         chunk=d.chunk_size,
