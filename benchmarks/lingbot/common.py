@@ -164,7 +164,7 @@ def make_episode(index: int, frames: int, cfg: dict[str, Any], hw: tuple[int, in
             d.cond_noise.permute(1, 0, 2, 3)
             if cond
             else torch.zeros(frames, c, *hw, device=dev, dtype=bf)
-        ),  # fmt: skip
+        ),
         act_ids=d.action_ids,
         act_noise=d.action_noise[..., 0].permute(1, 0, 2),
         chunk=d.chunk_size,
