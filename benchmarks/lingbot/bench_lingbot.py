@@ -19,11 +19,12 @@ noisy-condition branch, chunk 1-4 and window 4-64, drawn per episode; `common.ma
   (frames, chunk, window), self-attention through the faster of FlexAttention and SDPA with a
   dense mask (a timed fwd+bwd probe on the run's median episode; timings in the JSON),
   cross-attention SDPA without a mask.
-* ``packed``: K episodes in one sequence of a static token budget (``max_docs`` static too),
-  the block step compiled once, one block mask a step from the packed ids.
-  ``packed[lingbot_va]`` runs `packing.integrations.lingbot_va`; ``packed[bench]`` the same
-  layout built here (`common.layout` + torch's ``create_block_mask``, compiled), the
-  fallback where the integration is absent.
+* ``packed`` (row ``packed[lingbot_va]``): K episodes in one sequence of a static token
+  budget (``max_docs`` static too) through `packing.integrations.lingbot_va` (``install``,
+  its collator, ``loss(batch, "episode")``), each block compiled once and checkpointed here.
+* ``packed_bench`` (row ``packed[bench]``): the same layout built in this script
+  (`common.layout` + torch's compiled ``create_block_mask``): what ran before the
+  integration existed, kept as a second implementation to compare against.
 
 Regimes: ``seed`` the notes' episodes (144-336 latent frames: 4.6K-10.7K latent tokens a
 copy, 10.4K-24.2K model tokens) in packs of ``--budget`` model tokens; ``short`` LeRobot's
@@ -36,7 +37,7 @@ next to lerobot's, and packing's own share of a packed step (collate on the host
 conditioning timed on the device, each bracketed by a sync).
 
     python benchmarks/lingbot/bench_lingbot.py --blocks 4,30 --out /tmp/lingbot   # one H200
-    python benchmarks/lingbot/bench_lingbot.py --smoke                            # CPU, seconds
+    python benchmarks/lingbot/bench_lingbot.py --smoke                     # tiny, CPU, ~1 min
 """
 
 from __future__ import annotations
