@@ -22,7 +22,9 @@ a new public name is covered the day it is added, or the test says what is missi
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import inspect
 import math
 import traceback
@@ -41,6 +43,10 @@ FACADES = [
     "packing.datasets", "packing.model", "packing.verify", "packing.serve",
     "packing.integrations.diffusers",
 ]  # fmt: skip
+# LeRobot's LingBot-VA needs lerobot 0.6.1 and transformers: the oldest venv has them.
+LINGBOT = all(importlib.util.find_spec(m) for m in ("lerobot", "transformers"))
+if LINGBOT:
+    FACADES.append("packing.integrations.lingbot_va")
 
 
 # -- the surface ---------------------------------------------------------------------------
@@ -160,6 +166,66 @@ def _ctx() -> torch.Tensor:
     return torch.zeros(1, 4, 2, 2)
 
 
+@functools.cache
+def _lingbot() -> Any:
+    """A tiny LeRobot LingBot-VA policy packed (built once: lerobot is slow to import)."""
+    from packing.integrations.lingbot_va import install
+    from packing.integrations.lingbot_va.testing import tiny_policy
+
+    torch.manual_seed(0)
+    return install(tiny_policy(action_per_frame=2), latent_hw=(4, 4))
+
+
+def _lingbot_batch() -> Any:
+    from packing.integrations.lingbot_va.testing import toy_text_embeddings
+
+    eps = [
+        {"latents": torch.randn(f, 48, 4, 4), "actions": torch.randn(f, 2, 14),
+         "text": toy_text_embeddings()("t"), "episode_index": i}
+        for i, f in enumerate([2, 3])
+    ]  # fmt: skip
+    batch = _lingbot().collator(4 * 6)(eps)
+    batch.extras.update(seed=0, step=0)
+    return batch
+
+
+def _lingbot_base() -> dict[str, Base]:
+    if not LINGBOT:
+        return {}
+    import packing.integrations.lingbot_va as L
+    from packing.integrations.lingbot_va.testing import tiny_policy
+
+    def tokens() -> Any:
+        return L.dual_stream_tokens(_lingbot_batch(), [1, 2], [4, 8], action_per_frame=2)
+
+    shapes = {"latent_shape": (2, 3, 2, 2), "action_shape": (3, 3, 2, 1)}
+    eps = [{"latents": torch.zeros(2, 1, 2, 2), "action": torch.zeros(8, 3), "task": "t"}]
+    return {
+        "packing.integrations.lingbot_va.install": lambda: (
+            L.install, (tiny_policy(),), {"latent_hw": (4, 4)}),
+        "packing.integrations.lingbot_va.PackedLingBotVA": lambda: (
+            L.PackedLingBotVA, (tiny_policy(),), {"latent_hw": (4, 4)}),
+        "packing.integrations.lingbot_va.PackedLingBotVA.collator": lambda: (
+            _lingbot().collator, (4 * 6,), {}),
+        "packing.integrations.lingbot_va.PackedLingBotVA.forward": lambda: (
+            _lingbot().forward, (_lingbot_batch(),), {"reduction": "episode"}),
+        "packing.integrations.lingbot_va.PackedLingBotVA.loss": lambda: (
+            _lingbot().loss, (_lingbot_batch(),), {}),
+        "packing.integrations.lingbot_va.PackedLingBotVA.draws": lambda: (
+            _lingbot().draws, (_lingbot_batch(),), {}),
+        "packing.integrations.lingbot_va.draw_episode": lambda: (L.draw_episode, (0, 0, 0), shapes),
+        "packing.integrations.lingbot_va.lingbot_episodes": lambda: (
+            L.lingbot_episodes, (eps, {"t": torch.zeros(4, 16)}), {}),
+        "packing.integrations.lingbot_va.dual_stream_tokens": lambda: (
+            L.dual_stream_tokens, (_lingbot_batch(), [1, 2], [4, 8]), {"action_per_frame": 2}),
+        "packing.integrations.lingbot_va.lingbot_va_mask": lambda: (L.lingbot_va_mask, (tokens(),), {}),
+        "packing.integrations.lingbot_va.clean_to_clean": lambda: (L.clean_to_clean, (tokens(),), {}),
+        "packing.integrations.lingbot_va.noise_to_clean": lambda: (L.noise_to_clean, (tokens(),), {}),
+        "packing.integrations.lingbot_va.noise_to_noise": lambda: (L.noise_to_noise, (tokens(),), {}),
+        "packing.integrations.lingbot_va.chunk_window": lambda: (L.chunk_window, (tokens(),), {}),
+    }  # fmt: skip
+
+
 # name -> () -> (callable, args, kwargs). Small and readable: one valid call each.
 Base = Callable[[], tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
 
@@ -175,7 +241,7 @@ def _base() -> dict[str, Base]:
     import packing.verify as V
 
     ids = torch.tensor([0, 0, 1])
-    return {
+    return _lingbot_base() | {
         # planning
         "packing.BufferedPacker": lambda: (P.BufferedPacker, (8,), {}),
         "packing.PackedBatchSampler": lambda: (P.PackedBatchSampler, ([3, 4, 5], 8), {}),
@@ -350,6 +416,15 @@ NOT_CALLED: dict[str, str] = {
     "packing.serve.reference_sample": "a scalar reference sampler of the scheduler tests",
     "packing.serve.verify_inference": "runs the inference proof (tests/test_cli.py)",
 }
+NOT_CALLED.update(
+    {
+        "packing.attention.with_tile_rule": "attaches a rule to a mask_mod (tests/test_lingbot_va.py)",
+        "packing.integrations.lingbot_va.EpisodeDraws": "a record built by draw_episode (checked above)",
+        "packing.integrations.lingbot_va.DualStreamTokens": "built by dual_stream_tokens (checked above)",
+        "packing.integrations.lingbot_va.DualStreamTokens.join": "the packed forward's plumbing",
+        "packing.integrations.lingbot_va.DualStreamTokens.take": "the packed forward's plumbing",
+    }
+)
 NOT_CALLED.update({  # the diffusers integration: every entry needs a diffusers transformer
     f"packing.integrations.diffusers.{n}": "needs a diffusers transformer (tests/test_diffusers*.py)"
     for n in [
@@ -466,6 +541,11 @@ allow("packing.DiTConfig.wan_2_2_5b", "depth", "huge", "a config, not a model")
 allow("packing.model.text_tokens", "text_len", "huge", "refused when over the vocabulary limit")
 allow("packing.model.pack_text", "text_len pad_to_multiple", "huge", "a size")
 allow("packing.VerifyConfig", "seed", "zero", "seed 0 is the default")
+_LB = "packing.integrations.lingbot_va."
+allow(_LB + "draw_episode", _KEYS, "zero negative", _HASHED)
+allow(_LB + "PackedLingBotVA.collator", "token_budget max_docs text_budget", "huge",
+      "a size: refused only when a pack is built over it")  # fmt: skip
+allow(_LB + "lingbot_episodes", "action_per_frame", "huge", "checked against each episode read")
 
 allow("packing.serve.DiTAdapter", "seed", "zero", "seed 0 is a seed")
 allow("packing.serve.WanAdapter", "seed", "zero", "seed 0 is a seed")

@@ -28,6 +28,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from packing._validate import check_choice, check_optional_int
 from packing.attention import Backend, prepare_attention
 from packing.data import PackedBatch, PackedCollator, Stream, StreamLayout
 from packing.integrations.lingbot_va import _checks
@@ -94,7 +95,9 @@ class PackedLingBotVA(nn.Module):
         self.chunk_sizes = _checks.draw_range("chunk_sizes", chunk_sizes, 1, 64)
         self.windows = _checks.draw_range("windows", windows, 0, 1 << 20)
         self.noisy_cond_prob = _checks.probability("noisy_cond_prob", noisy_cond_prob)
-        self.backend = backend
+        self.backend: Backend = check_choice(  # type: ignore[assignment]
+            "backend", backend, ("auto", "flex", "flex_flash", "sdpa", "varlen")
+        )
         self.action_per_frame = int(cfg.action_per_frame)
         self.used_channels = tuple(int(c) for c in cfg.used_action_channel_ids)
         self.schedulers = _checks.schedulers(cfg)
@@ -110,13 +113,13 @@ class PackedLingBotVA(nn.Module):
             Stream("text", step_shape=(int(cfg.text_dim),)),
         )
         self._slot = MaskSlot()
-        self._lerobot_ops = swap_attention_ops(transformer.blocks, self._slot)
+        self._lerobot_ops = swap_attention_ops(self._blocks(), self._slot)
 
     @property
     def blocks(self) -> nn.ModuleList:
         """The transformer's blocks (what `packing.train.shard_model` wraps, one FSDP2 unit
         and checkpoint each); a property, so ``state_dict`` keeps LeRobot's names alone."""
-        return self.transformer.blocks
+        return self._blocks()
 
     # -- data -------------------------------------------------------------------------------
     def collator(
@@ -126,7 +129,7 @@ class PackedLingBotVA(nn.Module):
         max_docs: int | None = None,
         text_budget: int | None = None,
         pin_memory: bool = False,
-    ) -> PackedCollator:
+    ) -> _checks.CheckedCollator:
         """The ``collate_fn``: K episodes -> one `PackedBatch` of static shapes.
 
         ``token_budget`` counts latent tokens of one copy (a multiple of a frame's tokens,
@@ -136,6 +139,7 @@ class PackedLingBotVA(nn.Module):
         """
         lat, act, txt = self.streams
         frames = _checks.budget_frames(token_budget, lat.tokens_per_step)
+        check_optional_int("text_budget", text_budget, min=1, hint="text rows of a pack")
         streams = [
             Stream(lat.name, grid=lat.grid, budget=token_budget, step_shape=lat.step_shape),
             Stream(
@@ -232,7 +236,7 @@ class PackedLingBotVA(nn.Module):
         red: str,
         micro_batches: Sequence[PackedBatch] | None,
     ) -> Tensor:
-        group = list(micro_batches) if micro_batches is not None else [batch]
+        group = [batch] if micro_batches is None else _checks.micro_batches(micro_batches, batch)
         total = torch.zeros((), device=batch["latents"].device)
         for stream, per_token in losses.items():
             lays = [b.layout(stream) for b in group]
@@ -242,11 +246,11 @@ class PackedLingBotVA(nn.Module):
 
     def uninstall(self) -> nn.Module:
         """Put LeRobot's attention ops back; returns the transformer."""
-        restore_attention_ops(self.transformer.blocks, self._lerobot_ops)
+        restore_attention_ops(self._blocks(), self._lerobot_ops)
         return self.transformer
 
     def _reinstall(self) -> None:
-        self._lerobot_ops = swap_attention_ops(self.transformer.blocks, self._slot)
+        self._lerobot_ops = swap_attention_ops(self._blocks(), self._slot)
 
     def reference(self) -> nn.Module:
         """LeRobot's own training path, one episode a call (`packing verify`'s unpacked side):
@@ -257,6 +261,14 @@ class PackedLingBotVA(nn.Module):
         return LeRobotReference(self)
 
     # -- internals --------------------------------------------------------------------------
+    @property
+    def _m(self) -> Any:
+        """The transformer, typed loosely: its submodules are LeRobot's."""
+        return self.transformer
+
+    def _blocks(self) -> nn.ModuleList:
+        return self._m.blocks  # type: ignore[no-any-return]
+
     def _full_actions(self, a: Tensor) -> Tensor:
         """``(S, apf, n_used)`` -> ``(S, apf, action_dim)``, used channels scattered in place."""
         full = a.new_zeros((*a.shape[:2], int(self.config.action_dim)))
@@ -271,7 +283,7 @@ class PackedLingBotVA(nn.Module):
     def _run(
         self, batch: PackedBatch, tok: DualStreamTokens, lat: StreamInputs, act: StreamInputs
     ) -> tuple[Tensor, Tensor]:
-        m = self.transformer
+        m: Any = self.transformer
         wdtype = m.patch_embedding_mlp.weight.dtype
 
         def rounded(x: Tensor) -> Tensor:  # forward_train's .to(torch.bfloat16)
@@ -313,7 +325,7 @@ class PackedLingBotVA(nn.Module):
         if self._ablation == "no_document_mask":  # every real token in one document
             joint, text = _one_document(joint), _one_document(text)
         rule = lingbot_va_mask(tok, window=self._ablation != "no_window")
-        kw: dict[str, Any] = dict(dtype=dtype, head_dim=self.transformer.attention_head_dim)
+        kw: dict[str, Any] = dict(dtype=dtype, head_dim=self._m.attention_head_dim)
         self._slot.self_mask = prepare_attention(
             joint, None, None, self.backend, mask_mod=rule, **kw
         )
@@ -329,7 +341,7 @@ class PackedLingBotVA(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """``temb (J, D)`` and ``timestep_proj (J, 6, D)``: LeRobot's condition embedders run
         on one row per step and copy (not per token: the same rows), gathered to tokens."""
-        m = self.transformer
+        m: Any = self.transformer
         out: dict[str, tuple[Tensor, Tensor]] = {}
         for part, emb, t_S, stream in (
             ("noisy_latents", m.condition_embedder, lat.t_noisy_S, "latents"),
