@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,3 +94,61 @@ def test_kv_is_charged_to_text_tokens_and_hardware_count_is_beside_the_model_cou
 def test_mfu_names_both_peaks() -> None:
     out = mfu(790e12, 1.0)
     assert out == {"MFU of measured 790": 1.0, "MFU of datasheet 989": pytest.approx(790 / 989)}
+
+
+# -- LingBot-VA (LeRobot's dual-stream transformer) -------------------------------------------
+def _lingbot_count(frames: int, chunk: int, window: int, *, backward: bool) -> tuple[float, Any]:
+    """FlopCounterMode over the benchmark's lean LingBot-VA forward (+ backward) of one exact
+    episode on LeRobot's tiny transformer, attention through SDPA's math backend with the
+    dense mask (all T x T pairs multiplied, as the count's ``pairs = joint²`` says)."""
+    pytest.importorskip("lerobot.policies.lingbot_va.utils")
+    from benchmarks.lingbot import common as lb
+
+    cfg = lb.TINY
+    model = lb.build_model(cfg, 2, torch.device("cpu"), 0)
+    lb.swap_attention(model)
+    ep = lb.make_episode(0, frames, cfg, lb.TINY_HW, 0)
+    ep = lb.Episode(**{**ep.__dict__, "chunk": chunk, "window": window})
+    lay = lb.layout([ep], lb.TINY_HW, pad_to=1)
+    inp = lb.noise_inputs([ep], lb.loss_holder((1, 2, 2)), lb.action_mask(cfg, torch.device("cpu")),
+                          text_slots=lb.TEXT_LEN)  # fmt: skip
+    lb.MASKS.self_attend = lb.MASKS.cross_attend = lb.sdpa
+    lb.MASKS.self_mask, lb.MASKS.cross_mask = lb.dense_lingbot_mask(lay), None
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        loss = lb.lean_loss(model, inp, lay, lb.blocks_runner(model, checkpointing=False))
+        if backward:
+            loss.backward()
+    return float(fc.get_total_flops()), (cfg, ep, lay)
+
+
+@pytest.mark.parametrize("backward", [True, False], ids=["fwd+bwd", "fwd"])
+@pytest.mark.parametrize(("frames", "chunk", "window"), [(5, 2, 4), (3, 1, 64)])
+def test_lingbot_count_matches_torch_flop_counter_within_2_percent(
+    frames: int, chunk: int, window: int, backward: bool
+) -> None:
+    from benchmarks.harness.flops import LingbotEpisode, lingbot_flops
+
+    counted_, (cfg, _ep, lay) = _lingbot_count(frames, chunk, window, backward=backward)
+    shape = LingbotEpisode(frames=frames, tokens_per_frame=4, pairs=float(lay.T * lay.T))
+    ours = lingbot_flops({**cfg, "num_layers": 2}, [shape], backward=backward).model
+    assert abs(ours / counted_ - 1) < 0.02, (ours, counted_)
+    # the control: LeRobot's per-token timestep MLP is not what this forward runs
+    per_token = lingbot_flops({**cfg, "num_layers": 2}, [shape], backward=backward,
+                              per_token_conditioning=True).model  # fmt: skip
+    assert abs(per_token / counted_ - 1) > 0.02
+
+
+def test_lingbot_mask_pairs_are_the_dense_mask_count() -> None:
+    # mask_pairs counts over (copy, stream, frame) groups; the dense T x T mask is the truth
+    pytest.importorskip("lerobot.policies.lingbot_va.utils")
+    from benchmarks.lingbot import common as lb
+
+    seen = set()
+    for frames, chunk, window in [(7, 3, 4), (5, 1, 64), (9, 4, 5), (1, 2, 4)]:
+        ep = lb.make_episode(1, frames, lb.TINY, lb.TINY_HW, 0)
+        ep = lb.Episode(**{**ep.__dict__, "chunk": chunk, "window": window})
+        lay = lb.layout([ep], lb.TINY_HW, pad_to=1)
+        dense = int(lb.dense_lingbot_mask(lay).sum())
+        assert lb.mask_pairs(ep, lb.TINY_HW) == dense
+        seen.add(dense < lay.T * lay.T)
+    assert seen == {True}  # every case masks some pairs: the window and the chunks bite

@@ -166,3 +166,73 @@ def mfu(flops: Flops | float, seconds: float, *, gpus: int = 1) -> dict[str, flo
 def tflops(flops: float, ms: float) -> float:
     """Achieved TFLOP/s of ``flops`` done in ``ms`` milliseconds."""
     return flops / (ms * 1e-3) / 1e12 if ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class LingbotEpisode:
+    """One LingBot-VA episode as its dual-stream transformer sees it: ``frames`` latent
+    frames of ``tokens_per_frame`` tokens (32 at 8x16 with 2x2 patches) and
+    ``actions_per_frame`` action tokens, each stream twice (noisy and clean copies), ``text``
+    UMT5 rows (LeRobot's 512), and the (q, k) pairs its training mask keeps."""
+
+    frames: int
+    tokens_per_frame: int
+    pairs: float
+    actions_per_frame: int = 4
+    text: int = 512
+
+    @property
+    def latent(self) -> int:  # one copy
+        return self.frames * self.tokens_per_frame
+
+    @property
+    def action(self) -> int:  # one copy
+        return self.frames * self.actions_per_frame
+
+    @property
+    def joint(self) -> int:  # both copies of both streams
+        return 2 * (self.latent + self.action)
+
+
+def lingbot_flops(
+    cfg: Any,
+    episodes: Iterable[LingbotEpisode],
+    *,
+    backward: bool = True,
+    blocks: int | None = None,
+    per_token_conditioning: bool = False,
+) -> Flops:
+    """FLOPs of LeRobot's LingBot-VA ``WanTransformer3DModel`` (``cfg``: its config, a mapping
+    or attributes) over ``episodes``; the same convention as `dit_flops`. Per episode of
+    ``j`` joint tokens (both copies), ``n`` text rows, width ``d``, FFN ``f``, patch features
+    ``P`` (in_channels x 4), action width ``A``, timestep rows ``r``::
+
+        embed      2·(2·lat)·P·d + 2·(2·act)·A·d        patch and action embeddings (weight grad)
+        text       2·n·(text_dim·d + d²)                 PixArt projection (first: weight grad)
+        time       2·r·(freq·d + d² + 6d²)               r = 4F (a row per copy, stream, frame);
+                                                         r = j with ``per_token_conditioning``
+                                                         (what LeRobot's forward_train runs)
+        per block  2·j·(6d² + 2df) + 2·n·2d²             self qkvo, cross q/out, FFN; cross K/V
+                   4·pairs·d + 4·j·n·d                   self-attention under the mask, cross
+        head       2·lat·d·P + 2·act·d·A                 noisy copies only
+    """
+    get = cfg.__getitem__ if hasattr(cfg, "__getitem__") else lambda k: getattr(cfg, k)
+    d = get("num_attention_heads") * get("attention_head_dim")
+    f, a, td, fq = get("ffn_dim"), get("action_dim"), get("text_dim"), get("freq_dim")
+    pt, ph, pw = get("patch_size")
+    p = get("in_channels") * pt * ph * pw
+    depth = get("num_layers") if blocks is None else blocks
+    lin, lin_in = (3.0, 2.0) if backward else (1.0, 1.0)
+    att_m, att_h = (3.0, 3.5) if backward else (1.0, 1.0)
+    total = ZERO
+    for e in episodes:
+        j, n = e.joint, e.text
+        rows = j if per_token_conditioning else 4 * e.frames
+        dense = depth * lin * (2.0 * j * (6 * d * d + 2 * d * f) + 2.0 * n * 2 * d * d)
+        dense += lin_in * 2.0 * (2 * e.latent * p * d + 2 * e.action * a * d)
+        dense += lin_in * 2.0 * n * td * d + lin * 2.0 * n * d * d
+        dense += lin_in * 2.0 * rows * fq * d + lin * 2.0 * rows * 7 * d * d
+        dense += lin * 2.0 * (e.latent * d * p + e.action * d * a)
+        attn = depth * 4.0 * d * (e.pairs + j * n)
+        total = total + Flops(dense, attn * att_m, attn * att_h)
+    return total
