@@ -318,6 +318,21 @@ def test_bad_models_and_options_are_refused_at_install() -> None:
         install(torch.nn.Linear(2, 2), latent_hw=(4, 4))
 
 
+def test_a_bare_transformer_installs_with_lerobots_config_defaults() -> None:
+    """Without ``config=`` a bare transformer takes LingBotVAConfig's defaults, the
+    default-factory fields (``used_action_channel_ids``) included: it raised AttributeError."""
+    from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
+
+    transformer = T.tiny_policy().transformer
+    packed = install(transformer, latent_hw=(8, 16))
+    assert packed.used_channels == tuple(LingBotVAConfig().used_action_channel_ids)
+    packed.uninstall()
+    ids = list(range(3))
+    packed = install(transformer, latent_hw=(8, 16), config=T.tiny_policy(
+        used_action_channel_ids=ids).config)  # fmt: skip
+    assert packed.used_channels == tuple(ids)
+
+
 def test_diffusers_install_points_lerobots_wan_at_this_integration() -> None:
     pytest.importorskip("diffusers")
     from packing.integrations.diffusers import install as diffusers_install

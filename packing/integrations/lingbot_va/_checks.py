@@ -3,8 +3,10 @@ episode or argument, the limit and the fix. Nothing is cropped, padded or droppe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -66,7 +68,7 @@ def model_and_config(obj: Any, config: Any) -> tuple[nn.Module, LingBotConfig]:
         transformer, cfg = obj.transformer, obj.config
     elif isinstance(obj, utils.WanTransformer3DModel):
         transformer = obj
-        cfg = conf.LingBotVAConfig if config is None else config  # class defaults, or yours
+        cfg = _class_defaults(conf.LingBotVAConfig) if config is None else config
     else:
         raise TypeError(
             f"expected LeRobot's LingBotVAPolicy or its WanTransformer3DModel "
@@ -95,11 +97,20 @@ def model_and_config(obj: Any, config: Any) -> tuple[nn.Module, LingBotConfig]:
     )
 
 
+def _class_defaults(cls: type) -> SimpleNamespace:
+    """A config dataclass's defaults as attributes (a field with a default factory is not a
+    class attribute: ``LingBotVAConfig.used_action_channel_ids`` raises AttributeError)."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            values[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            values[f.name] = f.default_factory()
+    return SimpleNamespace(**values)
+
+
 def _used_channels(cfg: Any, action_dim: int) -> tuple[int, ...]:
-    ids = cfg.used_action_channel_ids
-    if callable(ids) or not isinstance(ids, Sequence):  # the class default is a field factory
-        ids = list(range(7))
-    ids = tuple(int(i) for i in ids)
+    ids = tuple(int(i) for i in cfg.used_action_channel_ids)
     if not ids or len(set(ids)) != len(ids) or not all(0 <= i < action_dim for i in ids):
         raise ValueError(
             f"used_action_channel_ids={list(ids)} must be distinct channels in [0, "
