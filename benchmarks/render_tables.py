@@ -74,6 +74,14 @@ GAINS: tuple[Gain, ...] = (
         rows.cache_gain,
     ),
     Gain(
+        "lingbot_va_h200.json",
+        "LeRobot's LingBot-VA training path (its `training_loss_from_streams`, one sample a "
+        "micro-step + accumulation; 5B widths, 4 blocks)",
+        "K whole episodes a pack, the layout `lingbot_va.install(policy)` builds (in this "
+        "4-block run built by the benchmark script; the integration at 30 blocks: docs/lingbot-va.md)",
+        rows.lingbot_gain,
+    ),
+    Gain(
         "diffusers_wan_30_blocks_h200.json",
         "diffusers' Wan 2.2 TI2V 5B (30 blocks), one episode a micro-step + gradient accumulation",
         "`install(model)`: one pack a step, the weights untouched",
@@ -136,6 +144,14 @@ GOALS: tuple[Goal, ...] = (
          rows.cache_p99_goal(8, 300)),
     Goal("serve_cache_h200.json", "context cache p99 ≤ 600 ms at 16 robots",
          rows.cache_p99_goal(16, 600)),
+    Goal("lingbot_va_h200.json", "LingBot-VA, the notes' lengths: ≥ 2× LeRobot's path (4 blocks)",
+         rows.lingbot_goal(4, "seed", "packed[bench]", 2.0)),
+    Goal("lingbot_va_h200_30_blocks.json", "LingBot-VA, the notes' lengths: ≥ 2× LeRobot's path (30 blocks)",
+         rows.lingbot_goal(30, "seed", "packed[lingbot_va]", 2.0)),
+    Goal("lingbot_va_h200.json", "LingBot-VA, LeRobot's 16-frame windows: ≥ 20× its path",
+         rows.lingbot_goal(4, "short", "packed[bench]", 20.0)),
+    Goal("lingbot_va_h200_30_blocks.json", "LingBot-VA: packing's own work ≤ 5% of a packed step",
+         rows.lingbot_share_goal),
     Goal("serving_robots_h200.json", "a lone robot through the server ≤ 1.1× the engine's chunk",
          rows.robots_lone_goal),
     Goal("serving_robots_h200.json", "8 robots through the server: p99 ≤ 300 ms",
@@ -232,6 +248,23 @@ TABLES: dict[str, Table] = {
             ("serving_robots_h200.json",),
             ROBOTS_COLUMNS,
             rows.robots_rows("serving_robots_h200.json"),
+        ),
+        Table(
+            "lingbot_va_h200",
+            rows.LINGBOT_RUNS,
+            (
+                "blocks",
+                "regime",
+                "arm",
+                "tokens/s",
+                "vs lerobot",
+                "MFU (790)",
+                "peak GB",
+                "first-step loss rel. diff",
+                "packing's share",
+                "from",
+            ),
+            rows.lingbot_rows,
         ),
         Table(
             "robots_h200_steps",

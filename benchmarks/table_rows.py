@@ -445,3 +445,58 @@ def robots_rate_goal(robots: int, least: float) -> Callable[[Doc], tuple[str, bo
         return f"{ratio(x)} (robots' pacing caps it: docs/serving.md)", x >= least
 
     return measure
+
+
+# ---------------------------------------------------------------- LingBot-VA (LeRobot's port)
+
+LINGBOT_RUNS = ("lingbot_va_h200.json", "lingbot_va_h200_30_blocks.json")
+
+
+def _lingbot_row(
+    docs: Docs, blocks: int, regime: str, arm: str, runs: Sequence[str] = LINGBOT_RUNS
+) -> Doc:
+    for name in runs:
+        for r in docs[name]["rows"]:
+            if (r["blocks"], r["regime"], r["arm"]) == (blocks, regime, arm) and "error" not in r:
+                return r
+    raise KeyError(f"no LingBot-VA row {blocks} blocks, {regime}, {arm}")
+
+
+def lingbot_rows(docs: Docs) -> list[Row]:
+    """Every finished row of both runs (a row that did not run keeps its reason in the JSON)."""
+    out = list[Row]()
+    for name in LINGBOT_RUNS:
+        for r in docs[name]["rows"]:
+            if "error" in r:
+                continue
+            vs = "—" if r["arm"] == "lerobot" else ratio(r["vs lerobot"])
+            share = r.get("packing share")
+            cells = (str(r["blocks"]), r["regime"], r["arm"], count(r["tokens/s"]), vs)
+            mfu, peak = f"{r['MFU of measured 790']:.2f}", f"{r['peak GB']:.1f}"
+            loss = f"{r['loss rel diff']:.1e}" if r["arm"] != "lerobot" else "—"
+            out.append((*cells, mfu, peak, loss, pct(share) if share is not None else "—", name))
+    return out
+
+
+def lingbot_gain(doc: Doc) -> str:
+    """The README row: LeRobot's own path on its 16-frame windows, and at the notes' lengths."""
+    short = _lingbot_row({"run": doc}, 4, "short", "packed[bench]", runs=("run",))["vs lerobot"]
+    seed = _lingbot_row({"run": doc}, 4, "seed", "packed[bench]", runs=("run",))["vs lerobot"]
+    return f"**{ratio(short)}** tokens/s on its 16-frame windows; {ratio(seed)} on whole episodes"
+
+
+def lingbot_goal(
+    blocks: int, regime: str, arm: str, least: float
+) -> Callable[[Doc], tuple[str, bool]]:
+    """Packed tokens/s over LeRobot's own path, ``least`` or more."""
+
+    def measure(doc: Doc) -> tuple[str, bool]:
+        x = _lingbot_row({"run": doc}, blocks, regime, arm, runs=("run",))["vs lerobot"]
+        return ratio(x), x >= least
+
+    return measure
+
+
+def lingbot_share_goal(doc: Doc) -> tuple[str, bool]:
+    r = next(r for r in doc["rows"] if r["arm"] == "packed[lingbot_va]" and "error" not in r)
+    return f"{pct(r['packing share'], 2)} of a 30-block step", r["packing share"] <= 0.05
