@@ -11,7 +11,7 @@
 # Two virtualenvs, with the Python of .python-version (found through pyenv), one per end of the
 # range pyproject.toml declares (docs/compatibility.md):
 #   .venv         oldest: constraints.txt (torch 2.11, numpy 2.0, lerobot 0.6.1), extras
-#                 lerobot,hf,dev,diffusers,plot,serve; `verify`, lint, mypy and `test-slow` run here
+#                 lerobot,lingbot,hf,dev,diffusers,plot,serve; `verify`, lint, mypy and `test-slow` run here
 #   .venv-newest  newest: constraints-newest.txt (torch 2.15, numpy 2.5), extras
 #                 hf,dev,diffusers,plot,serve; no lerobot (0.6.1 needs torch < 2.12), so the tests
 #                 that need lerobot's writer skip there, saying so
@@ -81,7 +81,7 @@ setup() {
 venv=${PACKING_VENV:-$root/.venv}
 venv_newest=${PACKING_VENV_NEWEST:-$root/.venv-newest}
 venv_openpi=${PACKING_VENV_OPENPI:-$root/.venv-openpi}
-setup_oldest() { setup "$venv" constraints.txt lerobot,hf,dev,diffusers,plot,serve; }
+setup_oldest() { setup "$venv" constraints.txt lerobot,lingbot,hf,dev,diffusers,plot,serve; }
 setup_newest() { setup "$venv_newest" constraints-newest.txt hf,dev,diffusers,plot,serve; }
 
 # The robot's venv: openpi-client as published (0.1.2 imports typing_extensions without

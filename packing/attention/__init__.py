@@ -4,7 +4,8 @@
   `document_mask_mod`, `causal`, `frame_causal`, `sliding_window`, `with_block_rule`;
   `dense_mask` is the T x T reference of any of them.
 - `make_block_mask(doc_ids)`: the FlexAttention `BlockMask` from doc boundaries, no T x T and
-  no host sync (``compile=`` "cuda_graph" for the fastest build on a GPU;
+  no host sync; ``mask_mod=`` ANDs an extra rule on per-token attributes (a model's own
+  mask, e.g. LingBot-VA's), sync-free when it carries a `with_tile_rule` (`TileRule`) (``compile=`` "cuda_graph" for the fastest build on a GPU;
   ``BLOCK_MASK_GRAPHS.reset()`` frees the graphs it keeps, one per shape).
 - `packed_attention(q, k, v, mask)` over `prepare_attention(...)`'s `AttentionMask`:
   ``backend`` "flex", "flex_flash", "varlen" (FA4), "sdpa" or "auto";
@@ -16,6 +17,7 @@ from packing.attention._compile import BLOCK_MASK_GRAPHS
 from packing.attention._masks import (
     BlockRule,
     InnerMask,
+    TileRule,
     causal,
     dense_mask,
     document_mask_mod,
@@ -23,6 +25,7 @@ from packing.attention._masks import (
     make_block_mask,
     sliding_window,
     with_block_rule,
+    with_tile_rule,
 )
 from packing.attention._packed import (
     AttentionMask,
@@ -40,6 +43,7 @@ __all__ = [
     "Backend",
     "BlockRule",
     "InnerMask",
+    "TileRule",
     "ascii_blocks",
     "ascii_mask",
     "causal",
@@ -54,4 +58,5 @@ __all__ = [
     "save_png",
     "sliding_window",
     "with_block_rule",
+    "with_tile_rule",
 ]

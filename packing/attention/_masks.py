@@ -56,6 +56,8 @@ from packing.attention._compile import BLOCK_MASK_GRAPHS, check_torch_version
 __all__ = [
     "BlockRule",
     "InnerMask",
+    "MaskMod",
+    "TileRule",
     "causal",
     "dense_mask",
     "document_mask_mod",
@@ -64,11 +66,14 @@ __all__ = [
     "sliding_window",
     "validate_doc_ids",
     "with_block_rule",
+    "with_tile_rule",
 ]
 
 # inner(b, h, q_local, kv_local) -> bool tensor, positions inside the episode.
 InnerMask = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+# tile_rule(q_block, kv_block) -> (any_RC, all_RC): an extra mask_mod's tiles, bool (R, C).
+TileRule = Callable[[int, int], tuple[Tensor, Tensor]]
 
 
 # --------------------------------------------------------------------------- inner masks
@@ -93,6 +98,30 @@ def with_block_rule(inner: InnerMask, rule: BlockRule, name: str | None = None) 
     if name is not None:
         inner.__name__ = name
     return inner
+
+
+def with_tile_rule(mask_mod: MaskMod, rule: TileRule, name: str | None = None) -> MaskMod:
+    """Attach a tile rule to an *extra* mask_mod so ``make_block_mask`` builds it sync-free.
+
+    An extra mask_mod sees global token indices ``(b, h, q, kv)`` and reads per-token
+    attributes it closes over (a stream id, a chunk id, a per-episode window gathered to
+    tokens); ``make_block_mask(..., mask_mod=m)`` ANDs it with the document mask.
+    ``rule(q_block, kv_block) -> (any_RC, all_RC)`` answers, for every (q tile, kv tile): may
+    any pair be true, and is every pair true (bool ``(R, C)``, from per-tile summaries of the
+    attributes, never from the ``T x T`` pairs). ``any`` may over-approximate and ``all``
+    under-approximate: the attention stays exact, only sparsity is lost.
+    """
+    if not callable(mask_mod) or not callable(rule):
+        raise TypeError(
+            f"with_tile_rule takes a mask_mod(b, h, q, kv) and a rule(q_block, kv_block); "
+            f"got {type(mask_mod).__name__} and {type(rule).__name__}"
+        )
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name={name!r} must be a str")
+    mask_mod.tile_rule = rule  # type: ignore[attr-defined]
+    if name is not None:
+        mask_mod.__name__ = name
+    return mask_mod
 
 
 def _band_rule(lo: int, hi: int | None) -> BlockRule:
@@ -195,7 +224,10 @@ def _sliding_window(w: int, causal: bool) -> InnerMask:
 
 
 def document_mask_mod(
-    doc_ids: Tensor, kv_doc_ids: Tensor | None = None, inner: InnerMask | None = None
+    doc_ids: Tensor,
+    kv_doc_ids: Tensor | None = None,
+    inner: InnerMask | None = None,
+    mask_mod: MaskMod | None = None,
 ) -> MaskMod:
     """FlexAttention mask_mod: ``doc_id[q] == doc_id[kv]``, then ``inner`` in episode-local terms.
 
@@ -205,6 +237,8 @@ def document_mask_mod(
     one stream attend to the same episode's keys of another. Padding: see the module docstring;
     a pair past the ids (``q >= T_q`` or ``kv >= T_kv``, a ragged last tile's padding) is False.
     The closure is named e.g. ``document_causal`` or ``cross_document_frame_causal_32``.
+    ``mask_mod`` (global indices, e.g. a rule on per-token attributes) is AND-ed on top:
+    ``document_and_<its name>``.
     """
     q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
     # The ids keep their own dtype: narrowing int64 to int32 would make ids 0 and 2**32 one
@@ -228,10 +262,19 @@ def document_mask_mod(
             same = (q_doc_T[q] == kv_doc_T[kv]) & (q_doc_T[q] >= 0) & inside
             return same & inner_fn(b, h, q_pos_T[q], kv_pos_T[kv])
 
-    mask_mod: MaskMod = same_doc
     prefix = "document" if self_attention else "cross_document"
-    mask_mod.__name__ = prefix if inner is None else f"{prefix}_{_name(inner)}"
-    return mask_mod
+    same_doc.__name__ = prefix if inner is None else f"{prefix}_{_name(inner)}"
+    if mask_mod is None:
+        return same_doc
+    _check_mask_mod(mask_mod)
+    extra = mask_mod
+
+    def same_doc_and_extra(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        q, kv, _ = _in_range(q, kv, q_doc_T, kv_doc_T)
+        return same_doc(b, h, q, kv) & extra(b, h, q, kv)
+
+    same_doc_and_extra.__name__ = f"{same_doc.__name__}_and_{_name(extra)}"
+    return same_doc_and_extra
 
 
 def _in_range(
@@ -248,14 +291,17 @@ def _in_range(
 
 
 def dense_mask(
-    doc_ids: Tensor, kv_doc_ids: Tensor | None = None, inner: InnerMask | None = None
+    doc_ids: Tensor,
+    kv_doc_ids: Tensor | None = None,
+    inner: InnerMask | None = None,
+    mask_mod: MaskMod | None = None,
 ) -> Tensor:
     """bool ``(T_q, T_kv)``: the mask ``document_mask_mod`` describes, by broadcasting it.
 
     The reference for tests and the mask an SDPA backend passes as ``attn_mask`` (True =
     attend). ``O(T_q x T_kv)`` memory: for checking and small packs, not for 64K tokens.
     """
-    mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
+    mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner, mask_mod)
     T_q = doc_ids.shape[0]
     T_kv = T_q if kv_doc_ids is None else kv_doc_ids.shape[0]
     dev = doc_ids.device
@@ -274,18 +320,18 @@ def make_block_mask(
     inner: InnerMask | None = None,
     block_size: int | tuple[int, int] = 128,
     *,
+    mask_mod: MaskMod | None = None,
     inner_fallback: Literal["evaluate", "partial", "error"] = "evaluate",
     compile: bool | Literal["cuda_graph"] = False,
 ) -> BlockMask:
-    """FlexAttention ``BlockMask`` for ``document_mask_mod(doc_ids, kv_doc_ids, inner)``.
+    """FlexAttention ``BlockMask`` for ``document_mask_mod(doc_ids, kv_doc_ids, inner, mask_mod)``.
 
     Built from the document boundaries on the tensors' device, never from the ``T x T`` pairs:
-    ``O(T + R x C)`` tensor work (R q tiles, C kv tiles), no host-device sync, output shapes
-    fixed by ``(T_q, T_kv, block_size)`` alone (not by the number of episodes), so a compiled
-    model sees the same shapes every step. Tiles where every pair attends are listed as *full* (Flex skips
-    the mask_mod there), tiles without a true pair are not listed, the rest are *partial*; a
-    tile that spans several episodes is partial when any of them attends. The last ragged tile
-    (T not a multiple of the block) is never full, as with ``create_block_mask``.
+    ``O(T + R x C)`` tensor work (R q tiles, C kv tiles), no host-device sync, shapes fixed by
+    ``(T_q, T_kv, block_size)`` alone, so a compiled model sees the same shapes every step.
+    Tiles where every pair attends are *full* (Flex skips the mask_mod there), tiles without a
+    true pair are not listed, the rest are *partial* (a tile spanning episodes is partial when
+    any attends; the last ragged tile is never full, as with ``create_block_mask``).
 
     Three episodes ``[5, 2, 4]`` + 1 pad, ``block_size=4`` (``#`` full, ``+`` partial)::
 
@@ -296,74 +342,107 @@ def make_block_mask(
           . + +                . + +
 
     ``inner`` with a ``block_rule`` (``causal``, ``frame_causal``, ``sliding_window``, or your
-    own through :func:`with_block_rule`) is classified tile by tile without a sync. An inner
-    mask *without* a rule, e.g. ``torch``'s ``and_masks(causal(), my_mask)``, is handled as
-    ``inner_fallback`` says:
+    own through :func:`with_block_rule`) is classified tile by tile without a sync.
+    ``mask_mod`` is an *extra* rule on global indices (per-token attributes, per-episode
+    parameters gathered to tokens), AND-ed with the document mask; with a ``tile_rule``
+    (:func:`with_tile_rule`) its tiles come from per-tile summaries, sync-free, and are
+    AND-ed with the document's (eager: ``compile`` applies to the document part alone).
+    An inner mask or extra mask_mod *without* a rule is handled as ``inner_fallback`` says:
 
-    * ``"evaluate"`` (default): evaluate the full mask_mod on the pairs of the *candidate* tiles
-      only (those the documents allow). Exact tiles, but one host-device sync (to gather the
-      candidates) and ``O(#candidates x q_block x kv_block)`` work.
-    * ``"partial"``: list every candidate tile as partial. No sync, exact attention, but no
-      full tiles and no sparsity from the inner mask.
-    * ``"error"``: raise, for hot paths that must stay sync-free.
+    ``"evaluate"`` (default) evaluates the full mask_mod on the pairs of the *candidate* tiles
+    (those the documents allow): exact tiles, one host-device sync; ``"partial"`` lists every
+    candidate tile as partial (no sync, no full tiles); ``"error"`` raises (sync-free paths).
 
     ``block_size`` is an int or ``(q_block, kv_block)``. ``compile=True`` runs the tile
     classification through ``torch.compile`` (static shapes, one graph per ``(T_q, T_kv,
-    block_size, inner)``; the first call compiles): eager it is ~140 small kernels, which on a
-    GPU costs launch overhead rather than work. Reuse the same inner object (the factories here
-    are cached) so the compiled graph is reused. ``compile="cuda_graph"`` (CUDA tensors only)
-    also captures that compiled graph in a CUDA graph per shape, so a call is three launches
-    (copy the doc ids in, replay, copy the tables out) instead of the compiled graph's dozens;
-    the returned tables are the caller's own (a later call never overwrites them). Each
-    captured shape keeps its graph and memory pool (tens of MB at 64K tokens) until
-    ``packing.attention._compile.BLOCK_MASK_GRAPHS.reset()``.
+    block_size, inner)``, so reuse the same (cached) inner object); eager it is ~140 small
+    kernels, launch overhead on a GPU. ``compile="cuda_graph"`` (CUDA only) replays that graph
+    as a CUDA graph per shape: three launches a call, the tables the caller's own; each shape
+    keeps its graph and pool (tens of MB at 64K tokens) until ``BLOCK_MASK_GRAPHS.reset()``.
     """
     q_doc, kv_doc, self_attention = _check_pair(doc_ids, kv_doc_ids)
     bq, bkv = _block_sizes(block_size)
-    if inner_fallback not in ("evaluate", "partial", "error"):
-        raise ValueError(f"inner_fallback={inner_fallback!r}; use 'evaluate', 'partial' or 'error'")
-    mask_mod = document_mask_mod(doc_ids, kv_doc_ids, inner)
-
+    _check_build_options(inner_fallback, compile)
+    full_mod = document_mask_mod(doc_ids, kv_doc_ids, inner, mask_mod)
     rule: BlockRule | None = document_rule if inner is None else getattr(inner, "block_rule", None)
-    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "cuda_graph")):
-        raise ValueError(f"compile={compile!r}; use False, True or 'cuda_graph'")
-    if rule is not None and not compile and _num_tiles(q_doc, kv_doc, bq, bkv) > _CHUNK_TILES:
-        tables = _chunked_block_tables(q_doc, kv_doc, rule, bq, bkv, self_attention)
-    elif rule is not None:
-        build: Callable[..., BlockTables]
-        if compile == "cuda_graph":
-            build = BLOCK_MASK_GRAPHS
-        else:
-            build = _compiled_block_tables() if compile else block_tables
-        tables = build(q_doc, kv_doc, rule, bq, bkv, self_attention)
-    elif inner_fallback == "error":
-        raise ValueError(
-            f"inner mask {_name(inner)!r} has no block_rule and inner_fallback='error'; attach "
-            "one with packing.attention._masks.with_block_rule(inner, rule) or pass "
-            "inner_fallback='evaluate' (one sync) or 'partial' (no full tiles)"
-        )
-    elif compile == "cuda_graph":
-        raise ValueError(
-            f"compile='cuda_graph' needs an inner mask with a block_rule; {_name(inner)!r} has "
-            "none (attach one with packing.attention._masks.with_block_rule, or use compile=True)"
-        )
+    tile_rule: TileRule | None = getattr(mask_mod, "tile_rule", None)
+    unruled = inner if rule is None else mask_mod if tile_rule is None else None
+    if unruled is not None:
+        what = "block_rule" if unruled is inner else "tile_rule"
+        _check_fallback(unruled, what, inner_fallback, compile)
+    if unruled is not None or mask_mod is not None:
+        rules = (rule, tile_rule, unruled is None)
+        tables = _flag_tables(q_doc, kv_doc, rules, full_mod, (bq, bkv), inner_fallback)
+    elif not compile and _num_tiles(q_doc, kv_doc, bq, bkv) > _CHUNK_TILES:
+        tables = _chunked_block_tables(q_doc, kv_doc, rule, bq, bkv, self_attention)  # type: ignore[arg-type]
     else:
-        q_side = doc_side(q_doc, bq)
-        kv_side = doc_side(kv_doc, bkv)
-        any_RC, all_RC = classify_blocks(q_side, kv_side, unknown_rule)
-        if inner_fallback == "evaluate":
-            T_q, T_kv = q_doc.shape[0], kv_doc.shape[0]
-            any_RC, all_RC = evaluate_tiles(mask_mod, any_RC, T_q, T_kv, bq, bkv)
-        tables = tables_from_flags(any_RC, all_RC)
-
+        build: Callable[..., BlockTables] = (
+            BLOCK_MASK_GRAPHS
+            if compile == "cuda_graph"
+            else _compiled_block_tables()
+            if compile
+            else block_tables
+        )
+        tables = build(q_doc, kv_doc, rule, bq, bkv, self_attention)
     # The constructor, not from_kv_blocks: the q-side tables are already built (from the
     # transposed tile flags), which saves a scatter and two vmaps per call.
     return BlockMask(
         seq_lengths=(q_doc.shape[0], kv_doc.shape[0]),
         **tables._asdict(),
         BLOCK_SIZE=(bq, bkv),
-        mask_mod=mask_mod,
+        mask_mod=full_mod,
     )
+
+
+def _check_build_options(inner_fallback: str, compile: Any) -> None:
+    if inner_fallback not in ("evaluate", "partial", "error"):
+        raise ValueError(f"inner_fallback={inner_fallback!r}; use 'evaluate', 'partial' or 'error'")
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "cuda_graph")):
+        raise ValueError(f"compile={compile!r}; use False, True or 'cuda_graph'")
+
+
+def _check_fallback(
+    unruled: Callable[..., Any], what: str, inner_fallback: str, compile: Any
+) -> None:
+    """Refuse what a mask without a rule (``what``) cannot do sync-free, naming the fix."""
+    if inner_fallback == "error":
+        raise ValueError(
+            f"mask {_name(unruled)!r} has no {what} and inner_fallback='error'; "
+            "attach one with packing.attention.with_block_rule (inner) or with_tile_rule "
+            "(mask_mod), or pass inner_fallback='evaluate' (one sync) or 'partial' (no full tiles)"
+        )
+    if compile == "cuda_graph":
+        raise ValueError(
+            f"compile='cuda_graph' needs an inner mask with a block_rule (a mask_mod with a "
+            f"tile_rule); {_name(unruled)!r} has none (attach one with packing.attention."
+            "with_block_rule / with_tile_rule, or use compile=True)"
+        )
+
+
+def _flag_tables(
+    q_doc: Tensor,
+    kv_doc: Tensor,
+    rules: tuple[BlockRule | None, TileRule | None, bool],
+    full_mod: MaskMod,
+    blocks: tuple[int, int],
+    inner_fallback: str,
+) -> BlockTables:
+    """Eager tile flags: the document (and inner) classification AND the extra mask's tile
+    rule; a mask without a rule is unknown inside the candidate tiles, then evaluated there
+    (``"evaluate"``, the one sync) or left partial (``"partial"``)."""
+    (rule, tile_rule, exact), (bq, bkv) = rules, blocks
+    q_side = doc_side(q_doc, bq)
+    kv_side = q_side if kv_doc is q_doc and bq == bkv else doc_side(kv_doc, bkv)
+    any_RC, all_RC = classify_blocks(q_side, kv_side, rule or unknown_rule)
+    if tile_rule is not None:
+        t_any, t_all = tile_rule(bq, bkv)
+        any_RC, all_RC = any_RC & t_any, all_RC & t_all
+    if not exact:
+        all_RC = torch.zeros_like(all_RC)
+        if inner_fallback == "evaluate":
+            T_q, T_kv = q_doc.shape[0], kv_doc.shape[0]
+            any_RC, all_RC = evaluate_tiles(full_mod, any_RC, T_q, T_kv, bq, bkv)
+    return tables_from_flags(any_RC, all_RC)
 
 
 # Tiles classified per chunk on the eager path. Unchunked, the classification holds about a
@@ -508,5 +587,13 @@ def _non_negative_int(name: str, v: int) -> int:
     return check_int(name, v)
 
 
-def _name(inner: InnerMask | None) -> str:
+def _check_mask_mod(mask_mod: Any) -> None:
+    if not callable(mask_mod):
+        raise TypeError(
+            f"mask_mod must be a FlexAttention mask_mod(b, h, q, kv) -> bool tensor, got "
+            f"{type(mask_mod).__name__}"
+        )
+
+
+def _name(inner: Any) -> str:
     return getattr(inner, "__name__", type(inner).__name__)

@@ -56,7 +56,7 @@ from packing._validate import check_choice, check_device, check_dtype, check_opt
 from packing.attention import _compile
 from packing.attention import _masks as masks
 from packing.attention._fa4 import fa4_varlen, zero_rows_from
-from packing.attention._masks import InnerMask
+from packing.attention._masks import InnerMask, MaskMod
 from packing.data import StreamLayout
 
 __all__ = [
@@ -109,6 +109,7 @@ class AttentionMask:
     kv_len: int  # padded key tokens (T_kv)
     inner: InnerMask | None
     cross: bool
+    mask_mod: Any = None  # the extra mask_mod AND-ed with the document mask (flex, sdpa)
     dense_TT: Tensor | None = None  # sdpa: bool (T_q, T_kv), rows with no key made all-True
     keep_T: Tensor | None = None  # sdpa, torch varlen: bool (T_q,), rows not forced to 0
     block_mask: Any = None  # flex: torch BlockMask
@@ -128,7 +129,7 @@ class AttentionMask:
         return (
             f"AttentionMask(backend={self.backend!r}, kernel={self.kernel!r}, "
             f"shape={self.shape}, cross={self.cross}, inner={_name(self.inner)}, "
-            f"reason={self.reason!r})"
+            f"mask_mod={_name(self.mask_mod)}, reason={self.reason!r})"
         )
 
 
@@ -250,13 +251,17 @@ def prepare_attention(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     head_dim: int | None = None,
+    mask_mod: MaskMod | None = None,
 ) -> AttentionMask:
     """Build the attention mask of one step for ``backend``; share it across layers.
 
     ``layout`` is the query side (e.g. ``batch.layout()`` or a joint layout's ``.layout``),
     ``kv_layout`` the key side for cross-attention (``None``: self-attention). ``inner`` is an
     episode-local rule from `packing.attention._masks` (``causal()``, ``frame_causal(...)``,
-    ``sliding_window(...)``) AND-ed with the document mask. ``device`` defaults to the layout's;
+    ``sliding_window(...)``) AND-ed with the document mask; ``mask_mod`` an extra rule on
+    global indices (per-token attributes, e.g. LingBot-VA's chunk mask), AND-ed too, with a
+    ``tile_rule`` (`with_tile_rule`) for a sync-free block mask; either rules out ``varlen``
+    (``auto`` then picks a Flex kernel on CUDA). ``device`` defaults to the layout's;
     ``dtype`` (of q/k/v) lets ``auto`` rule out half-precision-only kernels for fp32, and
     ``head_dim`` the flash-attn-4 kernels for head dims they do not support (64, 96, 128);
     without it, `packed_attention` refuses an unsupported head dim on those kernels at call time.
@@ -283,7 +288,13 @@ def prepare_attention(
             f"the query layout has {q_lay.num_docs} documents and the key layout "
             f"{kv_lay.num_docs}; build both layouts from the same pack"
         )
-    name, kernel, reason = _resolve(backend, dev, inner, dtype, head_dim)
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(
+            f"mask_mod must be a mask_mod(b, h, q, kv) -> bool tensor, or None; got "
+            f"{type(mask_mod).__name__}"
+        )
+    rule_for_kernel = inner if inner is not None else mask_mod
+    name, kernel, reason = _resolve(backend, dev, rule_for_kernel, dtype, head_dim)
     common: dict[str, Any] = dict(
         backend=name,
         kernel=kernel,
@@ -292,17 +303,18 @@ def prepare_attention(
         kv_len=kv_lay.padded_len,
         inner=inner,
         cross=cross,
+        mask_mod=mask_mod,
     )
     kv_doc = kv_lay.doc_ids_T if cross else None
     if name == "sdpa":
-        dense = masks.dense_mask(q_lay.doc_ids_T, kv_doc, inner)
+        dense = masks.dense_mask(q_lay.doc_ids_T, kv_doc, inner, mask_mod)
         has_key = dense.any(dim=1)
         # SDPA turns a row with no allowed key into NaN; open it to every key, then zero its
         # output in `attention` (pad queries must read 0, never NaN).
         dense = dense | ~has_key[:, None]
         return AttentionMask(**common, dense_TT=dense, keep_T=has_key)
     if name in ("flex", "flex_flash"):
-        block_mask = masks.make_block_mask(q_lay.doc_ids_T, kv_doc, inner)
+        block_mask = masks.make_block_mask(q_lay.doc_ids_T, kv_doc, inner, mask_mod=mask_mod)
         options = {"BACKEND": "FLASH"} if name == "flex_flash" else None
         return AttentionMask(**common, block_mask=block_mask, kernel_options=options)
     docs = max(len(q_lay.cu_seqlens_K1), len(kv_lay.cu_seqlens_K1)) - 1

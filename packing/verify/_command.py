@@ -486,8 +486,14 @@ def model_and_episodes(
         _, where, features = dataset_features(config)
         mapping, sizes = reference_streams(features, config.features, where)
     model = build_model(config, sizes)
-    names = [s.name for s in model.streams]  # type: ignore[union-attr]
+    # A model whose episodes are not the dataset's features as they are (LingBot-VA: actions
+    # per latent frame, text embeddings) names the features it reads (``dataset_keys``) and
+    # turns the loaded episodes into its own (``adapt_episodes``).
+    names = list(getattr(model, "dataset_keys", [s.name for s in model.streams]))  # type: ignore[union-attr]
     episodes, where = load_episodes(config, names, mapping)
+    adapt = getattr(model, "adapt_episodes", None)
+    if callable(adapt):
+        episodes = adapt(episodes)
     return model, episodes, where, mapping
 
 

@@ -1,0 +1,85 @@
+"""Tiny random-init LingBot-VA policies built from LeRobot's own classes, for the proofs.
+
+Nothing is downloaded: ``tiny_policy`` builds ``LingBotVAPolicy(LingBotVAConfig(...))`` with
+LeRobot's code at a few thousand parameters (the VAE and text encoder are never loaded: the
+packed path and the reference take latents and text embeddings). ``packing verify --model
+packing.integrations.lingbot_va.testing:tiny_lingbot_va`` trains one packed against LeRobot's
+own ``training_loss_from_streams``, one episode at a time (`PackedLingBotVA.reference`).
+
+``ablation`` plants a mistake the proof must catch (tests/test_lingbot_va.py):
+``"no_document_mask"`` (episodes see each other), ``"one_chunk_window"`` (the first
+episode's chunk_size and window for the whole pack), ``"no_window"`` (the window ignored).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from packing._lazy import require
+from packing.integrations.lingbot_va._episodes import lingbot_episodes
+from packing.integrations.lingbot_va._packed import PackedLingBotVA
+
+__all__ = ["ABLATIONS", "tiny_lingbot_va", "tiny_policy", "toy_text_embeddings"]
+
+ABLATIONS = ("no_document_mask", "one_chunk_window", "no_window")
+TEXT_ROWS = 512  # LeRobot's cross mask assumes 512 text rows (UMT5's max_sequence_length)
+
+
+def tiny_policy(**overrides: Any) -> Any:
+    """LeRobot's ``LingBotVAPolicy`` at toy size, fp32, ``attn_mode="flex"`` on the CPU."""
+    conf = require("lerobot.policies.lingbot_va.configuration_lingbot_va", extra="lingbot")
+    modeling = require("lerobot.policies.lingbot_va.modeling_lingbot_va", extra="lingbot")
+    types = require("lerobot.configs.types", extra="lingbot")
+    visual = types.PolicyFeature(type=types.FeatureType.VISUAL, shape=(3, 32, 32))
+    options: dict[str, Any] = dict(
+        num_attention_heads=2, attention_head_dim=12, in_channels=48, out_channels=48,
+        action_dim=16, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, attn_mode="flex",
+        dtype="float32", used_action_channel_ids=list(range(14)), action_per_frame=1,
+        frame_chunk_size=2, input_features={"observation.images.image": visual}, device="cpu",
+    )  # fmt: skip
+    options.update(overrides)
+    return modeling.LingBotVAPolicy(conf.LingBotVAConfig(**options))
+
+
+def toy_text_embeddings(text_dim: int = 16, rows: int = TEXT_ROWS) -> Any:
+    """A deterministic stand-in for UMT5: each task's ``(rows, text_dim)`` embedding is drawn
+    from a generator seeded by the task's text."""
+
+    def embed(task: str) -> Tensor:
+        seed = int.from_bytes(hashlib.blake2b(task.encode(), digest_size=8).digest(), "little")
+        g = torch.Generator().manual_seed(seed >> 1)
+        return torch.randn(rows, text_dim, generator=g)
+
+    return embed
+
+
+class _VerifyLingBotVA(PackedLingBotVA):
+    """`PackedLingBotVA` plus what ``packing verify`` reads: the dataset's features and how
+    its episodes become LingBot-VA's."""
+
+    dataset_keys = ("latents", "action")
+
+    def adapt_episodes(self, episodes: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        text = toy_text_embeddings(int(self.config.text_dim))
+        ds = lingbot_episodes(
+            [{**ep, "latents": ep["latents"].float()} for ep in episodes], text,
+            action_per_frame=self.action_per_frame,
+        )  # fmt: skip
+        return [ds[i] for i in range(len(ds))]
+
+
+def tiny_lingbot_va(
+    document_mask: bool = True, ablation: str | None = None, **overrides: Any
+) -> PackedLingBotVA:
+    """The ``packing verify --model`` factory: a tiny policy packed for latents of 8 x 16
+    (the default dataset's), LeRobot's draw ranges. ``--no-document-mask`` must fail."""
+    if ablation is not None and ablation not in ABLATIONS:
+        raise ValueError(f"ablation={ablation!r}; use one of {ABLATIONS} or None")
+    packed = _VerifyLingBotVA(tiny_policy(**overrides), latent_hw=(8, 16))
+    packed._ablation = "no_document_mask" if not document_mask else ablation
+    return packed
