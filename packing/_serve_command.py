@@ -11,7 +11,9 @@ engines, until SIGINT/SIGTERM (then it drains and exits 0).
                                                     #   or (engine, adapter)
 
 Any address but loopback needs an API key (``--api-key``, or PACKING_API_KEY so it is not in
-the process list). One log line per connection, a summary every ``--summary-every-s``.
+the process list). Before serving, every pack shape and prefill pass is compiled and captured
+("warming 9 of 14 shapes"; ``/healthz`` says 503 until then). One log line per connection, a
+summary every ``--summary-every-s`` (with the compiles and captures since the warm-up: 0).
 docs/serving.md has the wire format, the observation keys and the security settings.
 """
 
@@ -56,8 +58,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--actions", type=int, default=16, help="action steps a chunk generates (16)")
     s.add_argument("--steps", type=int, default=10, help="denoising steps by default (10)")
     s.add_argument("--context-frames", type=int, default=4,
-                   help="context frames the default shape leaves room for (4; not with "
-                        "--context-cache: the pool holds the contexts)")  # fmt: skip
+                   help="the most context frames a chunk keeps (4): room in the default shapes, "
+                        "or with --context-cache each pack's window of pages")  # fmt: skip
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")
     s.add_argument("--api-key", default=os.environ.get("PACKING_API_KEY"),
@@ -155,7 +157,7 @@ def _context_cache(args: argparse.Namespace) -> Any:
                 f"{', '.join(given)} sizes the context cache; add --context-cache PAGES"
             )
         return None
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"context_frames": args.context_frames}
     if args.page_frames is not None:
         extra["page_frames"] = args.page_frames
     if args.prefill_frames is not None:

@@ -108,7 +108,8 @@ def test_packing_serve_context_cache_builds_the_cached_engine():
                                       "--page-frames", "2", "--prefill-frames", "8",
                                       "--frames", "2", "--actions", "8"])  # fmt: skip
     engine, _ = _serve_command._build(args, "cpu")
-    assert engine.config.context_cache == ContextCache(pages=32, page_frames=2, prefill_frames=8)
+    assert engine.config.context_cache == ContextCache(pages=32, page_frames=2, prefill_frames=8,
+                                                       context_frames=4)  # --context-frames
     # the default shapes: 1, 2, 4, 8 requests of generated frames only (no room for context)
     assert [(s.frames, s.actions, s.requests) for s in engine.shapes] == [
         (2, 8, 1), (4, 16, 2), (8, 32, 4), (16, 64, 8)]  # fmt: skip

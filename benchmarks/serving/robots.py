@@ -61,27 +61,23 @@ def longest_context(args: Any) -> int:
 
 
 def build_engine(model: DiT, args: Any, requests: list[int]) -> Engine:
+    """The engine of one arm, warmed up (every shape and prefill pass compiled and captured)
+    before any robot is timed; its warm-up stats are kept on it (``warm_stats``)."""
     cache = None
     per = longest_context(args) + args.frames  # uncached: a shape holds context + generated
     if args.context_cache is not None:  # cached: generated frames only, contexts in the pool
-        cache, per = (
-            ContextCache(pages=args.context_cache, page_frames=args.page_frames),
-            args.frames,
-        )
+        cache = ContextCache(pages=args.context_cache, page_frames=args.page_frames,
+                             context_frames=longest_context(args))  # fmt: skip
+        per = args.frames
     shapes = tuple(PackShape(frames=n * per, actions=n * args.actions, requests=n)
                    for n in requests)  # fmt: skip
     config = EngineConfig(shapes=shapes, max_steps=args.steps, cuda_graphs=args.cuda_graphs,
                           scheduler=FlowScheduler(solver="multistep2", shift=5.0),
                           context_cache=cache)  # fmt: skip
     engine = Engine(model, config)
-    adapter = DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps)
-    for n in requests:  # warm each shape (compile, capture) before any robot is timed
-        for k in range(n):  # each its own session: two chunks of one never share a pack
-            obs = observation(k, args, model.config, args.episode_chunks - 1)
-            engine.submit(adapter.request(obs, session=f"warm {k}"))
-        engine.run()
-        for k in range(n):
-            engine.end_session(f"warm {k}")
+    engine.warm_up(progress=lambda done, total, label: print(
+        f"warming {done} of {total} shapes ({label})", flush=True))  # fmt: skip
+    print({"warm_up": engine.warm_stats}, flush=True)
     return engine
 
 
@@ -98,25 +94,46 @@ def observation(robot: int, args: Any, cfg: DiTConfig, chunk: int = 0,
     return obs
 
 
-def step_costs(model: DiT, args: Any, counts: list[int]) -> list[dict[str, Any]]:
+def step_costs(
+    engine: Engine, args: Any, cfg: DiTConfig, counts: list[int]
+) -> list[dict[str, Any]]:
     """The engine alone, no server: one model call's time with n requests in the pack (n up
-    to the most robots), the median of ``--steps`` calls after a warm run; what sets
-    ``--max-pack`` (on a CPU the dense-mask attention grows with the square of the pack)."""
+    to the most robots; the median of a chunk's ``--steps`` calls, their contexts cached by
+    a first chunk), and for one request a whole chunk (a fresh context prefilled, then its
+    steps: what one robot alone asks the server for)."""
     adapter = DiTAdapter(frames=args.frames, actions=args.actions, steps=args.steps)
+    cuda = next(engine.model.parameters()).is_cuda
     out = []
     for n in (k for k in (1, 2, 4, 8, 16, 32, 64) if k <= max(counts)):
-        engine = build_engine(model, args, [n])
-        for k in range(n):
-            engine.submit(adapter.request(observation(k, args, model.config), session=f"cost {k}"))
         times = []
-        while engine.active or engine.waiting:
-            t0 = time.perf_counter()
-            engine.step()
-            if next(model.parameters()).is_cuda:
-                torch.cuda.synchronize()
-            times.append(1e3 * (time.perf_counter() - t0))
-        step_ms = summarize(times).median_ms
-        out.append({"requests": n, "step_ms": step_ms, "per_request_ms": step_ms / n})
+        for chunk in range(2):  # the first prefills each session's context, the second reuses
+            for k in range(n):
+                obs = observation(k, args, cfg, args.episode_chunks - 1 if chunk else 0)
+                obs.pop("episode", None)
+                engine.submit(adapter.request(obs, session=f"cost {n} {k}"))
+            while engine.active or engine.waiting:
+                t0 = time.perf_counter()
+                engine.step()
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(1e3 * (time.perf_counter() - t0))
+        for k in range(n):
+            engine.end_session(f"cost {n} {k}")
+        step_ms = summarize(times[len(times) // 2 + 1 :]).median_ms  # the second chunk's steps
+        row = {"requests": n, "step_ms": step_ms, "per_request_ms": step_ms / n}
+        if n == 1:  # a whole chunk alone, fresh context each time (as the lone robot below)
+            chunk = []
+            for i in range(4):
+                r = adapter.request({**observation(0, args, cfg), "seed": i}, session=f"alone {i}")
+                t0 = time.perf_counter()
+                engine.submit(r)
+                engine.run()
+                if cuda:
+                    torch.cuda.synchronize()
+                chunk.append(1e3 * (time.perf_counter() - t0))
+                engine.end_session(f"alone {i}")
+            row["chunk_ms"] = summarize(chunk[1:]).median_ms
+        out.append(row)
         print(out[-1], flush=True)
     return out
 
@@ -222,16 +239,15 @@ def main() -> None:
             torch._dynamo.config.recompile_limit = max(limit, 2 * args.max_pack)
         for block in model.blocks:
             block.compile(dynamic=False)
-    costs = step_costs(model, args, counts)
+    top = min(max(counts), args.max_pack)
+    engines = {"one_at_a_time": build_engine(model, args, [1]),
+               "packed": build_engine(model, args, pack_sizes(top, args.pack_shapes))}  # fmt: skip
+    costs = step_costs(engines["packed"], args, cfg, counts)
     rows: list[dict[str, Any]] = []
     lone_s = None
     for n in counts:  # the arms side by side at each N: a shared machine drifts less between
         for arm in ("one_at_a_time", "packed"):
-            top = min(n, args.max_pack)
-            sizes = [1] if arm == "one_at_a_time" else pack_sizes(top, args.pack_shapes)
-            t0 = time.perf_counter()
-            engine = build_engine(model, args, sizes)
-            warm_s = time.perf_counter() - t0
+            engine = engines[arm]
             server = PolicyServer(engine, DiTAdapter(frames=args.frames, actions=args.actions,
                                                      steps=args.steps),
                                   ServerConfig(port=0, max_queue=4 * max(counts), deadline_s=600))  # fmt: skip
@@ -246,19 +262,21 @@ def main() -> None:
                         lone_s = (time.monotonic() - t) / 3
                 row = run_robots(address, n, args.chunk_x * lone_s, args, cfg)
             s = server.summary()
-            row.update(arm=arm, robots=n, lone_ms=1e3 * lone_s, warmup_s=warm_s,
+            row.update(arm=arm, robots=n, lone_ms=1e3 * lone_s, warm_up=engine.warm_stats,
                        requests_per_call=s["requests_per_call"], pack_fill=s["pack_fill"],
-                       context_cache=args.context_cache, cache_stats=getattr(engine, "stats", None))  # fmt: skip
+                       compiles_after_warm_up=s["compiles_after_warm_up"],
+                       captures_after_warm_up=s["captures_after_warm_up"],
+                       context_cache=args.context_cache, cache_stats=engine.stats)  # fmt: skip
             rows.append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
                   flush=True)  # fmt: skip
             write_json("serving_robots", args, {"rows": rows, "step_costs": costs}, device=dev,
                        partial=True)  # fmt: skip
     cols = ["arm", "robots", "chunks_per_s", "p50_ms", "p99_ms", "idle", "requests_per_call",
-            "lone_ms"]  # fmt: skip
+            "lone_ms", "compiles_after_warm_up", "captures_after_warm_up"]  # fmt: skip
     print(markdown_table(rows, cols))
     load = os.getloadavg() if hasattr(os, "getloadavg") else None  # a shared machine says so
-    print(markdown_table(costs, ["requests", "step_ms", "per_request_ms"]))
+    print(markdown_table(costs, ["requests", "step_ms", "per_request_ms", "chunk_ms"]))
     write_json("serving_robots", args, {"rows": rows, "step_costs": costs, "config": args.config,
                                         "context_cache": args.context_cache,
                                         "frame_causal": cfg.frame_causal,

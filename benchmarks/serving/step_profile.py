@@ -35,8 +35,8 @@ def model_config(name: str) -> DiTConfig:
 
 
 def engine_for(model: DiT, args: Any, n: int, pages: int) -> Engine:
-    cache = ContextCache(pages=pages, page_frames=args.page_frames,
-                         context_frames=args.context_frames)  # fmt: skip
+    window = None if args.whole_pool else args.context_frames  # None: attend over the pool
+    cache = ContextCache(pages=pages, page_frames=args.page_frames, context_frames=window)
     shape = PackShape(frames=n * args.frames, actions=n * args.actions, requests=n)
     config = EngineConfig(shapes=(shape,), max_steps=args.steps, cuda_graphs=args.cuda_graphs,
                           scheduler=FlowScheduler(solver="multistep2", shift=5.0),
@@ -94,6 +94,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--chunks", type=int, default=3, help="chunks timed per row")
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--whole-pool", action="store_true",
+                   help="the control: every step attends over the whole pool (no window)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="a kernel table per row")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU default 1)")
     args = p.parse_args()
@@ -120,7 +122,8 @@ def main() -> None:
             for _ in range(args.chunks):  # later chunks reuse the cached context: steps only
                 times += timed_steps(engine, reqs, cuda)[1:]
             s = summarize(times)
-            row = {"pages": pages, "requests": n, "step_ms": s.median_ms,
+            row = {"pages": pages, "requests": n, "window": not args.whole_pool,
+                   "step_ms": s.median_ms,
                    "step_min_ms": min(times), "step_max_ms": max(times),
                    "warm_up": engine.warm_stats}  # fmt: skip
             if args.profile:
@@ -129,7 +132,8 @@ def main() -> None:
                 row["profile"] = name
             rows.append(row)
             print(row, flush=True)
-    print(markdown_table(rows, ["pages", "requests", "step_ms", "step_min_ms", "step_max_ms"]))
+    print(markdown_table(rows, ["pages", "requests", "window", "step_ms", "step_min_ms",
+                                "step_max_ms"]))  # fmt: skip
     write_json("serving_step_profile", args, {"rows": rows, "config": args.config}, device=dev)
 
 

@@ -170,6 +170,11 @@ class ShapeKernels:
         self._compiled.clear()
         self._warned = False
 
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` more shapes to get static kernels (an engine that warms up a
+        known set of pack shapes, each with its own attention shapes, before serving)."""
+        self.static_shapes = max(self.static_shapes, len(self._shapes) + n)
+
     def is_static(self, shape: tuple[int, ...]) -> bool:
         """Give ``shape`` a static kernel if it has one or a slot is free."""
         if shape in self._shapes or len(self._shapes) < self.static_shapes:

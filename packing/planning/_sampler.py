@@ -197,6 +197,14 @@ class PackedBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return self._num_steps(self.epoch)
 
+    def all_ranks(self) -> AllRanks:
+        """Every rank's packs, step by step (rank 0's, rank 1's, ... of step 0, then step 1):
+        the batch sampler for a loader that deals batches to processes round-robin, as
+        Hugging Face Accelerate's ``prepare`` does. Process ``r`` then gets exactly this
+        sampler's rank-``r`` packs; given a per-rank sampler, ``prepare`` would keep one pack
+        in ``num_replicas`` of its share and drop the rest."""
+        return AllRanks(self)
+
     def _num_steps(self, epoch: int) -> int:
         return len(self._epoch_packs(epoch)[0]) // self.num_replicas
 
@@ -432,3 +440,22 @@ def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     if not 0 <= rank < num_replicas:
         raise ValueError(f"rank={rank} is outside [0, num_replicas={num_replicas})")
     return num_replicas, rank
+
+
+class AllRanks(Sampler[list[int]]):
+    """`PackedBatchSampler.all_ranks`: the schedule's table read row by row."""
+
+    def __init__(self, sampler: PackedBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler) * self.sampler.num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        packs = self.sampler._epoch_packs(self.sampler.epoch)[0]
+        for row in self.sampler.schedule().tolist():
+            for p in row:
+                yield list(packs[p])

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from packing._validate import check_int
+from packing.attention._compile import FLEX_KERNELS
 from packing.model import DiT
 from packing.serve._config import EngineConfig
 from packing.serve._device import pinned
@@ -212,11 +213,17 @@ class Engine:
         service a step or pass not run here raises instead of compiling or capturing.
         ``progress(done, total, label)`` after each; returns (and keeps as ``warm_stats``)
         the shapes warmed, the seconds, and the compiles and captures it made."""
+        if self.warm_stats:
+            return self.warm_stats  # warmed already: the shapes are fixed at construction
         if self._members or self._waiting:
             raise RuntimeError("warm_up() runs before any request: this engine has some")
         keys = self.packs.warm_keys()
+        if self.device.type == "cuda":  # a static FlexAttention kernel for each key's self-
+            FLEX_KERNELS.reserve(2 * len(keys))  # and cross-attention: not the slower dynamic one
         compiles, captures, t0 = _compiles(), self.packs.steps.captures, time.perf_counter()
         with torch.no_grad():
+            for s in self.shapes:  # an empty pack in each: every row padding
+                self.packs.layout(s, [], self._tables([], s.requests))
             for i, (label, run) in enumerate(keys):
                 run()
                 if progress is not None:

@@ -261,7 +261,7 @@ class Steps:
                 raise RuntimeError(
                     f"{key!r} was not warmed up: the engine's warm-up runs every pack shape and "
                     "prefill pass it can meet, so this one would compile and capture in "
-                    "service; build the engine with this shape (or call warm_up() again)"
+                    "service; give the engine this shape when it is built"
                 )
             self.keys.add(key)
         if not self.cuda_graphs:

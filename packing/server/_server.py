@@ -115,7 +115,9 @@ class PolicyServer:
         self._ids = itertools.count()
         self._open = 0
         self._draining = False
-        self._ready = threading.Event()
+        self._ready = threading.Event()  # listening
+        self._warm = threading.Event()  # every engine's warm-up ended (well or not)
+        self._serving = False  # every engine warmed up: robots are accepted
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._started = time.monotonic()
@@ -126,8 +128,10 @@ class PolicyServer:
         asyncio.run(self._main(signals=True))
 
     @contextmanager
-    def running(self, timeout_s: float = 30.0) -> Iterator[tuple[str, int]]:
-        """Serve on a background thread; yields ``(host, port)``; drains and stops on exit."""
+    def running(self, timeout_s: float = 30.0, *, warm: bool = True) -> Iterator[tuple[str, int]]:
+        """Serve on a background thread; yields ``(host, port)`` once listening (within
+        ``timeout_s``) and, with ``warm``, once every engine has warmed up (however long
+        that takes); drains and stops on exit."""
         errors: list[BaseException] = []
 
         def run() -> None:
@@ -136,11 +140,16 @@ class PolicyServer:
             except BaseException as e:
                 errors.append(e)
                 self._ready.set()
+                self._warm.set()
 
         thread = threading.Thread(target=run, name="packing-server", daemon=True)
         thread.start()
         if not self._ready.wait(timeout_s) or errors:
             raise RuntimeError(f"the server did not start: {errors[0] if errors else 'timeout'}")
+        if warm:
+            self._warm.wait()
+            if errors:
+                raise RuntimeError(f"the server did not start: {errors[0]}")
         assert self.address is not None
         try:
             yield self.address
@@ -156,7 +165,8 @@ class PolicyServer:
 
     def summary(self) -> dict[str, Any]:
         """Requests answered and failed, requests/s, latency p50/p99, requests per model call
-        and pack fill, queue length, connections (what the periodic log line prints)."""
+        and pack fill, queue length, connections, compiles and CUDA graph captures since the
+        warm-up (what the periodic log line prints)."""
         return summary(self.loops, time.monotonic() - self._started, self._open)
 
     async def _main(self, signals: bool) -> None:
@@ -176,8 +186,10 @@ class PolicyServer:
             if signals:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     self._aloop.add_signal_handler(sig, self._stopping.set)
-            log.info("serving on ws://%s:%d (%d engines)", *self.address, len(self.loops))
+            log.info("listening on ws://%s:%d; /healthz says 503 until %d engines warmed up",
+                     *self.address, len(self.loops))  # fmt: skip
             self._ready.set()
+            await self._warm_up()
             ticker = asyncio.create_task(self._summaries())
             await self._stopping.wait()
             ticker.cancel()
@@ -186,6 +198,24 @@ class PolicyServer:
             for loop in self.loops:
                 loop.stop()
         log.info("stopped: %s", self.summary())
+
+    async def _warm_up(self) -> None:
+        """Wait for every engine's warm-up (its thread compiles and captures each shape; until
+        then /healthz says 503 and robots are turned away); one that failed stops the server."""
+        await asyncio.gather(*(asyncio.to_thread(loop.warmed.wait) for loop in self.loops))
+        bad = next((loop for loop in self.loops if loop.warm_error is not None), None)
+        if bad is not None:  # `running` hears it from the thread that runs this
+            raise RuntimeError(f"{bad.name} failed to warm up ({type(bad.warm_error).__name__}: "
+                               f"{bad.warm_error}); see the log")  # fmt: skip
+        self._serving = True
+        self._warm.set()
+        assert self.address is not None
+        log.info("serving on ws://%s:%d (%d engines; %s)", *self.address, len(self.loops),
+                 self._warming())  # fmt: skip
+
+    def _warming(self) -> str:
+        return ", ".join(f"{loop.name} {loop.warming[0]} of {loop.warming[1]} shapes warmed"
+                         for loop in self.loops)  # fmt: skip
 
     async def _drain(self, server: Any) -> None:
         """Stop accepting, let the requests in flight finish and be sent, then close."""
@@ -209,6 +239,9 @@ class PolicyServer:
         if request.path == "/healthz":
             if self._draining:
                 return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "draining\n")
+            if not self._serving:
+                return connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE,
+                                          f"warming up: {self._warming()}\n")  # fmt: skip
             return connection.respond(http.HTTPStatus.OK, "OK\n")
         key = self.config.api_key
         if key is not None:
@@ -220,6 +253,9 @@ class PolicyServer:
         unavailable = http.HTTPStatus.SERVICE_UNAVAILABLE
         if self._draining:
             return connection.respond(unavailable, "busy: shutting down\n")
+        if not self._serving:
+            return connection.respond(unavailable, f"busy: warming up ({self._warming()}); "
+                                      "retry when /healthz says OK\n")  # fmt: skip
         if self._open >= (n := self.config.max_connections):
             return connection.respond(
                 unavailable, f"busy: {n} connections open (max_connections)\n"

@@ -70,6 +70,9 @@ class EngineLoop:
         self.fill: deque[float] = deque(maxlen=4096)  # ... over the shape's request slots
         self.latencies_ms: deque[float] = deque(maxlen=4096)
         self.answered = self.failed = 0
+        self.warmed = threading.Event()  # set when the warm-up ended (see warm_error)
+        self.warm_error: BaseException | None = None
+        self.warming = (0, 0)  # shapes warmed, of how many
         self._thread = threading.Thread(target=self._run, name=f"packing-{name}", daemon=True)
 
     # -- called from the asyncio side -------------------------------------------------------
@@ -114,6 +117,8 @@ class EngineLoop:
         device = getattr(self.engine, "device", None) or getattr(model, "device", None)
         if isinstance(device, torch.device) and device.type == "cuda":
             torch.cuda.set_device(device)  # this thread's graphs and streams on the engine's GPU
+        if not self._warm_up():
+            return
         while True:
             with self._cv:
                 while not (self._inbox or self._cancelled or self._ended or self._stop
@@ -142,6 +147,26 @@ class EngineLoop:
                 self._lost()
         for job in [*self._jobs.values(), *self._inbox]:  # stopped: nothing is left hanging
             self._resolve(job, Outcome(error="the server stopped before this request finished"))
+
+    def _warm_up(self) -> bool:
+        """Compile and capture every shape the engine can meet before any robot is served
+        (an engine without ``warm_up`` is taken as warm); False if it failed (logged)."""
+        warm = getattr(self.engine, "warm_up", None)
+        try:
+            if warm is not None and not getattr(self.engine, "warm_stats", None):
+                stats = warm(progress=self._progress)
+                log.info("%s: warm: %s", self.name, stats)
+        except Exception as e:
+            log.exception("%s: warm-up failed", self.name)
+            self.warm_error = e
+            return False
+        finally:
+            self.warmed.set()
+        return True
+
+    def _progress(self, done: int, total: int, label: str) -> None:
+        self.warming = (done, total)
+        log.info("%s: warming %d of %d shapes (%s)", self.name, done, total, label)
 
     def _submit(self, job: Job) -> None:
         try:

@@ -31,9 +31,15 @@ def install(transformer: nn.Module, **options: Any) -> PackedAdapter:
     for family in FAMILIES:
         if isinstance(transformer, family.model_cls):
             return family(transformer, **options)
-    names = " or ".join(f.model_cls.__name__ for f in FAMILIES)
+    names = " or ".join(f"{f.model_cls.__module__}.{f.model_cls.__name__}" for f in FAMILIES)
+    got = f"{type(transformer).__module__}.{type(transformer).__name__}"
+    if type(transformer).__module__.startswith("lerobot.policies.lingbot_va"):
+        raise TypeError(
+            f"expected {names}, got {got}: LeRobot's LingBot-VA (a dual-stream Wan, not "
+            "diffusers'); pack it with packing.integrations.lingbot_va.install(policy, "
+            "latent_hw=(H, W)) (docs/lingbot-va.md)"
+        )
     raise TypeError(
-        f"expected a diffusers {names}, got {type(transformer).__name__}; another model of the "
-        "same structure needs its own adapter (docs/porting.md, 'Another diffusers video "
-        "transformer')"
+        f"expected {names}, got {got}; another model of the same structure needs its own "
+        "adapter (docs/porting.md, 'Another diffusers video transformer')"
     )

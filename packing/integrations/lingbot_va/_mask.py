@@ -46,12 +46,7 @@ def clean_to_clean(tok: DualStreamTokens) -> MaskMod:
     def clean_to_clean(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return (copy[q] == 1) & (copy[kv] == 1) & (chunk[kv] <= chunk[q])
 
-    def rule(bq: int, bkv: int) -> tuple[Tensor, Tensor]:
-        q, k = _tiles(tok, bq, 1), _tiles(tok, bkv, 1)
-        any_ = q.has[:, None] & k.has[None] & (k.lo[None] <= q.hi[:, None])
-        return any_, q.only[:, None] & k.only[None] & (k.hi[None] <= q.lo[:, None])
-
-    return with_tile_rule(clean_to_clean, rule)
+    return with_tile_rule(clean_to_clean, _copy_rule(tok, 1, 1, "le", window=False))
 
 
 def noise_to_clean(tok: DualStreamTokens) -> MaskMod:
@@ -61,12 +56,7 @@ def noise_to_clean(tok: DualStreamTokens) -> MaskMod:
     def noise_to_clean(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return (copy[q] == 0) & (copy[kv] == 1) & (chunk[kv] < chunk[q])
 
-    def rule(bq: int, bkv: int) -> tuple[Tensor, Tensor]:
-        q, k = _tiles(tok, bq, 0), _tiles(tok, bkv, 1)
-        any_ = q.has[:, None] & k.has[None] & (k.lo[None] < q.hi[:, None])
-        return any_, q.only[:, None] & k.only[None] & (k.hi[None] < q.lo[:, None])
-
-    return with_tile_rule(noise_to_clean, rule)
+    return with_tile_rule(noise_to_clean, _copy_rule(tok, 0, 1, "lt", window=False))
 
 
 def noise_to_noise(tok: DualStreamTokens) -> MaskMod:
@@ -76,13 +66,7 @@ def noise_to_noise(tok: DualStreamTokens) -> MaskMod:
     def noise_to_noise(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return (copy[q] == 0) & (copy[kv] == 0) & (chunk[kv] == chunk[q])
 
-    def rule(bq: int, bkv: int) -> tuple[Tensor, Tensor]:
-        q, k = _tiles(tok, bq, 0), _tiles(tok, bkv, 0)
-        overlap = (k.lo[None] <= q.hi[:, None]) & (q.lo[:, None] <= k.hi[None])
-        one = (q.lo == q.hi)[:, None] & (k.lo == k.hi)[None] & (q.lo[:, None] == k.lo[None])
-        return q.has[:, None] & k.has[None] & overlap, q.only[:, None] & k.only[None] & one
-
-    return with_tile_rule(noise_to_noise, rule)
+    return with_tile_rule(noise_to_noise, _copy_rule(tok, 0, 0, "eq", window=False))
 
 
 def chunk_window(tok: DualStreamTokens) -> MaskMod:
@@ -93,55 +77,85 @@ def chunk_window(tok: DualStreamTokens) -> MaskMod:
         return (chunk[q] - chunk[kv]).abs() <= window[q]
 
     def rule(bq: int, bkv: int) -> tuple[Tensor, Tensor]:
-        q, k = _tiles(tok, bq, None), _tiles(tok, bkv, None)
-        gap = torch.maximum(k.lo[None] - q.hi[:, None], q.lo[:, None] - k.hi[None]).clamp_min(0)
-        span = torch.maximum(q.hi[:, None] - k.lo[None], k.hi[None] - q.lo[:, None])
-        return gap <= q.w_hi[:, None], span <= q.w_lo[:, None]
+        q, k = _TileRange(tok, bq, None), _TileRange(tok, bkv, None)
+        return _window(q, k)
 
     return with_tile_rule(chunk_window, rule)
 
 
-def lingbot_va_mask(
-    tok: DualStreamTokens, *, window: bool = True, rules: tuple[str, ...] = ()
-) -> MaskMod:
+def lingbot_va_mask(tok: DualStreamTokens, *, window: bool = True) -> MaskMod:
     """LingBot-VA's rule: ``(clean_to_clean | noise_to_clean | noise_to_noise) & chunk_window``,
     named ``lingbot_va``; AND it with the document mask through ``make_block_mask(...,
     mask_mod=)`` / ``prepare_attention(..., mask_mod=)``. ``window=False`` drops the window
-    (a negative control: verify must then fail)."""
-    parts = [clean_to_clean(tok), noise_to_clean(tok), noise_to_noise(tok)]
-    copies = or_masks(*parts)
-    rules_ = [p.tile_rule for p in parts]  # type: ignore[attr-defined]
-
-    def copies_rule(bq: int, bkv: int) -> tuple[Tensor, Tensor]:
-        flags = [r(bq, bkv) for r in rules_]
-        # OR of rules: any is exact-or-over; all of an OR is at least any part's all.
-        return _or(f[0] for f in flags), _or(f[1] for f in flags)
-
-    if not window:
-        return with_tile_rule(copies, copies_rule, "lingbot_va_no_window")
-    win = chunk_window(tok)
-    win_rule = win.tile_rule  # type: ignore[attr-defined]
+    (a negative control: verify must then fail). Its tile rule applies the window to each
+    copy pair's own chunk ranges (tighter than AND-ing the two rules' tiles)."""
+    copies = or_masks(clean_to_clean(tok), noise_to_clean(tok), noise_to_noise(tok))
+    pairs = [(1, 1, "le"), (0, 1, "lt"), (0, 0, "eq")]
+    rules = [_copy_rule(tok, qc, kc, rel, window=window) for qc, kc, rel in pairs]
 
     def rule(bq: int, bkv: int) -> tuple[Tensor, Tensor]:
-        (a1, l1), (a2, l2) = copies_rule(bq, bkv), win_rule(bq, bkv)
-        return a1 & a2, l1 & l2
+        flags = [r(bq, bkv) for r in rules]
+        # A tile may hold a true pair if any copy pair may; it is full if one pair fills it.
+        return flags[0][0] | flags[1][0] | flags[2][0], flags[0][1] | flags[1][1] | flags[2][1]
 
-    return with_tile_rule(and_masks(copies, win), rule, "lingbot_va")
+    if not window:
+        return with_tile_rule(copies, rule, "lingbot_va_no_window")
+    return with_tile_rule(and_masks(copies, chunk_window(tok)), rule, "lingbot_va")
 
 
-def _or(xs: object) -> Tensor:
-    out = None
-    for x in xs:  # type: ignore[attr-defined]
-        out = x if out is None else out | x
-    assert out is not None
-    return out
+def _copy_rule(
+    tok: DualStreamTokens, q_copy: int, kv_copy: int, relation: str, *, window: bool
+) -> Callable[[int, int], tuple[Tensor, Tensor]]:
+    """Tiles of "a q token of ``q_copy`` sees a kv token of ``kv_copy`` whose chunk is
+    ``relation`` (le, lt, eq) its own" (and, with ``window``, within the window), from each
+    tile's chunk ranges per (copy, kind): latent chunks are even and action chunks odd, so
+    ``eq`` pairs a kind with itself alone. Exact for a tile of one copy, kind and episode."""
+
+    def rule(bq: int, bkv: int) -> tuple[Tensor, Tensor]:
+        any_ = all_ = None
+        for qk in (0, 1):
+            q = _TileRange(tok, bq, q_copy, qk)
+            for kk in (0, 1) if relation != "eq" else (qk,):
+                k = _TileRange(tok, bkv, kv_copy, kk)
+                a, f = _relation(q, k, relation)
+                if window:
+                    w_any, w_all = _window(q, k)
+                    a, f = a & w_any, f & w_all
+                any_ = a if any_ is None else any_ | a
+                all_ = f if all_ is None else all_ | f
+        assert any_ is not None and all_ is not None
+        return any_, all_
+
+    return rule
+
+
+def _relation(q: _TileRange, k: _TileRange, relation: str) -> tuple[Tensor, Tensor]:
+    qlo, qhi, klo, khi = q.lo[:, None], q.hi[:, None], k.lo[None], k.hi[None]
+    if relation == "le":
+        any_, all_ = klo <= qhi, khi <= qlo
+    elif relation == "lt":
+        any_, all_ = klo < qhi, khi < qlo
+    else:
+        any_ = (klo <= qhi) & (qlo <= khi)
+        all_ = (qlo == qhi) & (klo == khi) & (qlo == klo)
+    return any_ & q.has[:, None] & k.has[None], all_ & q.only[:, None] & k.only[None]
+
+
+def _window(q: _TileRange, k: _TileRange) -> tuple[Tensor, Tensor]:
+    """May some pair lie within the window (the chunk ranges' gap), do all (their span)."""
+    qlo, qhi, klo, khi = q.lo[:, None], q.hi[:, None], k.lo[None], k.hi[None]
+    gap = torch.maximum(klo - qhi, qlo - khi).clamp_min(0)
+    span = torch.maximum(qhi - klo, khi - qlo)
+    return gap <= q.w_hi[:, None], span <= q.w_lo[:, None]
 
 
 class _TileRange:
-    """Per tile of one side: does it hold tokens of the copy, only those, and the range of
-    their ``chunk_J`` (and of the real tokens' windows)."""
+    """Per tile of one side: does it hold tokens of the copy (and kind), only those, and the
+    range of their ``chunk_J`` (and of the real tokens' windows)."""
 
-    def __init__(self, tok: DualStreamTokens, block: int, copy: int | None) -> None:
+    def __init__(
+        self, tok: DualStreamTokens, block: int, copy: int | None, kind: int | None = None
+    ) -> None:
         n = ceil_div(tok.chunk_J.shape[0], block)
         pad = n * block - tok.chunk_J.shape[0]
 
@@ -149,17 +163,15 @@ class _TileRange:
             return torch.nn.functional.pad(x.long(), (0, pad), value=fill).view(n, block)
 
         c = tiles(tok.copy_J, -1)
-        sel = c >= 0 if copy is None else c == copy
+        real = c >= 0
+        sel = real if copy is None else c == copy
+        if kind is not None:
+            sel = sel & (tiles(tok.kind_J, -1) == kind)
         chunk = tiles(tok.chunk_J, 0)
         self.has = sel.any(1)
         self.only = sel.all(1)
         self.lo = torch.where(sel, chunk, _BIG).amin(1)
         self.hi = torch.where(sel, chunk, -_BIG).amax(1)
         w = tiles(tok.window_J, 0)
-        real = c >= 0
         self.w_lo = torch.where(real, w, _BIG).amin(1)
         self.w_hi = torch.where(real, w, -_BIG).amax(1)
-
-
-def _tiles(tok: DualStreamTokens, block: int, copy: int | None) -> _TileRange:
-    return _TileRange(tok, block, copy)
