@@ -87,8 +87,11 @@ def step_layout(
         "tslot_Q": torch.full((Qv + Qa,), R, **i64), "guide_K": torch.zeros(R + 1),
         "t_table": torch.zeros(R, N), "dt_table": torch.zeros(R, N), "step_K": step_K,
     }  # fmt: skip
-    call, spans, iv, ia = _Call(packs, Qv, Qa), [], 0, 0
-    for k, p in enumerate(phases):
+    call, spans, iv, ia = _Call(packs, Qv, Qa), [None] * len(phases), 0, 0
+    # video members first: their queries come first (doc ids in query order)
+    order = sorted(range(len(phases)), key=lambda k: phases[k].kind != "video")
+    for k in order:
+        p = phases[k]
         s: Session = packs.sessions[p.session]
         assert s.plan is not None
         video = p.kind == "video"
@@ -112,7 +115,7 @@ def step_layout(
             call.doc(q_off + q0, s, d, plan, freqs)
         h[f"cq_{tag}"][r0 : r0 + n] = i * rows * n + torch.arange(n)
         h[f"uq_{tag}"][r0 : r0 + n] = (i * rows + rows - 1) * n + torch.arange(n)
-        spans.append(((r0, n), (0, 0)) if video else ((0, 0), (r0, n)))
+        spans[k] = ((r0, n), (0, 0)) if video else ((0, 0), (r0, n))
         iv, ia = iv + video, ia + (not video)
     h.update({f"call.{k}": v for k, v in call.host().items()})
     return h, spans

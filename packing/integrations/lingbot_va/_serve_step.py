@@ -24,8 +24,8 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from packing.attention import packed_attention
-from packing.serve._step import cross_mask
+from packing.attention import AttentionMask, packed_attention
+from packing.serve._step import FLEX_OPTIONS
 
 __all__ = ["CallBuffers", "Pools", "forward_call"]
 
@@ -81,6 +81,31 @@ class CallBuffers:
             dst.copy_(src.pin_memory() if dst.device.type == "cuda" else src, non_blocking=True)
 
 
+def doc_mask(q_doc: Tensor, kv_doc: Tensor, *, backend: str, document_mask: bool) -> AttentionMask:
+    """Query ``q`` attends key ``k`` when ``q_doc[q] == kv_doc[k] >= 0``. Unlike the packed
+    training masks, a doc's keys are not one run (a region's valid slots, with holes) and the
+    docs are in no order, so the mask is built from the pairs: dense on the CPU, through
+    FlexAttention's ``create_block_mask`` on CUDA. ``document_mask=False``: every real query
+    attends every real key (the negative control)."""
+    if not document_mask:
+        q_doc, kv_doc = torch.where(q_doc >= 0, 0, -1), torch.where(kv_doc >= 0, 0, -1)
+    common: dict[str, Any] = dict(backend=backend, kernel=backend, reason="lingbot_va serve",
+                                  q_len=q_doc.shape[0], kv_len=kv_doc.shape[0], inner=None,
+                                  cross=True)  # fmt: skip
+    if backend == "sdpa":
+        allowed = (q_doc[:, None] == kv_doc[None, :]) & (q_doc >= 0)[:, None]
+        has_key = allowed.any(dim=1)
+        return AttentionMask(**common, dense_TT=allowed | ~has_key[:, None], keep_T=has_key)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_doc(b: Any, h: Any, q: Tensor, k: Tensor) -> Tensor:
+        return (q_doc[q] == kv_doc[k]) & (q_doc[q] >= 0)
+
+    block = create_block_mask(same_doc, None, None, q_doc.shape[0], kv_doc.shape[0],
+                              device=q_doc.device)  # fmt: skip
+    return AttentionMask(**common, block_mask=block, kernel_options=FLEX_OPTIONS.get(backend))
+
+
 def _rotate(x: Tensor, freqs: Tensor) -> Tensor:
     """LeRobot's ``apply_rotary_emb``: in float64, times the complex64 frequencies."""
     out = torch.view_as_complex(x.to(torch.float64).reshape(*x.shape[:-1], -1, 2))
@@ -100,6 +125,10 @@ def _block(block: nn.Module, layer: int, h: Tensor, proj: Tensor, freqs: Tensor,
     k = a.norm_k(a.to_k(x)).unflatten(2, (a.heads, -1))
     v = a.to_v(x).unflatten(2, (a.heads, -1))
     q, k = _rotate(q, freqs), _rotate(k, freqs)
+    # Every doc reads the whole pool, masked: a robot's NaN there would reach the others as
+    # 0 * NaN. Finite keys and values are written as they are; that robot's own rows still
+    # go non-finite and it fails alone (quarantine).
+    k, v = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (k, v))
     pools.k[layer].index_copy_(0, cb.wrow_Q, k[0].to(pools.k[layer].dtype))
     pools.v[layer].index_copy_(0, cb.wrow_Q, v[0].to(pools.v[layer].dtype))
     o = packed_attention(q[0], pools.k[layer], pools.v[layer], masks[0])[None]
@@ -131,8 +160,8 @@ def forward_call(
     proj = torch.cat([proj_v, proj_a], 1).unflatten(2, (6, -1))
     freqs = torch.view_as_complex(cb.freqs_Q)[None, :, None]
     masks = (
-        cross_mask(cb.doc_Q, cb.kdoc_P, backend=backend, document_mask=document_mask),
-        cross_mask(cb.tdoc_Q, pools.tkey_X, backend=backend, document_mask=document_mask),
+        doc_mask(cb.doc_Q, cb.kdoc_P, backend=backend, document_mask=document_mask),
+        doc_mask(cb.tdoc_Q, pools.tkey_X, backend=backend, document_mask=document_mask),
     )
     for i, block in enumerate(model.blocks):
         h = _block(block, i, h, proj, freqs, cb, pools, masks)
