@@ -2,8 +2,8 @@
 
 ``engine = LingBotVAEngine(policy, robots=16, shapes=[LingShape(video=8, action=8)])``;
 ``engine.submit(ChunkRequest(...))``; ``engine.step()`` -> `Result` s (``latents``
-``(F, C, H, W)``, ``action`` ``(F, apf, action_dim)`` in model space, as LeRobot's ``_infer``
-returns them). A chunk runs as two phases of the engine (`Packs.then`)::
+``(F, C, H, W)`` as ``_infer`` returns them, ``action`` ``(steps, n_used)`` as
+``predict_action_chunk`` does: the used channels, chunk 0 without its conditioning frame). A chunk runs as two phases of the engine (`Packs.then`)::
 
     admission   the session's slots replayed (`_serve_cache`); its text, then the feedback
                 LeRobot's _compute_kv_cache would feed (keyframes, executed actions) prefilled
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -133,7 +134,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
                 f"latent frames, the model takes (C, H, W) = {frame}; encode every camera the "
                 f"config names ({list(cfg.obs_cam_keys)}) at {cfg.height}x{cfg.width}"
             )
-        if tuple(r.actions.shape[1:]) != (cfg.action_per_frame, cfg.action_dim):
+        if r.actions is not None and r.actions.shape[1:] != (cfg.action_per_frame, cfg.action_dim):
             raise ValueError(
                 f"ChunkRequest.actions are (., {', '.join(map(str, r.actions.shape[1:]))}), the "
                 f"model's are (k F, action_per_frame={cfg.action_per_frame}, "
@@ -154,6 +155,8 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
                     "text encoder's output to max_sequence_length as LeRobot does"
                 )
         k = chunk_index(r, cfg.frame_chunk_size)
+        if r.actions is None:
+            r = replace(r, actions=self.executed(r.session, k))
         if (k + 1) * cfg.frame_chunk_size > cfg.rope_max_seq_len:
             raise ValueError(
                 f"chunk {k} of session {r.session!r} reaches latent frame "
@@ -163,6 +166,21 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         noise = draw_noise(r.seed, (1, 48, cfg.frame_chunk_size, *self.hw),
                            (1, cfg.action_dim, cfg.frame_chunk_size, cfg.action_per_frame, 1))  # fmt: skip
         return Phase(chunk=r.copied(), index=k, kind="video", steps=len(self.video_t), noise=noise)
+
+    def executed(self, session: str, chunks: int) -> Tensor:
+        """The first ``chunks`` chunks ``session`` was served, model space ``(k F, apf, A)``:
+        what LeRobot feeds back as executed."""
+        s = self.sessions.get(session)
+        done = [] if s is None else s.executed
+        if len(done) < chunks:
+            raise ValueError(
+                f"session {session!r} asks for chunk {chunks} with the executed actions left "
+                f"out, but it was served {len(done)} chunks; send ChunkRequest.actions, or "
+                "start the episode at chunk 0"
+            )
+        g = self.geo
+        empty = torch.zeros(0, self.cfg.action_per_frame, g.action_dim)
+        return torch.cat([empty, *(a.cpu() for a in done[:chunks])])
 
     def fits(self, shape: LingShape, phases: Sequence[Phase]) -> bool:
         return shape.fits(phases)
@@ -289,8 +307,15 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
             return self._unpatchify(b.x_v[v0 : v0 + n].clone()), torch.zeros(0, device=b.x_v.device)
         _, (a0, n) = spans
         act = (b.x_a[a0 : a0 + n] * b.used_A).reshape(self.cfg.frame_chunk_size, -1, g.action_dim)
+        s, F_, hist = self.sessions[p.session], self.cfg.frame_chunk_size, p.chunk.actions
+        assert hist is not None  # check() filled it in
+        # what the session executed: its history, then this chunk (LeRobot's assumption)
+        s.executed = [hist[j * F_ : (j + 1) * F_] for j in range(p.index)] + [act.clone()]
+        used = act[..., list(self.cfg.used_action_channel_ids)]
+        if p.index == 0:  # frame 0 is the conditioning frame: LeRobot drops its actions
+            used = used[1:]
         assert p.latents is not None
-        return p.latents, act.clone()
+        return p.latents, used.reshape(-1, used.shape[-1])
 
     def then(self, p: Phase, latents: Tensor, actions: Tensor) -> Phase | None:
         if p.kind == "action":
@@ -335,6 +360,8 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
             return
         if not finished:
             s.busy, s.dirty = False, True
+            if s.plan is not None:  # a chunk that failed was not executed
+                del s.executed[s.plan.index :]
         elif m.request.kind == "action":
             s.busy, s.plan = False, None
 

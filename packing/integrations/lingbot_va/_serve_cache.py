@@ -108,6 +108,7 @@ class Session:
     predicted: int | None = None  # the chunk whose prediction's slots the allocator holds
     text: list[int] = field(default_factory=list)  # text pool slots (conditional, uncond.)
     plan: ChunkPlan | None = None  # the chunk in flight
+    executed: list[Tensor] = field(default_factory=list)  # its predicted chunks (model space)
     busy: bool = False
     dirty: bool = False  # a chunk failed midway: rebuild from the history next time
 

@@ -89,12 +89,15 @@ def _robots(policy: Any, text: Any) -> list[_Robot]:
 
 
 def _request(r: _Robot, F_: int, negative: Tensor) -> ChunkRequest:
+    """Its next chunk; ``actions=None`` (the chunks it was served) unless it arrived with a
+    history (then the history it brings, plus what it was served since)."""
     k = r.next
     frames = r.frames[: max(1, k * F_)].clone()
     if r.change_at is not None and k >= r.change_at:
         frames[1] += 0.5  # an earlier keyframe, changed after it was fed back
-    return ChunkRequest(session=r.name, frames=frames, actions=r.actions[: k * F_],
-                        prompt=r.prompt, negative=negative, seed=_seed(r.name, k))  # fmt: skip
+    actions = None if r.first == 0 or k > r.first else r.actions[: k * F_]
+    return ChunkRequest(session=r.name, frames=frames, actions=actions, prompt=r.prompt,
+                        negative=negative, seed=_seed(r.name, k))  # fmt: skip
 
 
 def _seed(name: str, k: int) -> int:
@@ -116,31 +119,30 @@ def prove_serving(ablation: str | None = None, policy: Any = None) -> ServingRep
                              check_history=ablation != "no_history_check",
                              document_mask=ablation != "no_document_mask")  # fmt: skip
     robots = _robots(policy, text)
-    ids: dict[int, tuple[_Robot, ChunkRequest]] = {}
+    ids: dict[int, _Robot] = {}
     errors: dict[str, str] = {}
     max_pack, mixed = 0, False
     while any(r.next < r.chunks for r in robots) or engine.active or engine.waiting:
         for r in robots:
             if not r.waiting and r.next < r.chunks and engine.clock >= r.start:
-                req = _request(r, F_, negative)
-                ids[engine.submit(req)] = (r, req)
+                ids[engine.submit(_request(r, F_, negative))] = r
                 r.waiting = True
         for res in engine.step():
-            r, req = ids.pop(res.request_id)
+            r = ids.pop(res.request_id)
             r.waiting = False
             if res.error is not None:
                 errors[r.name] = res.error
                 r.next = r.chunks
                 continue
             r.out[r.next] = (res.latents, res.action)
-            r.actions = torch.cat([req.actions, res.action])
             r.next += 1
         max_pack = max(max_pack, len(engine.last_pack))
         mixed |= len({s for _, s in engine.last_pack}) > 1
     lat = act = 0.0
     n = 0
     for r in robots:
-        for k, (ref_lat, ref_act) in _reference(policy, r, F_, negative).items():
+        served = engine.packs.executed(r.name, r.chunks) if not errors else None
+        for k, (ref_lat, ref_act) in _reference(policy, r, F_, negative, served).items():
             lat = max(lat, (r.out[k][0].cpu() - ref_lat).abs().max().item())
             act = max(act, (r.out[k][1].cpu() - ref_act).abs().max().item())
             n += 1
@@ -148,26 +150,28 @@ def prove_serving(ablation: str | None = None, policy: Any = None) -> ServingRep
 
 
 def _reference(
-    policy: Any, r: _Robot, F_: int, negative: Tensor
+    policy: Any, r: _Robot, F_: int, negative: Tensor, served: Tensor | None
 ) -> dict[int, tuple[Tensor, Tensor]]:
-    """LeRobot alone on each of the robot's served chunks (a fresh policy per history: the
-    changed keyframe means a new history from chunk ``change_at`` on)."""
+    """LeRobot alone on each of the robot's chunks: its own loop (executed = predicted), but
+    with the history a robot arrived with, and, once a keyframe changed, a fresh policy on the
+    new history with the actions the robot executed (``served``)."""
     from packing.integrations.lingbot_va.testing import tiny_policy
 
     out: dict[int, tuple[Tensor, Tensor]] = {}
-    histories = [range(r.first, r.chunks)]
+    runs = [(range(r.first, r.chunks), None if r.first == 0 else r.actions)]
     if r.change_at is not None:
-        histories = [range(r.first, r.change_at), range(r.change_at, r.chunks)]
-    for chunks in histories:
+        runs = [(range(0, r.change_at), None), (range(r.change_at, r.chunks), served)]
+    for chunks, executed in runs:
         last = chunks[-1]
         req = _request(_Robot(**{**r.__dict__, "next": last}), F_, negative)
-        ref_policy = tiny_policy(**{**TINY})
+        ref_policy = tiny_policy(**TINY)
         ref_policy.load_state_dict(policy.state_dict())
         robot = ReferenceRobot(ref_policy, r.prompt, negative)
         for k in range(last + 1):
             fb = req.frames[:1] if k == 0 else req.frames[(k - 1) * F_ : k * F_]
-            executed = None if k == 0 else req.actions[(k - 1) * F_ : k * F_]
-            lat, act, _ = robot.chunk(fb, executed, _seed(r.name, k))
+            given = None if executed is None or k == 0 or (k - 1) * F_ >= executed.shape[0] else (
+                executed[(k - 1) * F_ : k * F_])  # fmt: skip
+            lat, _, action = robot.chunk(fb, given, _seed(r.name, k))
             if k in chunks:
-                out[k] = (lat, act)
+                out[k] = (lat, action)
     return out

@@ -57,7 +57,7 @@ class ReferenceRobot:
         """The next chunk. ``feedback``: chunk 0's conditioning frame ``(1, C, H, W)``, later
         the previous chunk's latent frames ``(F, C, H, W)`` (for chunk 1: the conditioning
         frame, then the keyframes observed during chunk 0); ``executed``: the previous
-        chunk's actions ``(F, apf, action_dim)`` (None for chunk 0). Returns the predicted
+        chunk's actions ``(F, apf, action_dim)`` (None: the chunk LeRobot predicted). Returns the predicted
         latents ``(F, C, H, W)``, the model-space actions ``(F, apf, action_dim)`` and
         ``predict_action_chunk``'s own output ``(steps, n_used)``."""
         p = self.policy
@@ -70,12 +70,12 @@ class ReferenceRobot:
             torch.manual_seed(seed)
             out = p.predict_action_chunk(batch)
         else:
-            assert executed is not None
             p._obs_buffer = [None]  # non-empty: _compute_kv_cache feeds the latents back
-            p._executed_actions = executed.permute(2, 0, 1)[None, ..., None].to(p.dtype)
+            if executed is not None:  # else LeRobot's own: the chunk it predicted
+                p._executed_actions = executed.permute(2, 0, 1)[None, ..., None].to(p.dtype)
             torch.manual_seed(seed)
             out = p.predict_action_chunk(None)
         self.chunks += 1
         actions = p._executed_actions[0, ..., 0].permute(1, 2, 0)  # (F, apf, A)
         assert self._latents is not None
-        return self._latents[0].permute(1, 0, 2, 3).float(), actions.float(), out
+        return self._latents[0].permute(1, 0, 2, 3).float(), actions.float(), out[0]

@@ -9,7 +9,8 @@ session's cache is a memo of it, checked by hash (`packing.integrations.lingbot_
                                       observed keyframe latents chunk by chunk
     actions  (k F, apf, action_dim)   the executed actions of chunks 0 .. k-1 (model space,
                                       as LeRobot keeps them: all channels, frame 0 of chunk 0
-                                      zero)
+                                      zero), or None: the chunks this session predicted
+                                      (LeRobot's own assumption, ``_executed_actions``)
     prompt, negative (L, text_dim)    the text encoder's output for the task and for ""
 
 LeRobot's ``predict_action_chunk`` for chunk ``k`` feeds back chunk ``k - 1``'s keyframes and
@@ -56,7 +57,7 @@ class ChunkRequest:
 
     session: str
     frames: Tensor
-    actions: Tensor
+    actions: Tensor | None
     prompt: Tensor
     negative: Tensor | None = None
     seed: int = 0
@@ -67,7 +68,7 @@ class ChunkRequest:
         for name, dim, what in (("frames", 4, "(F, C, H, W)"), ("actions", 3, "(k F, apf, A)"),
                                 ("prompt", 2, "(L, text_dim)"), ("negative", 2, "(L, text_dim)")):  # fmt: skip
             v = getattr(self, name)
-            if v is None and name == "negative":
+            if v is None and name in ("negative", "actions"):
                 continue
             if not isinstance(v, Tensor) or v.dim() != dim:
                 got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
@@ -84,7 +85,8 @@ class ChunkRequest:
     def copied(self) -> ChunkRequest:
         """Detached CPU copies: the caller may reuse its buffers once submitted."""
         neg = None if self.negative is None else host_copy(self.negative)
-        return replace(self, frames=host_copy(self.frames), actions=host_copy(self.actions),
+        act = None if self.actions is None else host_copy(self.actions)
+        return replace(self, frames=host_copy(self.frames), actions=act,
                        prompt=host_copy(self.prompt), negative=neg)  # fmt: skip
 
 
@@ -107,9 +109,11 @@ class Phase:
 
 def chunk_index(r: ChunkRequest, chunk_frames: int) -> int:
     """The chunk ``k`` a request asks for, from its history's length (checked)."""
-    n_a, n_f = r.actions.shape[0], r.frames.shape[0]
-    k, rest = divmod(n_a, chunk_frames)
-    if rest or n_f != max(1, k * chunk_frames):
+    n_f = r.frames.shape[0]
+    k, rest = divmod(n_f, chunk_frames)
+    k = 0 if n_f == 1 else k
+    n_a = k * chunk_frames if r.actions is None else r.actions.shape[0]
+    if (n_f != 1 and rest) or n_a != k * chunk_frames:
         raise ValueError(
             f"ChunkRequest for session {r.session!r} has {n_f} frames and {n_a} action frames; "
             f"chunk k needs k * frame_chunk_size = k * {chunk_frames} of each (1 frame for "
