@@ -15,17 +15,17 @@ import torch
 pytest.importorskip("lerobot.policies.lingbot_va")
 pytest.importorskip("transformers")
 
-from packing.integrations.lingbot_va._serve import LingBotVAEngine  # noqa: E402
-from packing.integrations.lingbot_va._serve_packs import LingShape  # noqa: E402
-from packing.integrations.lingbot_va._serve_proof import (  # noqa: E402
+from packing.integrations.lingbot_va._serve import LingBotVAEngine
+from packing.integrations.lingbot_va._serve_packs import LingShape
+from packing.integrations.lingbot_va._serve_proof import (
     ABLATIONS,
     TINY,
     prove_serving,
     tiny_serving_policy,
 )
-from packing.integrations.lingbot_va._serve_reference import ReferenceRobot  # noqa: E402
-from packing.integrations.lingbot_va._serve_request import ChunkRequest  # noqa: E402
-from packing.integrations.lingbot_va.testing import tiny_policy, toy_text_embeddings  # noqa: E402
+from packing.integrations.lingbot_va._serve_reference import ReferenceRobot
+from packing.integrations.lingbot_va._serve_request import ChunkRequest
+from packing.integrations.lingbot_va.testing import tiny_policy, toy_text_embeddings
 
 TEXT = toy_text_embeddings(16)
 
@@ -103,3 +103,83 @@ def test_bad_input_is_one_line_to_that_robot() -> None:
     assert out[b].error is not None and "pool" in out[b].error and "\n" not in out[b].error
     engine.end_session("ok")
     assert _run_one(engine, _first_chunk("two", 2)).error is None
+
+
+# -- through the policy server (openpi protocol, in-process) -------------------------------
+def _toy_vae(session: str, frames: dict) -> torch.Tensor:
+    """n frames of the first camera -> n latent frames, keyed by their bytes (not by the
+    session: the reference calls it too)."""
+    import hashlib
+
+    arr = next(iter(frames.values()))
+    seed = int.from_bytes(hashlib.blake2b(arr.tobytes(), digest_size=7).digest(), "little")
+    return torch.randn(arr.shape[0], 48, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def _toy_text(prompt: str) -> torch.Tensor:
+    return TEXT(prompt).repeat(2, 1)[: 3 + len(prompt.split())]  # unpadded; the adapter pads
+
+
+def _observations(robot: int, chunks: int, F_: int = 2) -> list[dict]:
+    import numpy as np
+
+    rng = np.random.default_rng(robot)
+    out = []
+    for k in range(chunks):
+        n = 1 if k == 0 else F_ - 1 if k == 1 else F_
+        out.append({"observation.images.image": rng.random((n, 3, 32, 32), dtype=np.float32),
+                    "observation.state": np.zeros(8, np.float32), "task": f"task {robot}",
+                    "seed": 100 * robot + k})  # fmt: skip
+    return out
+
+
+def test_lingbot_robots_over_the_wire_each_equal_lerobot_alone() -> None:
+    pytest.importorskip("websockets", reason="needs packing[serve]")
+    import threading
+
+    import numpy as np
+
+    from packing.integrations.lingbot_va._serve_adapter import LingBotVAAdapter
+    from packing.server import PolicyClient, PolicyServer, ServerConfig, ServerError
+
+    policy = tiny_serving_policy()
+    engine = LingBotVAEngine(policy, robots=2, shapes=[LingShape(video=2, action=2)])
+    adapter = LingBotVAAdapter(config=policy.config, encoder=_toy_vae, text_encoder=_toy_text)
+    srv = PolicyServer(engine, adapter, ServerConfig(port=0))
+    replies: dict[int, list] = {0: [], 1: []}
+    with srv.running() as address:
+
+        def robot(i: int) -> None:
+            with PolicyClient(*address, timeout_s=120) as c:
+                if i == 1:  # bad input first: one line to this robot, nothing else changes
+                    obs = _observations(i, 1)[0]
+                    with pytest.raises(ServerError, match="lacks camera"):
+                        c.infer({k: v for k, v in obs.items() if "images" not in k})
+                    with pytest.raises(ServerError, match="more than the text encoder takes"):
+                        c.infer({**obs, "task": "go " * 600})
+                for obs in _observations(i, 3):
+                    replies[i].append(c.infer(obs)["actions"])
+                with pytest.raises(ServerError, match="restarted mid-chunk"):
+                    c.infer({**_observations(i, 3)[2], "observation.images.image":
+                             np.zeros((1, 3, 32, 32), np.float32)})  # fmt: skip
+                c.end_episode()
+
+        threads = [threading.Thread(target=robot, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+    assert srv.summary()["answered"] >= 6
+    for i in range(2):
+        assert len(replies[i]) == 3
+        ref = tiny_policy(**TINY)
+        ref.load_state_dict(policy.state_dict())
+        prompt = torch.cat([_toy_text(f"task {i}"), torch.zeros(512 - 5, 16)])
+        negative = torch.cat([_toy_text(""), torch.zeros(512 - 3, 16)])
+        rob = ReferenceRobot(ref, prompt, negative)
+        obs = _observations(i, 3)
+        lat = [_toy_vae("", {"c": o["observation.images.image"]}) for o in obs]
+        feed = [lat[0], torch.cat(lat[:2]), lat[2]]
+        for k in range(3):
+            _, _, want = rob.chunk(feed[k], None, 100 * i + k)
+            np.testing.assert_allclose(replies[i][k], want.numpy(), rtol=0, atol=1e-5)
