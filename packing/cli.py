@@ -403,7 +403,7 @@ def _run_lingbot_serving(args: argparse.Namespace) -> int:
             f"--inference --model {args.model}: the served models it proves are 'lingbot_va' "
             "(LeRobot's LingBot-VA); drop --model for the built-in DiT"
         )
-    from packing.integrations.lingbot_va._serve_proof import prove_serving
+    from packing.integrations.lingbot_va import prove_serving
 
     report = prove_serving(None if args.document_mask else "no_document_mask")
     verdict = "PASS" if report.ok else "FAIL"

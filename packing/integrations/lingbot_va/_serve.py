@@ -54,8 +54,7 @@ from packing.integrations.lingbot_va._serve_request import (
     tensor_digest,
 )  # fmt: skip
 from packing.integrations.lingbot_va._serve_step import CallBuffers, Pools, forward_call
-from packing.serve import FlowScheduler
-from packing.serve._engine import Engine
+from packing.serve import Engine, FlowScheduler
 from packing.serve._packs import Packs, Spans
 from packing.serve._step import Steps
 
