@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch import Tensor, nn
+from torch import Tensor
 
 from packing._lazy import require
 from packing._validate import check_bool, check_int
@@ -69,7 +69,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
     comparing the request's history (the negative control: a changed keyframe is then served
     from a stale cache); ``document_mask=False`` lets robots see each other (must fail)."""
 
-    def __init__(self, policy: nn.Module, *, robots: int, shapes: Sequence[LingShape],
+    def __init__(self, policy: Any, *, robots: int, shapes: Sequence[LingShape],
                  cuda_graphs: bool = False, check_history: bool = True,
                  document_mask: bool = True) -> None:  # fmt: skip
         cfg, model = policy.config, policy.transformer
@@ -122,7 +122,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         self.cache_stats = {"feedback_chunks": 0, "rebuilds": 0, "text_fills": 0}
 
     # -- requests -----------------------------------------------------------------------
-    def check(self, r: ChunkRequest) -> Phase:
+    def check(self, r: ChunkRequest) -> Phase:  # type: ignore[override]
         if not isinstance(r, ChunkRequest):
             raise TypeError(f"submit takes a ChunkRequest, got {type(r).__name__}")
         g, cfg = self.geo, self.cfg
@@ -208,7 +208,9 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
     def _plan(self, s: Session, p: Phase) -> ChunkPlan:
         r, g, F_ = p.chunk, self.geo, self.cfg.frame_chunk_size
         prefix = tensor_digest(r.frames[0], r.prompt, r.negative)
-        digests = [tensor_digest(r.frames[j * F_ : (j + 1) * F_], r.actions[j * F_ : (j + 1) * F_])
+        acts = r.actions
+        assert acts is not None  # check() filled it in
+        digests = [tensor_digest(r.frames[j * F_ : (j + 1) * F_], acts[j * F_ : (j + 1) * F_])
                    for j in range(p.index)]  # fmt: skip
         stale = s.prefix != prefix or s.absorbed != digests[: len(s.absorbed)]
         # Rebuilt from the request's history when the cache is not a prefix of it: a failed
@@ -389,7 +391,7 @@ class _Stateless:
 class LingBotVAEngine(Engine):
     """`Engine` serving LeRobot's LingBot-VA (`ServedLingBotVA`): submit `ChunkRequest` s."""
 
-    def __init__(self, policy: nn.Module, *, robots: int, shapes: Sequence[LingShape],
+    def __init__(self, policy: Any, *, robots: int, shapes: Sequence[LingShape],
                  **options: Any) -> None:  # fmt: skip
         require("lerobot.policies.lingbot_va", extra="lingbot")
         packs = ServedLingBotVA(policy, robots=robots, shapes=shapes, **options)

@@ -77,7 +77,7 @@ def step_layout(
     g, R, N = packs.geo, shape.requests, packs.max_steps
     Rv, Ra = shape.video, shape.action
     Qv, Qa = Rv * g.cv * g.L, Ra * g.ca * g.A
-    i64 = dict(dtype=torch.int64)
+    i64: dict[str, Any] = dict(dtype=torch.int64)
     h: dict[str, Tensor] = {
         "slot_v": torch.full((Rv * g.L,), -1, **i64), "slot_a": torch.full((Ra * g.A,), -1, **i64),
         "gslot_v": torch.full((Rv * g.L,), R, **i64), "gslot_a": torch.full((Ra * g.A,), R, **i64),
@@ -87,7 +87,8 @@ def step_layout(
         "tslot_Q": torch.full((Qv + Qa,), R, **i64), "guide_K": torch.zeros(R + 1),
         "t_table": torch.zeros(R, N), "dt_table": torch.zeros(R, N), "step_K": step_K,
     }  # fmt: skip
-    call, spans, iv, ia = _Call(packs, Qv, Qa), [None] * len(phases), 0, 0
+    call, iv, ia = _Call(packs, Qv, Qa), 0, 0
+    spans: list[Spans] = [((0, 0), (0, 0))] * len(phases)
     # video members first: their queries come first (doc ids in query order)
     order = sorted(range(len(phases)), key=lambda k: phases[k].kind != "video")
     for k in order:
@@ -115,7 +116,7 @@ def step_layout(
             call.doc(q_off + q0, s, d, plan, freqs)
         h[f"cq_{tag}"][r0 : r0 + n] = i * rows * n + torch.arange(n)
         h[f"uq_{tag}"][r0 : r0 + n] = (i * rows + rows - 1) * n + torch.arange(n)
-        spans[k] = ((r0, n), (0, 0)) if video else ((0, 0), (r0, n))
+        spans[k] = ((r0, n), (0, 0)) if video else ((0, 0), (r0, n))  # type: ignore[assignment]
         iv, ia = iv + video, ia + (not video)
     h.update({f"call.{k}": v for k, v in call.host().items()})
     return h, spans

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from packing._validate import check_int
 from packing.integrations.lingbot_va._serve_step import CallBuffers, Pools, forward_call
@@ -107,7 +107,7 @@ def _guided(out: Tensor, cq: Tensor, uq: Tensor, g_rows: Tensor) -> Tensor:
     return torch.where((g_rows > 0)[:, None], u + g_rows[:, None] * (c - u), c)
 
 
-def lingbot_step(model: nn.Module, b: StepBuffers, pools: Pools, *, backend: str,
+def lingbot_step(model: Any, b: StepBuffers, pools: Pools, *, backend: str,
                  document_mask: bool) -> None:  # fmt: skip
     """One step of every robot in the pack, in place on ``b`` (no host sync)."""
     N = b.t_table.shape[1]

@@ -141,7 +141,8 @@ def prove_serving(ablation: str | None = None, policy: Any = None) -> ServingRep
     lat = act = 0.0
     n = 0
     for r in robots:
-        served = engine.packs.executed(r.name, r.chunks) if not errors else None
+        packs: Any = engine.packs
+        served = packs.executed(r.name, r.chunks) if not errors else None
         for k, (ref_lat, ref_act) in _reference(policy, r, F_, negative, served).items():
             lat = max(lat, (r.out[k][0].cpu() - ref_lat).abs().max().item())
             act = max(act, (r.out[k][1].cpu() - ref_act).abs().max().item())

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from einops import rearrange
-from torch import Tensor, nn
+from torch import Tensor
 
 from packing.attention import AttentionMask, packed_attention
 from packing.serve._step import FLEX_OPTIONS
@@ -35,7 +35,7 @@ class Pools:
     region (``regions * capacity`` rows, then ``scratch`` rows for padding's writes) and the
     text slots' cross-attention keys and values (``text_slots * text_len`` rows)."""
 
-    def __init__(self, model: nn.Module, *, rows: int, text_slots: int, text_len: int,
+    def __init__(self, model: Any, *, rows: int, text_slots: int, text_len: int,
                  device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
         H, D = model.num_attention_heads, model.attention_head_dim
         n = len(model.blocks)
@@ -50,7 +50,7 @@ class Pools:
         self.tkey_X = torch.arange(text_slots, device=device).repeat_interleave(text_len)
 
     @torch.no_grad()
-    def fill_text(self, model: nn.Module, slot: int, text_LD: Tensor) -> None:
+    def fill_text(self, model: Any, slot: int, text_LD: Tensor) -> None:
         """A prompt's rows: LeRobot's ``text_embedder``, then each layer's ``attn2`` keys and
         values (``norm_k(to_k(.))``, ``to_v(.)``), as every call of LeRobot's recomputes."""
         dtype = next(model.parameters()).dtype
@@ -112,7 +112,7 @@ def _rotate(x: Tensor, freqs: Tensor) -> Tensor:
     return torch.view_as_real(out * freqs).flatten(3).to(x.dtype)
 
 
-def _block(block: nn.Module, layer: int, h: Tensor, proj: Tensor, freqs: Tensor,
+def _block(block: Any, layer: int, h: Tensor, proj: Tensor, freqs: Tensor,
            cb: CallBuffers, pools: Pools, masks: tuple[Any, Any]) -> Tensor:  # fmt: skip
     """``WanTransformerBlock.forward`` with its attention over the pool (batch of 1)."""
     sst = block.scale_shift_table[None] + proj.float()
@@ -144,7 +144,7 @@ def _block(block: nn.Module, layer: int, h: Tensor, proj: Tensor, freqs: Tensor,
 
 
 def forward_call(
-    model: nn.Module, cb: CallBuffers, pools: Pools, tok_v: Tensor, tok_a: Tensor, t_Q: Tensor,
+    model: Any, cb: CallBuffers, pools: Pools, tok_v: Tensor, tok_a: Tensor, t_Q: Tensor,
     *, backend: str, document_mask: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """LeRobot's ``WanTransformer3DModel.forward`` over a pack of both streams: the velocity
