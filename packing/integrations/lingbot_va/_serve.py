@@ -117,6 +117,10 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         self.fb_t = torch.zeros(self.fb_docs * (g.L + g.A), device=self.device)
         self.backend = resolve_backend("auto", device=self.device, dtype=self.dtype,
                                        head_dim=model.attention_head_dim, inner=None)  # fmt: skip
+        self.mask_args: dict[str, Any] = dict(tkey_X=self.pools.tkey_X, backend=self.backend,
+                              document_mask=self.document_mask)  # fmt: skip
+        for cb in [self.fb, *(b.call for b in self.buffers.values())]:
+            cb.load({}, **self.mask_args)  # the empty composition's masks (warm-up runs it)
         self.sessions: dict[str, Session] = {}
         self.steps = Steps(cuda_graphs)
         self.cache_stats = {"feedback_chunks": 0, "rebuilds": 0, "text_fills": 0}
@@ -282,7 +286,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         host, spans = step_layout(self, shape, phases, tables[2])
         b = self.buffers[shape]
         b.load({k: v for k, v in host.items() if not k.startswith("call.")})
-        b.call.load({k[5:]: v for k, v in host.items() if k.startswith("call.")})
+        b.call.load({k[5:]: v for k, v in host.items() if k.startswith("call.")}, **self.mask_args)
         return spans
 
     def state(self, shape: LingShape) -> tuple[tuple[Tensor, Tensor], ...]:
@@ -293,8 +297,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         b = self.buffers[shape]
 
         def fn() -> None:
-            lingbot_step(self.model, b, self.pools, backend=self.backend,
-                         document_mask=self.document_mask)  # fmt: skip
+            lingbot_step(self.model, b, self.pools)
 
         self.steps.run(shape, fn, b)
 
@@ -327,7 +330,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
     def warm_keys(self) -> list[tuple[str, Callable[[], None]]]:
         keys = [(f"pack {s.video} video + {s.action} action robots", partial(self.step, s))
                 for s in self.shapes]  # fmt: skip
-        return [*keys, ("feedback pass", self._run_feedback)]
+        return [*keys, ("feedback pass", self._warm_feedback)]
 
     # -- the cache's hooks --------------------------------------------------------------
     def joined(self, shape: LingShape, members: list[Any], first: int) -> list[tuple[Any, str]]:
@@ -348,12 +351,19 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
                     )
             return failed
 
-    def _run_feedback(self) -> None:
+    def _warm_feedback(self) -> None:
+        self._run_feedback()
+
+    def _run_feedback(self) -> Tensor | None:
+        """One feedback call; the queries whose keys went non-finite (None: a captured call)."""
+        out: list[Tensor] = []
+
         def fn() -> None:
-            forward_call(self.model, self.fb, self.pools, self.fb_tok_v, self.fb_tok_a,
-                         self.fb_t, backend=self.backend, document_mask=self.document_mask)  # fmt: skip
+            out.append(forward_call(self.model, self.fb, self.pools, self.fb_tok_v,
+                                    self.fb_tok_a, self.fb_t)[2])  # fmt: skip
 
         self.steps.run("feedback", fn, _Stateless())
+        return out[-1] if out else None
 
     def left(self, m: Any, *, finished: bool) -> None:
         s = self.sessions.get(m.request.session)

@@ -84,7 +84,8 @@ def step_layout(
         "cq_v": torch.zeros(Rv * g.L, **i64), "uq_v": torch.zeros(Rv * g.L, **i64),
         "cq_a": torch.zeros(Ra * g.A, **i64), "uq_a": torch.zeros(Ra * g.A, **i64),
         "src_v": torch.zeros(Qv, **i64), "src_a": torch.zeros(Qa, **i64),
-        "tslot_Q": torch.full((Qv + Qa,), R, **i64), "guide_K": torch.zeros(R + 1),
+        "tslot_Q": torch.full((Qv + Qa,), R, **i64), "rslot_Q": torch.full((Qv + Qa,), R, **i64),
+        "guide_K": torch.zeros(R + 1),
         "t_table": torch.zeros(R, N), "dt_table": torch.zeros(R, N), "step_K": step_K,
     }  # fmt: skip
     call, iv, ia = _Call(packs, Qv, Qa), 0, 0
@@ -113,6 +114,7 @@ def step_layout(
             q0 = (i * rows + d) * n
             h[f"src_{tag}"][q0 : q0 + n] = r0 + torch.arange(n)
             h["tslot_Q"][q_off + q0 + fixed : q_off + q0 + n] = k
+            h["rslot_Q"][q_off + q0 : q_off + q0 + n] = k
             call.doc(q_off + q0, s, d, plan, freqs)
         h[f"cq_{tag}"][r0 : r0 + n] = i * rows * n + torch.arange(n)
         h[f"uq_{tag}"][r0 : r0 + n] = (i * rows + rows - 1) * n + torch.arange(n)
@@ -146,6 +148,11 @@ def feedback_rounds(packs: Any, members: list[Any]) -> None:
         packs.fb_tok_v.copy_(tok_v)
         packs.fb_tok_a.copy_(tok_a)
         for call in (lat, act):
-            packs.fb.load(call.host())
-            packs._run_feedback()
+            packs.fb.load(call.host(), **packs.mask_args)
+            bad = packs._run_feedback()
+            if bad is not None and bool(bad.any()):  # admission work: a sync is fine here
+                docs = set(call.doc_Q[bad.cpu()].tolist()) - {-1}
+                raise FloatingPointError(
+                    f"the feedback of docs {sorted(docs)} went non-finite inside the model"
+                )
         packs.cache_stats["feedback_chunks"] += len(now)

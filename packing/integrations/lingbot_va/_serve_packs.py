@@ -84,6 +84,7 @@ class StepBuffers:
         Qv, Qa = Rv * g.cv * g.L, Ra * g.ca * g.A
         self.src_v, self.src_a = torch.zeros(Qv, **i64), torch.zeros(Qa, **i64)
         self.tslot_Q = torch.full((Qv + Qa,), R, **i64)  # robot whose time a query takes
+        self.rslot_Q = torch.full((Qv + Qa,), R, **i64)  # robot of a query (R: padding)
         self.guide_K = torch.zeros(R + 1, **f32)  # guidance scale (0: conditional row only)
         self.t_table = torch.zeros(R, max_steps, **f32)
         self.dt_table = torch.zeros(R, max_steps, **f32)
@@ -107,18 +108,16 @@ def _guided(out: Tensor, cq: Tensor, uq: Tensor, g_rows: Tensor) -> Tensor:
     return torch.where((g_rows > 0)[:, None], u + g_rows[:, None] * (c - u), c)
 
 
-def lingbot_step(model: Any, b: StepBuffers, pools: Pools, *, backend: str,
-                 document_mask: bool) -> None:  # fmt: skip
+def lingbot_step(model: Any, b: StepBuffers, pools: Pools) -> None:
     """One step of every robot in the pack, in place on ``b`` (no host sync)."""
-    N = b.t_table.shape[1]
+    R, N = b.t_table.shape
     n_K = b.step_K.clamp(max=N - 1)[:, None]
     zero = b.t_table.new_zeros(1)
     t_K1 = torch.cat([b.t_table.gather(1, n_K)[:, 0], zero])  # row R: clean tokens, padding
     dt_K1 = torch.cat([b.dt_table.gather(1, n_K)[:, 0], zero])
     x_a = b.x_a * b.used_A  # LeRobot zeroes the unused channels in place before each call
-    out_v, out_a = forward_call(model, b.call, pools, b.x_v[b.src_v], x_a[b.src_a],
-                                t_K1[b.tslot_Q], backend=backend,
-                                document_mask=document_mask)  # fmt: skip
+    out_v, out_a, bad_Q = forward_call(model, b.call, pools, b.x_v[b.src_v], x_a[b.src_a],
+                                       t_K1[b.tslot_Q])  # fmt: skip
     vel_v = _guided(out_v, b.cq_v, b.uq_v, b.guide_K[b.gslot_v])
     vel_a = _guided(out_a, b.cq_a, b.uq_a, b.guide_K[b.gslot_a])
     new_v = b.x_v + vel_v * dt_K1[b.gslot_v][:, None]  # FlowMatchScheduler.step
@@ -126,4 +125,6 @@ def lingbot_step(model: Any, b: StepBuffers, pools: Pools, *, backend: str,
     b.x_v.copy_(torch.where((b.slot_v >= 0)[:, None], new_v, b.x_v))
     b.x_a.copy_(torch.where((b.slot_a >= 0)[:, None], new_a, b.x_a))
     quarantine(b.bad_K, ((b.x_v, b.slot_v), (b.x_a, b.slot_a)))
+    kv_bad = torch.zeros(R + 1, device=bad_Q.device).index_add_(0, b.rslot_Q, bad_Q.float())
+    b.bad_K.logical_or_(kv_bad[:R] > 0)  # its keys went non-finite (written as 0): it fails
     b.step_K.add_(1)

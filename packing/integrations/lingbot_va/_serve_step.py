@@ -75,10 +75,32 @@ class CallBuffers:
         self.kdoc_P = torch.full((pool_rows,), -1, **i64)  # the doc attending a pool row
         self.freqs_Q = torch.zeros(Q, half_dim, 2, device=dev)  # RoPE (real view of complex)
 
-    def load(self, host: dict[str, Tensor]) -> None:
+        self.masks: tuple[AttentionMask, AttentionMask] | None = None
+
+    def load(self, host: dict[str, Tensor], tkey_X: Tensor, *, backend: str,
+             document_mask: bool) -> None:  # fmt: skip
+        """A new composition: its index tensors, then its two masks, built once here (a
+        composition's masks do not change from step to step) into the same tensors, so a
+        step captured in a CUDA graph reads the new ones."""
         for name, src in host.items():
             dst = getattr(self, name)
             dst.copy_(src.pin_memory() if dst.device.type == "cuda" else src, non_blocking=True)
+        new = (doc_mask(self.doc_Q, self.kdoc_P, backend=backend, document_mask=document_mask),
+               doc_mask(self.tdoc_Q, tkey_X, backend=backend, document_mask=document_mask))  # fmt: skip
+        if self.masks is None:
+            self.masks = new
+            return
+        for old, fresh in zip(self.masks, new, strict=True):
+            for name in ("dense_TT", "keep_T"):
+                if getattr(old, name) is not None:
+                    getattr(old, name).copy_(getattr(fresh, name))
+            if old.block_mask is not None:
+                for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
+                             "full_kv_indices", "q_num_blocks", "q_indices",
+                             "full_q_num_blocks", "full_q_indices"):  # fmt: skip
+                    t = getattr(old.block_mask, name, None)
+                    if t is not None:
+                        t.copy_(getattr(fresh.block_mask, name))
 
 
 def doc_mask(q_doc: Tensor, kv_doc: Tensor, *, backend: str, document_mask: bool) -> AttentionMask:
@@ -113,7 +135,7 @@ def _rotate(x: Tensor, freqs: Tensor) -> Tensor:
 
 
 def _block(block: Any, layer: int, h: Tensor, proj: Tensor, freqs: Tensor,
-           cb: CallBuffers, pools: Pools, masks: tuple[Any, Any]) -> Tensor:  # fmt: skip
+           cb: CallBuffers, pools: Pools, masks: tuple[Any, Any], bad_Q: Tensor) -> Tensor:  # fmt: skip
     """``WanTransformerBlock.forward`` with its attention over the pool (batch of 1)."""
     sst = block.scale_shift_table[None] + proj.float()
     shift, scale, gate, c_shift, c_scale, c_gate = (
@@ -128,6 +150,7 @@ def _block(block: Any, layer: int, h: Tensor, proj: Tensor, freqs: Tensor,
     # Every doc reads the whole pool, masked: a robot's NaN there would reach the others as
     # 0 * NaN. Finite keys and values are written as they are; that robot's own rows still
     # go non-finite and it fails alone (quarantine).
+    bad_Q |= ~(torch.isfinite(k).flatten(2).all(-1) & torch.isfinite(v).flatten(2).all(-1))[0]
     k, v = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (k, v))
     pools.k[layer].index_copy_(0, cb.wrow_Q, k[0].to(pools.k[layer].dtype))
     pools.v[layer].index_copy_(0, cb.wrow_Q, v[0].to(pools.v[layer].dtype))
@@ -144,12 +167,13 @@ def _block(block: Any, layer: int, h: Tensor, proj: Tensor, freqs: Tensor,
 
 
 def forward_call(
-    model: Any, cb: CallBuffers, pools: Pools, tok_v: Tensor, tok_a: Tensor, t_Q: Tensor,
-    *, backend: str, document_mask: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    model: Any, cb: CallBuffers, pools: Pools, tok_v: Tensor, tok_a: Tensor, t_Q: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """LeRobot's ``WanTransformer3DModel.forward`` over a pack of both streams: the velocity
     of each latent token ``(Qv, C p_t p_h p_w)`` (the input's feature order) and of each
-    action token ``(Qa, action_dim)``, fp32; every query's keys written to its slot."""
+    action token ``(Qa, action_dim)``, fp32; every query's keys written to its slot; and
+    ``(Q,)`` bool: the queries whose keys or values were not finite in some layer (written
+    as 0, so no other doc reads them: the caller fails their robot)."""
     dtype = next(model.parameters()).dtype
     hv = model.patch_embedding_mlp(tok_v.to(dtype))
     ha = model.action_embedder(tok_a.to(dtype))
@@ -159,12 +183,11 @@ def forward_call(
     temb = torch.cat([temb_v, temb_a], 1)
     proj = torch.cat([proj_v, proj_a], 1).unflatten(2, (6, -1))
     freqs = torch.view_as_complex(cb.freqs_Q)[None, :, None]
-    masks = (
-        doc_mask(cb.doc_Q, cb.kdoc_P, backend=backend, document_mask=document_mask),
-        doc_mask(cb.tdoc_Q, pools.tkey_X, backend=backend, document_mask=document_mask),
-    )
+    masks = cb.masks
+    assert masks is not None, "load() a composition first"
+    bad_Q = torch.zeros(h.shape[1], dtype=torch.bool, device=h.device)  # keys not finite
     for i, block in enumerate(model.blocks):
-        h = _block(block, i, h, proj, freqs, cb, pools, masks)
+        h = _block(block, i, h, proj, freqs, cb, pools, masks, bad_Q)
     sst = model.scale_shift_table[None] + temb[:, :, None, ...]
     shift, scale = (t.squeeze(1) for t in rearrange(sst, "b l n c -> b n l c").chunk(2, dim=1))
     h = (model.norm_out(h.float()) * (1.0 + scale) + shift).type_as(h)
@@ -172,4 +195,4 @@ def forward_call(
     out_v = model.proj_out(h[0, : cb.Qv])  # features (n, c): LeRobot's "b l (n c)"
     out_v = out_v.unflatten(1, (n, -1)).transpose(1, 2).flatten(1)  # -> (c, n): the input's
     out_a = model.action_proj_out(h[0, cb.Qv :])
-    return out_v.float(), out_a.float()
+    return out_v.float(), out_a.float(), bad_Q
