@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,6 +36,7 @@ __all__ = [
     "check_int",
     "check_int_tuple",
     "check_optional_int",
+    "check_path",
     "check_real",
     "check_sequence",
     "is_int",
@@ -84,6 +86,13 @@ def check_bool(name: str, value: Any) -> bool:
             "(a string such as 'no' would be truthy)"
         )
     return value.item() if isinstance(value, np.bool_) else value  # a Python bool either way
+
+
+def check_path(name: str, value: Any) -> str | os.PathLike[str]:
+    """``value`` if it is a path (a ``str`` or ``os.PathLike``), not an int or None."""
+    if not isinstance(value, str | os.PathLike):
+        raise TypeError(f"{name}={value!r} must be a path (str or pathlib.Path)")
+    return value
 
 
 def check_real(

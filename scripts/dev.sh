@@ -20,7 +20,8 @@
 #                 computer has), which tests/test_serve_openpi.py runs as real clients; its
 #                 python is exported as PACKING_OPENPI_PYTHON (PACKING_VENV_OPENPI moves it)
 # Each is made on first use and redone when pyproject.toml, its constraints file or this script
-# change. PACKING_VENV and PACKING_VENV_NEWEST move them. A torch venv is about 6 GB (PyPI has
+# change, printing a line per stage and pip's line for each file it downloads (the whole pip
+# output is in the venv's install.log). PACKING_VENV and PACKING_VENV_NEWEST move them. A torch venv is about 6 GB (PyPI has
 # only the CUDA build for Linux x86_64) and its install downloads about 3 GB more;
 # PACKING_ONE_VENV_AT_A_TIME=1 makes `test` remove .venv after its suite, before .venv-newest is
 # made, so that one of them is on disk at a time (.ci/run sets it: CI's clean clone has no use
@@ -41,6 +42,22 @@ find_python() {
   exit 1
 }
 
+# pip_logged PYTHON LOG ARGS...: `pip install ARGS` with its whole output appended to LOG and,
+# on the terminal, pip's line for each file it downloads (name and size) and for what it
+# installs: a long install shows it is moving. Returns pip's exit status.
+pip_logged() {
+  local py=$1 log=$2
+  shift 2
+  "$py" -m pip install --progress-bar off "$@" 2>&1 | tee -a "$log" |
+    { grep --line-buffered -E '^ *(Downloading|Installing collected|Successfully installed)' | cut -c1-160 >&2 || true; }
+  return "${PIPESTATUS[0]}"
+}
+
+# pinned NAME CONSTRAINTS: the version CONSTRAINTS pins NAME to, or "as pip resolves".
+pinned() {
+  grep -E "^$1==" "$2" | cut -d= -f3 | grep . || echo "as pip resolves"
+}
+
 # setup VENV CONSTRAINTS EXTRAS: make VENV (once per content of the files it is made from).
 setup() {
   local venv=$1 constraints=$2 extras=$3
@@ -49,18 +66,23 @@ setup() {
   if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.packing-stamp" 2>/dev/null)" = "$stamp_want" ]; then
     return
   fi
-  local py log start
+  local py log start what
   py=$(find_python)
   start=$SECONDS
   echo "setting up $venv with $("$py" --version) and $constraints ..." >&2
   # A venv made from other pins would keep packages the new pins don't want: start afresh
   # (only where a venv is: PACKING_VENV may name any folder).
   if [ -f "$venv/pyvenv.cfg" ]; then rm -rf "$venv"; fi
+  echo "  [1/3] creating the venv" >&2
   "$py" -m venv "$venv"
   log="$venv/install.log"
-  if ! { "$venv/bin/python" -m pip install --no-cache-dir --upgrade pip &&
-         "$venv/bin/python" -m pip install --no-cache-dir -c "$constraints" -e ".[$extras]"; } \
-       >"$log" 2>&1; then
+  : >"$log"
+  what="torch $(pinned torch "$constraints")"
+  case ",$extras," in *,lerobot,*) what="$what and lerobot $(pinned lerobot "$constraints")" ;; esac
+  if ! { echo "  [2/3] upgrading pip" >&2 &&
+         pip_logged "$venv/bin/python" "$log" --no-cache-dir --upgrade pip &&
+         echo "  [3/3] installing $what, then packing with [$extras] (a first run downloads about 3 GB; the whole log: $log)" >&2 &&
+         pip_logged "$venv/bin/python" "$log" --no-cache-dir -c "$constraints" -e ".[$extras]"; }; then
     grep -v '^WARNING: Location' "$log" | tail -n 40 >&2
     if grep -q "(constraint) torch<=" "$log"; then
       echo "note: a pip constraint of this machine caps torch below $constraints's pin" >&2
@@ -92,9 +114,11 @@ setup_openpi() {
   stamp_want=$(echo "$OPENPI_PINS" | cat - scripts/dev.sh | sha256sum | cut -c1-16)
   if ! [ -x "$venv_openpi/bin/python" ] || [ "$(cat "$venv_openpi/.packing-stamp" 2>/dev/null)" != "$stamp_want" ]; then
     if [ -f "$venv_openpi/pyvenv.cfg" ]; then rm -rf "$venv_openpi"; fi
+    echo "setting up $venv_openpi: the robot's side, $OPENPI_PINS ..." >&2
     "$(find_python)" -m venv "$venv_openpi"
+    : >"$venv_openpi/install.log"
     # shellcheck disable=SC2086  # the pins are words
-    if ! "$venv_openpi/bin/python" -m pip install $OPENPI_PINS >"$venv_openpi/install.log" 2>&1; then
+    if ! pip_logged "$venv_openpi/bin/python" "$venv_openpi/install.log" $OPENPI_PINS; then
       tail -n 20 "$venv_openpi/install.log" >&2
       echo "error: installing openpi-client into $venv_openpi failed" >&2
       exit 1
@@ -129,6 +153,7 @@ case "$cmd" in
     # the second even when the first fails, so one run shows both.
     setup_oldest
     setup_openpi
+    echo "== ruff check, ruff format --check, mypy ==" >&2
     "$venv/bin/ruff" check packing tests benchmarks
     "$venv/bin/ruff" format --check packing tests benchmarks
     "$venv/bin/mypy" packing

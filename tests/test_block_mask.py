@@ -407,3 +407,75 @@ def test_docs_composition_recipe_is_exact_and_as_tight_as_evaluating():
     # Only the any side may over-approximate: listed tiles are a superset, full tiles agree.
     r, e = block_classes(ruled), block_classes(evaluated)
     assert torch.equal(r == FULL, e == FULL) and bool(((r != EMPTY) >= (e != EMPTY)).all())
+
+
+# -- an extra mask_mod on per-token attributes (e.g. LingBot-VA's chunk rule) -----------------
+def _parity_mask(kind_T: torch.Tensor, with_rule: bool):
+    """Tokens of one kind (0 or 1, per token) see the same kind only; the tile rule reads
+    per-tile sets of kinds, the dense mask the pairs."""
+    from packing.attention import with_tile_rule
+
+    def same_kind(b, h, q, kv):
+        return kind_T[q] == kind_T[kv]
+
+    if not with_rule:
+        return same_kind
+
+    def rule(bq: int, bkv: int):
+        def tiles(block: int) -> tuple[torch.Tensor, torch.Tensor]:
+            n = -(-kind_T.shape[0] // block)
+            t = F.pad(kind_T, (0, n * block - kind_T.shape[0]), value=-1).view(n, block)
+            return (t == 0).any(1), (t == 1).any(1)
+
+        (q0, q1), (k0, k1) = tiles(bq), tiles(bkv)
+        any_ = (q0[:, None] & k0[None]) | (q1[:, None] & k1[None])
+        all_ = (q0[:, None] ^ q1[:, None]) & (k0[None] ^ k1[None]) & (q0[:, None] == k0[None])
+        return any_, all_
+
+    return with_tile_rule(same_kind, rule, "same_kind")
+
+
+def test_an_extra_mask_mod_with_a_tile_rule_builds_the_exact_blocks_without_a_sync() -> None:
+    doc = torch.tensor([0] * 40 + [1] * 30 + [2] * 50 + [-1] * 8)
+    kind = torch.tensor(([0] * 16 + [1] * 16) * 4)[: doc.shape[0]]
+    ruled = _parity_mask(kind, with_rule=True)
+    dense = dense_mask(doc, None, None, ruled)
+    assert ruled.__name__ == "same_kind"
+    for block in (8, 16, 32):
+        fast = make_block_mask(doc, None, None, block, mask_mod=ruled, inner_fallback="error")
+        evaluated = make_block_mask(doc, None, None, block, mask_mod=_parity_mask(kind, False))
+        assert torch.equal(fast.to_dense(), evaluated.to_dense()), block  # same tiles
+        for name in ("full_kv_num_blocks", "kv_num_blocks"):
+            assert torch.equal(getattr(fast, name), getattr(evaluated, name)), (block, name)
+        assert block == 32 or int(fast.full_kv_num_blocks.sum()) > 0  # found full tiles
+        # the BlockMask's own mask_mod is the document mask AND the extra rule
+        q, kv = torch.arange(doc.shape[0])[:, None], torch.arange(doc.shape[0])[None]
+        zero = torch.zeros((), dtype=torch.int64)
+        assert torch.equal(fast.mask_mod(zero, zero, q, kv).expand_as(dense), dense)
+    assert fast.mask_mod.__name__ == "document_and_same_kind"
+    with pytest.raises(
+        ValueError, match=r"'same_kind' has no tile_rule and inner_fallback='error'"
+    ):
+        make_block_mask(
+            doc, None, None, 16, mask_mod=_parity_mask(kind, False), inner_fallback="error"
+        )
+    with pytest.raises(TypeError, match=r"mask_mod must be a FlexAttention mask_mod"):
+        make_block_mask(doc, mask_mod=3)  # type: ignore[arg-type]
+
+
+def test_prepare_attention_ands_the_extra_mask_mod_on_every_backend_it_allows() -> None:
+    from packing.attention import prepare_attention
+    from packing.data import layout_from_lengths
+
+    lay = layout_from_lengths([20, 12], [20, 12], 40)
+    kind = torch.tensor([0, 1] * 20)
+    rule = _parity_mask(kind, with_rule=True)
+    m = prepare_attention(lay, backend="sdpa", mask_mod=rule)
+    want = dense_mask(lay.doc_ids_T, None, None, rule)
+    has = want.any(1)
+    assert torch.equal(m.dense_TT, want | ~has[:, None]) and m.mask_mod is rule
+    assert "mask_mod=same_kind" in repr(m)
+    flex = prepare_attention(lay, backend="flex", mask_mod=rule)
+    assert flex.block_mask.mask_mod.__name__ == "document_and_same_kind"
+    with pytest.raises(ValueError, match=r"varlen"):
+        prepare_attention(lay, backend="varlen", mask_mod=rule, device="cpu")

@@ -7,6 +7,7 @@ line on stderr that names the problem and the fix (``--traceback`` adds the trac
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -82,7 +83,7 @@ def test_json_into_a_missing_folder_exits_2_before_running(
 @pytest.mark.parametrize(
     ("device", "message"),
     [
-        ("tpu", r"--device 'tpu' is not a torch device; use cpu, cuda or cuda:N"),
+        ("tpu", r"--device: 'tpu' is not a torch device; use cpu, cuda or cuda:N"),
         ("cuda", r"--device cuda: torch sees no CUDA GPU .*or use --device cpu"),
         ("cuda:7", r"--device cuda:7: torch sees no CUDA GPU"),
     ],
@@ -148,7 +149,7 @@ def test_bad_feature_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "--feature", "latents=nope"]) == 2
     assert "has no feature 'nope'" in error_line(capsys)
     assert main(["verify", "--threads", "0"]) == 2
-    assert "--threads 0 must be in [1, " in error_line(capsys)
+    assert "--threads: 0 is below 1 (CPU threads; 1 to 4,096)" in error_line(capsys)
 
 
 # -- divergence is not a packing verdict ---------------------------------------------------------
@@ -205,7 +206,7 @@ def test_help_does_not_import_torch() -> None:
 
 def test_verify_runs_on_one_cpu_thread_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's default (a thread per core) made verify ~10x slower on a busy 2-core machine."""
-    from packing.cli import _set_threads
+    from packing.cli._verify import _set_threads
 
     before = torch.get_num_threads()
     try:
@@ -385,10 +386,131 @@ def test_version_and_budget_commands(capsys: pytest.CaptureFixture[str]) -> None
         capsys.readouterr().out
     )
     assert main(["budget", "--gpus", "0"]) == 2
-    assert "--gpus 0 must be >= 1" in capsys.readouterr().err
+    assert "--gpus: 0 is below 1 (GPUs; 1 to 65,536)" in capsys.readouterr().err
 
 
 def test_the_no_multi_episode_pack_hint_says_raise_the_budget() -> None:
     from packing.verify._report import NO_MULTI_EPISODE_PACK
 
     assert "raise --token-budget" in NO_MULTI_EPISODE_PACK and "lower" not in NO_MULTI_EPISODE_PACK
+
+
+# -- every flag of every subcommand goes through the shared parser's checks ---------------------
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    sub = build_parser()._subparsers._group_actions[0]  # type: ignore[union-attr]
+    return dict(sub.choices)  # type: ignore[arg-type]
+
+
+def _valid_argv(command: str, tmp_path: Path) -> list[str]:
+    """The least a command needs to parse (encode's SRC, DST and --vae)."""
+    return (
+        [command, str(tmp_path), str(tmp_path / "out"), "--vae", "tiny"]
+        if command == ("encode")
+        else [command]
+    )
+
+
+def _parses(argv: list[str]) -> bool:
+    """Whether the parser takes ``argv`` (parsed only: an accepted value runs nothing)."""
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as e:
+        assert e.code == 2
+        return False
+    return True
+
+
+def test_an_option_without_a_check_is_refused_when_the_parser_is_built() -> None:
+    from packing.cli._parser import Parser, whole
+
+    p = Parser(prog="packing demo")
+    p.add_argument("--ok", type=whole(1, 8, "things"))
+    p.add_argument("--mode", choices=["a", "b"])
+    p.add_argument("--flag", action="store_true")
+    with pytest.raises(TypeError, match=r"packing demo --steps: .* needs choices= or a check"):
+        p.add_argument("--steps", type=int)
+    with pytest.raises(TypeError, match="--name"):
+        p.add_argument("--name")
+
+
+def test_every_option_of_every_subcommand_is_checked() -> None:
+    from packing.cli._parser import is_checked
+
+    commands = _subcommands()
+    assert set(commands) == {"verify", "budget", "encode", "serve"}
+    seen = 0
+    for name, parser in commands.items():
+        for action in parser._actions:
+            assert is_checked(action), (name, action.option_strings or action.dest)
+            seen += action.nargs != 0
+    assert seen > 50  # not vacuous: the options that take a value were walked
+
+
+BAD_NUMBERS = ("nan", "inf", "-inf", "1e30", "-1e30", "abc", "")
+BAD_TEXT = ("", "\x00bad", "x" * 5000)
+
+
+def test_every_option_refuses_bad_values_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each option that takes a value, given values no check should take: a number option
+    nan, inf, +-1e30 (bounded on both sides), a text option an empty or control-character
+    string. The parser answers exit 2, one line naming the option; never a run."""
+    (tmp_path / "meta").mkdir()
+    for name, parser in _subcommands().items():
+        for action in parser._actions:
+            if action.nargs == 0 or not action.option_strings:
+                continue
+            flag = action.option_strings[-1]
+            numeric = getattr(action.type, "__name__", "") in ("whole number", "number")
+            for bad in BAD_NUMBERS if numeric else BAD_TEXT:
+                assert not _parses([*_valid_argv(name, tmp_path), flag, bad]), (name, flag, bad)
+                err = capsys.readouterr().err.splitlines()
+                assert len(err) == 1 and flag in err[0], (name, flag, bad, err)
+    for bad in ("", "nope", str(tmp_path / "no" / "such")):  # encode's SRC: a folder
+        assert not _parses(["encode", bad, str(tmp_path / "out"), "--vae", "tiny"])
+        assert "a local LeRobot v3 dataset root" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--depth", "100000"], "--depth: 100000 is above 1,000"),
+        (["--params", "1e30"], "--params: 1e30 is above 10,000,000,000,000"),
+        (
+            ["--gpu-memory-gb", "0.001"],
+            "--gpu-memory-gb: 0.001 must be a finite number in [1, 10000]",
+        ),
+        (["--gpu-memory-gb", "5"], "nothing fits: at 8 GPUs the sharded states alone need"),
+        (["--params", "1e12", "--gpus", "2"], "nothing fits: at 2 GPUs the sharded states"),
+    ],
+)
+def test_budget_refuses_what_would_print_a_table_of_zeros(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """These printed a table of zeros and exited 0."""
+    assert main(["budget", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
+    assert message in captured.err
+
+
+def test_budget_says_why_a_gpu_count_holds_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    """1 GPU of 40 GB cannot hold a 5 B model's states, 8 can: the 1-GPU row says why."""
+    assert main(["budget", "--gpu-memory-gb", "40", "--gpus", "1", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | none (the sharded states alone need 80.3 GB of 36.8 GB)" in out
+    assert "| 8 | 73,728 |" in out and "| 0 |" not in out
+
+
+def test_ctrl_c_exits_130_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from packing.cli import _main
+
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_main.COMMANDS["budget"], "run", interrupted)
+    assert main(["budget"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["packing budget: interrupted"]

@@ -22,7 +22,9 @@ a new public name is covered the day it is added, or the test says what is missi
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import inspect
 import math
 import traceback
@@ -38,9 +40,14 @@ import torch
 PACKAGE = str(Path(__file__).resolve().parents[1] / "packing")
 FACADES = [
     "packing", "packing.data", "packing.attention", "packing.planning", "packing.train",
-    "packing.datasets", "packing.model", "packing.verify", "packing.serve", "packing.server",
+    "packing.datasets", "packing.encode", "packing.model", "packing.verify", "packing.serve",
+    "packing.server",
     "packing.integrations.diffusers",
 ]  # fmt: skip
+# LeRobot's LingBot-VA needs lerobot 0.6.1 and transformers: the oldest venv has them.
+LINGBOT = all(importlib.util.find_spec(m) for m in ("lerobot", "transformers"))
+if LINGBOT:
+    FACADES.append("packing.integrations.lingbot_va")
 
 
 # -- the surface ---------------------------------------------------------------------------
@@ -160,6 +167,66 @@ def _ctx() -> torch.Tensor:
     return torch.zeros(1, 4, 2, 2)
 
 
+@functools.cache
+def _lingbot() -> Any:
+    """A tiny LeRobot LingBot-VA policy packed (built once: lerobot is slow to import)."""
+    from packing.integrations.lingbot_va import install
+    from packing.integrations.lingbot_va.testing import tiny_policy
+
+    torch.manual_seed(0)
+    return install(tiny_policy(action_per_frame=2), latent_hw=(4, 4))
+
+
+def _lingbot_batch() -> Any:
+    from packing.integrations.lingbot_va.testing import toy_text_embeddings
+
+    eps = [
+        {"latents": torch.randn(f, 48, 4, 4), "actions": torch.randn(f, 2, 14),
+         "text": toy_text_embeddings()("t"), "episode_index": i}
+        for i, f in enumerate([2, 3])
+    ]  # fmt: skip
+    batch = _lingbot().collator(4 * 6)(eps)
+    batch.extras.update(seed=0, step=0)
+    return batch
+
+
+def _lingbot_base() -> dict[str, Base]:
+    if not LINGBOT:
+        return {}
+    import packing.integrations.lingbot_va as L
+    from packing.integrations.lingbot_va.testing import tiny_policy
+
+    def tokens() -> Any:
+        return L.dual_stream_tokens(_lingbot_batch(), [1, 2], [4, 8], action_per_frame=2)
+
+    shapes = {"latent_shape": (2, 3, 2, 2), "action_shape": (3, 3, 2, 1)}
+    eps = [{"latents": torch.zeros(2, 1, 2, 2), "action": torch.zeros(8, 3), "task": "t"}]
+    return {
+        "packing.integrations.lingbot_va.install": lambda: (
+            L.install, (tiny_policy(),), {"latent_hw": (4, 4)}),
+        "packing.integrations.lingbot_va.PackedLingBotVA": lambda: (
+            L.PackedLingBotVA, (tiny_policy(),), {"latent_hw": (4, 4)}),
+        "packing.integrations.lingbot_va.PackedLingBotVA.collator": lambda: (
+            _lingbot().collator, (4 * 6,), {}),
+        "packing.integrations.lingbot_va.PackedLingBotVA.forward": lambda: (
+            _lingbot().forward, (_lingbot_batch(),), {"reduction": "episode"}),
+        "packing.integrations.lingbot_va.PackedLingBotVA.loss": lambda: (
+            _lingbot().loss, (_lingbot_batch(),), {}),
+        "packing.integrations.lingbot_va.PackedLingBotVA.draws": lambda: (
+            _lingbot().draws, (_lingbot_batch(),), {}),
+        "packing.integrations.lingbot_va.draw_episode": lambda: (L.draw_episode, (0, 0, 0), shapes),
+        "packing.integrations.lingbot_va.lingbot_episodes": lambda: (
+            L.lingbot_episodes, (eps, {"t": torch.zeros(4, 16)}), {}),
+        "packing.integrations.lingbot_va.dual_stream_tokens": lambda: (
+            L.dual_stream_tokens, (_lingbot_batch(), [1, 2], [4, 8]), {"action_per_frame": 2}),
+        "packing.integrations.lingbot_va.lingbot_va_mask": lambda: (L.lingbot_va_mask, (tokens(),), {}),
+        "packing.integrations.lingbot_va.clean_to_clean": lambda: (L.clean_to_clean, (tokens(),), {}),
+        "packing.integrations.lingbot_va.noise_to_clean": lambda: (L.noise_to_clean, (tokens(),), {}),
+        "packing.integrations.lingbot_va.noise_to_noise": lambda: (L.noise_to_noise, (tokens(),), {}),
+        "packing.integrations.lingbot_va.chunk_window": lambda: (L.chunk_window, (tokens(),), {}),
+    }  # fmt: skip
+
+
 # name -> () -> (callable, args, kwargs). Small and readable: one valid call each.
 Base = Callable[[], tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
 
@@ -167,6 +234,7 @@ Base = Callable[[], tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
 def _base() -> dict[str, Base]:
     import packing.attention as A
     import packing.data as D
+    import packing.encode as E
     import packing.integrations.diffusers as F
     import packing.model as M
     import packing.planning as P
@@ -176,7 +244,7 @@ def _base() -> dict[str, Base]:
     import packing.verify as V
 
     ids = torch.tensor([0, 0, 1])
-    return {
+    return _lingbot_base() | {
         # planning
         "packing.BufferedPacker": lambda: (P.BufferedPacker, (8,), {}),
         "packing.PackedBatchSampler": lambda: (P.PackedBatchSampler, ([3, 4, 5], 8), {}),
@@ -237,6 +305,10 @@ def _base() -> dict[str, Base]:
         # verify
         "packing.VerifyConfig": lambda: (V.VerifyConfig, (), {}),
         "packing.verify.Tolerances": lambda: (V.Tolerances, (), {"loss_rel": 1e-6, "grad_rel": 1e-5}),
+        "packing.verify.load_factory": lambda: (V.load_factory, ("packing.model:tiny_reference_model",), {}),
+        # encode
+        "packing.encode.EncodeConfig": lambda: (E.EncodeConfig, ("src", "dst"), {}),
+        "packing.encode.tiny_vae": lambda: (E.tiny_vae, (), {}),
         # the diffusers integration's functions that need no transformer
         "packing.integrations.diffusers.per_token_timesteps": lambda: (
             F.per_token_timesteps, (torch.tensor([700.0, 300.0]), _grid_layout()), {}),
@@ -332,7 +404,15 @@ NOT_CALLED: dict[str, str] = {
     "packing.verify.VerifyReport.to_json": "a result record's file (tests/test_verify.py)",
     "packing.verify.VerifyReport.format": "a result record's rendering (tests/test_verify.py)",
     "packing.verify.assert_no_leaks": "runs a model (tests/test_leak.py)",
+    "packing.verify.verify_rank": "one rank of a torchrun process group (tests/test_ddp.py)",
+    "packing.encode.encode_dataset": "reads and writes datasets; EncodeConfig is checked (tests/test_encode.py)",
+    "packing.encode.EncodeReport": "a result record built by encode_dataset",
+    "packing.encode.EncodeReport.format": "a result record's rendering (tests/test_encode.py)",
     "packing.serve.Engine": "needs a model (serve/faults branches: tests/test_serve.py)",
+    "packing.serve.Engine.submit": "needs an engine (bad requests: tests/test_serve_faults.py)",
+    "packing.serve.Engine.cancel": "needs an engine (tests/test_serve_faults.py)",
+    "packing.serve.Engine.end_session": "needs an engine (tests/test_serve_cache.py)",
+    "packing.serve.Engine.warm_up": "needs an engine (tests/test_serve_warm_up.py)",
     "packing.serve.InferenceReport": "a result record built by verify_inference",
     "packing.serve.InferenceReport.to_json": "a result record's file",
     "packing.serve.PackShape.fits": "takes Requests (tests/test_serve.py)",
@@ -353,6 +433,15 @@ NOT_CALLED: dict[str, str] = {
     "packing.serve.reference_sample": "a scalar reference sampler of the scheduler tests",
     "packing.serve.verify_inference": "runs the inference proof (tests/test_cli.py)",
 }
+NOT_CALLED.update(
+    {
+        "packing.attention.with_tile_rule": "attaches a rule to a mask_mod (tests/test_lingbot_va.py)",
+        "packing.integrations.lingbot_va.EpisodeDraws": "a record built by draw_episode (checked above)",
+        "packing.integrations.lingbot_va.DualStreamTokens": "built by dual_stream_tokens (checked above)",
+        "packing.integrations.lingbot_va.DualStreamTokens.join": "the packed forward's plumbing",
+        "packing.integrations.lingbot_va.DualStreamTokens.take": "the packed forward's plumbing",
+    }
+)
 NOT_CALLED.update({  # the diffusers integration: every entry needs a diffusers transformer
     f"packing.integrations.diffusers.{n}": "needs a diffusers transformer (tests/test_diffusers*.py)"
     for n in [
@@ -379,6 +468,9 @@ _KEYS = "seed step episode_index"
 _HASHED = "an int64 key, hashed by splitmix64: 0 and negatives are distinct valid keys"
 for _fn in ("packing.episode_noise", "packing.train.episode_seed"):
     allow(_fn, _KEYS, "zero negative", _HASHED)
+allow("packing.encode.EncodeConfig", "num_workers", "zero", "0: decode between encodes (default)")
+allow("packing.encode.EncodeConfig", "seed", "zero", "seed 0 of the random-init VAEs")
+allow("packing.encode.tiny_vae", "seed", "zero", "seed 0 of the random init")
 for _fn in ("packing.episode_timesteps", "packing.train.cfg_dropout_mask"):
     allow(_fn, "seed step", "zero negative", _HASHED)
 allow("packing.PackedBatchSampler", "rank", "zero", "rank 0 is a rank")
@@ -413,13 +505,8 @@ allow("packing.PackedBatchSampler.set_epoch", "epoch", "zero huge", "any epoch >
 allow("packing.PackedBatchSampler.replan_packs", "epoch", "zero huge", "any epoch >= 0")
 allow("packing.PackedBatchSampler.schedule", "epoch", "zero huge", "any epoch >= 0")
 allow("packing.PackedBatchSampler.state_dict", "consumed", "zero", "nothing consumed yet")
-allow(
-    "packing.PackedCollator",
-    "token_budget pad_to_multiple max_docs",
-    "huge",
-    "a size: refused only when a pack is built over it",
-)
-allow("packing.Stream", "tokens_per_step budget", "huge", "a size, checked against the data")
+allow("packing.PackedCollator", "max_docs", "huge", "a size: refused only when a pack is over it")
+allow("packing.Stream", "tokens_per_step", "huge", "a size, checked against the data")
 allow("packing.frames_to_tokens", "temporal_compression", "huge", "one latent frame per episode")
 allow("packing.frames_to_tokens", "action_tokens_per_frame text_tokens", "zero", "none (default)")
 allow(
@@ -467,8 +554,13 @@ allow("packing.DiTConfig", "dim depth ffn_dim", "huge", "a width, as above")
 allow("packing.DiTConfig.wan_1_3b", "depth", "huge", "a config, not a model")
 allow("packing.DiTConfig.wan_2_2_5b", "depth", "huge", "a config, not a model")
 allow("packing.model.text_tokens", "text_len", "huge", "refused when over the vocabulary limit")
-allow("packing.model.pack_text", "text_len pad_to_multiple", "huge", "a size")
+allow("packing.model.pack_text", "text_len", "huge", "a size")
 allow("packing.VerifyConfig", "seed", "zero", "seed 0 is the default")
+_LB = "packing.integrations.lingbot_va."
+allow(_LB + "draw_episode", _KEYS, "zero negative", _HASHED)
+allow(_LB + "PackedLingBotVA.collator", "token_budget max_docs text_budget", "huge",
+      "a size: refused only when a pack is built over it")  # fmt: skip
+allow(_LB + "lingbot_episodes", "action_per_frame", "huge", "checked against each episode read")
 
 allow("packing.server.DiTAdapter", "seed", "zero", "seed 0 is a seed")
 allow("packing.server.WanAdapter", "seed", "zero", "seed 0 is a seed")

@@ -102,7 +102,7 @@ def test_argparse_errors_are_one_line_and_budget_takes_5e9_without_torch() -> No
 def test_budget_presets_match_param_count() -> None:
     import dataclasses
 
-    from packing._budget_command import PRESET_PARAMS
+    from packing.cli._budget import PRESET_PARAMS
     from packing.model import DiTConfig, param_count
 
     for preset, (depth, outside, per_block) in PRESET_PARAMS.items():
@@ -114,7 +114,12 @@ def test_budget_presets_match_param_count() -> None:
 
 def test_threads_above_the_cores_exit_2_before_torch_hangs() -> None:
     out = _cli("verify", "--threads", "100000")
-    assert out.returncode == 2 and "--threads 100000 must be in [1," in out.stderr
+    assert out.returncode == 2 and "--threads: 100000 is above 4,096" in out.stderr
+    import os
+
+    more = len(os.sched_getaffinity(0)) + 1  # within the parser's bound, above this machine's
+    out = _cli("verify", "--threads", str(more))
+    assert out.returncode == 2 and f"--threads {more} must be in [1," in out.stderr
 
 
 def _report(failures: list[str], worst_rel: float, scale: float) -> object:
@@ -192,3 +197,129 @@ def test_pack_plan_built_by_hand_is_checked() -> None:
         plan([0, 0])
     with pytest.raises(ValueError, match="9 tokens > token_budget=8"):
         plan([1, 2])
+
+
+def test_a_sampler_of_no_episode_is_refused_not_one_empty_step() -> None:
+    """PackedBatchSampler([], 8) yielded one all-padding step an epoch."""
+    from packing.planning import PackedBatchSampler, plan_packs
+
+    for build in (lambda: PackedBatchSampler([], 8),
+                  lambda: PackedBatchSampler(plan=plan_packs([], 8))):  # fmt: skip
+        with pytest.raises(ValueError, match="PackedBatchSampler got no episode"):
+            build()
+    assert list(PackedBatchSampler([3], 8)) == [[0]]  # one episode: one step
+
+
+def test_frames_to_tokens_of_no_episode_says_so() -> None:
+    """It said 'got float64' (numpy's dtype of an empty list)."""
+    from packing.planning import frames_to_tokens
+
+    with pytest.raises(ValueError, match="num_frames is empty"):
+        frames_to_tokens([])
+
+
+def test_dataset_adapters_refuse_what_they_cannot_serve(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each was accepted (an empty selection, a file as cache_dir, a bool as an index) or
+    failed inside pathlib/numpy without naming the argument."""
+    import numpy as np
+
+    from packing.datasets import (
+        LeRobotEpisodes,
+        default_dataset_root,
+        episode_lengths,
+        write_default_dataset,
+    )
+
+    root = default_dataset_root()
+    with pytest.raises(ValueError, match=r"episodes=\[\] selects no episode"):
+        LeRobotEpisodes(root, keys=["latents"], episodes=[])
+    with pytest.raises(ValueError, match=r"cache_dir=.* is a file; pass a folder"):
+        LeRobotEpisodes(root, keys=["latents"], cache_dir=__file__)
+    with pytest.raises(TypeError, match=r"cache_dir=3 must be a path"):
+        LeRobotEpisodes(root, keys=["latents"], cache_dir=3)
+    with pytest.raises(TypeError, match=r"root=3 must be a path"):
+        episode_lengths(3)  # type: ignore[arg-type]
+    eps = LeRobotEpisodes(root, keys=["latents"])
+    for bad in (True, 1.0, "a"):
+        with pytest.raises(TypeError, match=r"i=.* must be an int"):
+            eps[bad]  # type: ignore[index]
+    assert eps[np.int64(1)]["episode_index"] == 1  # numpy ints are ints
+    (tmp_path / "here").mkdir()
+    with pytest.raises(FileExistsError, match=r"exists; write_default_dataset writes a new"):
+        write_default_dataset(tmp_path / "here")
+    with pytest.raises(TypeError, match=r"lengths\[0\]=2.5 must be an int"):
+        write_default_dataset(tmp_path / "new", lengths=(2.5, 3))  # type: ignore[arg-type]
+
+
+def test_hf_episodes_refuse_an_empty_selection_and_a_bool_index() -> None:
+    datasets = pytest.importorskip("datasets")
+    from packing.datasets import HFEpisodes
+
+    ds = datasets.Dataset.from_dict({"episode_index": [0, 0, 1], "obs": [1.0, 2.0, 3.0]})
+    with pytest.raises(ValueError, match=r"episodes=\[\] selects no episode"):
+        HFEpisodes(ds, keys=["obs"], episodes=[])
+    with pytest.raises(TypeError, match=r"i=True must be an int"):
+        HFEpisodes(ds, keys=["obs"])[True]  # type: ignore[index]
+
+
+def test_train_helpers_refuse_a_device_mismatch_a_wrong_row_count_and_a_huge_noise() -> None:
+    """reduce_loss on another device failed inside torch; broadcast_to_tokens took 3 rows for
+    a layout of 2 episodes; episode_noise of 2**40 values failed in torch's allocator."""
+    from packing.data import layout_from_lengths
+    from packing.train import broadcast_to_tokens, episode_noise, reduce_loss
+
+    ids = torch.tensor([0, 0, 1, -1])
+    with pytest.raises(ValueError, match=r"loss is on meta but the doc ids on cpu"):
+        reduce_loss(torch.ones(4, device="meta"), ids, "token")
+    layout = layout_from_lengths([2, 1], [2, 1], 4)
+    with pytest.raises(ValueError, match=r"values_K has 3 rows but the doc ids name 2"):
+        broadcast_to_tokens(torch.ones(3), layout)
+    assert broadcast_to_tokens(torch.ones(2), layout).tolist() == [1, 1, 1, 0]
+    with pytest.raises(ValueError, match=r"values > 4,294,967,296 .* for one episode's noise"):
+        episode_noise(0, 0, 0, (2**20, 2**20))
+
+
+def test_collator_sizes_are_bounded_and_odd_inputs_named() -> None:
+    """A budget of 2**40 tokens failed in numpy's allocator; a big-endian array and an
+    episode_index of 2**70 failed inside torch; batch.to(3.5) was accepted."""
+    import numpy as np
+
+    from packing.data import PackedCollator, Stream
+
+    ep = {"x": torch.ones(2, 3), "episode_index": 0}
+    for build in (lambda: PackedCollator(["x"], token_budget=2**40),
+                  lambda: PackedCollator(["x"], pad_to_multiple=2**40),
+                  lambda: Stream("x", budget=2**40)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"must be <= 134217728 \(.*tokens"):
+            build()
+    with pytest.raises(TypeError, match=r"byte order '>' .* convert it to the native order"):
+        PackedCollator(["x"])([{"x": np.ones((2, 3), dtype=">f4"), "episode_index": 0}])
+    with pytest.raises(ValueError, match=r"key 'episode_index' is 1180591620717411303424, outside"):
+        PackedCollator(["x"])([{**ep, "episode_index": 2**70}])
+    batch = PackedCollator(["x"])([ep])
+    with pytest.raises(TypeError, match=r"device must be a torch.device or a device string"):
+        batch.to(3.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"device='bogus' is not a device"):
+        batch.to("bogus")
+    assert batch.to("cpu")["x"].shape == batch["x"].shape
+
+
+def test_a_bool_among_the_lengths_is_refused_not_planned_as_one_token() -> None:
+    import numpy as np
+
+    from packing.planning import plan_packs
+
+    for lengths, first in (([True, 3], 0), ((3, True), 1), (np.array([True, False]), 0)):
+        with pytest.raises(TypeError, match=rf"lengths holds a bool \(episode {first}\)"):
+            plan_packs(lengths, 8)
+    assert plan_packs(torch.tensor([3, 4]), 8).packs == [[0, 1]]  # ints of any kind are fine
+
+
+def test_verify_config_bounds_lr_and_eps_as_its_flags_do() -> None:
+    from packing.verify import VerifyConfig
+
+    for kw, match in ((dict(lr=1e300), r"lr=1e\+300 must be <= 10"),
+                      (dict(adam_eps=2.0), r"adam_eps=2.0 must be <= 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            VerifyConfig(**kw)
+    assert VerifyConfig(lr=10.0, adam_eps=1.0).lr == 10.0

@@ -380,3 +380,157 @@ def test_config_refuses_bad_values_naming_them(kw, error, match):
 
     with pytest.raises(error, match=match):
         EncodeConfig("src", "dst", **kw)
+
+
+@needs_lerobot
+@pytest.mark.parametrize("episodes", [3, 4])
+def test_verify_passes_on_a_small_encoded_dataset_with_every_default(
+    latent_root, episodes, tmp_path, capsys
+):
+    """README's "Your own data" on 3 or 4 episodes: the default budget put each episode in a
+    pack of its own, and verify FAILed ("leak check impossible"). It holds two now."""
+    from packing.cli import main
+
+    out = tmp_path / "r.json"
+    argv = ["verify", "--dataset", str(latent_root), "--episodes", str(episodes)]
+    assert main([*argv, "--steps", "1", "--json", str(out)]) == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["leak"]["ok"] is True and report["leak"]["num_docs"] >= 2
+    assert max(report["pack_sizes"]) >= 2
+
+
+@needs_lerobot
+def test_encode_never_writes_inside_its_source(video_root, tmp_path):
+    from packing.encode import EncodeError, encode_dataset
+
+    before = sorted(p for p in video_root.rglob("*"))
+    for dst, match in ((video_root, "is SRC itself"), (video_root / "latents", "inside SRC"),
+                       (video_root.parent, "SRC .* is inside DST")):  # fmt: skip
+        with pytest.raises(EncodeError, match=match):
+            encode_dataset(_config(video_root, dst))
+    assert sorted(p for p in video_root.rglob("*")) == before  # nothing written into SRC
+
+
+def _saved_tiny_vae(folder: Path, **config) -> Path:
+    from packing.encode import tiny_vae
+
+    tiny_vae().save_pretrained(folder)
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder
+
+
+@needs_lerobot
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (
+            {"scale_factor_temporal": 2},
+            r"config says 2x time, 16x space .* 5 frames of 32x32 "
+            r"pixels should give 3 latent frames of 2x2, but it fails on them",
+        ),
+        (
+            {"scale_factor_spatial": 8},
+            r"config says 4x time, 8x space .* of 16x16 pixels .* "
+            r"3 latent frames of 1x1 .*16x space",
+        ),
+        ({"_class_name": "UNet2DConditionModel"}, r"describes a UNet2DConditionModel, not a VAE"),
+    ],
+)
+def test_a_vae_that_is_not_what_its_config_says_is_refused_before_dst_exists(
+    video_root, tmp_path, config, match
+):
+    """A config misstating the VAE's compression wrote (exit 0) a dataset nobody could read;
+    a UNet folder as --vae crashed (exit 3) and left a half-started destination."""
+    from packing.encode import EncodeError, encode_dataset
+
+    vae = _saved_tiny_vae(tmp_path / "vae", **config)
+    dst = tmp_path / "out"
+    with pytest.raises(EncodeError, match=match):
+        encode_dataset(_config(video_root, dst, vae=str(vae)))
+    assert not dst.exists()
+
+
+@needs_lerobot
+def test_a_saved_vae_with_its_own_config_encodes(video_root, tmp_path):
+    """The negative control of the probe: the same folder, config untouched, is accepted."""
+    from packing.encode import encode_dataset
+
+    vae = _saved_tiny_vae(tmp_path / "vae")
+    report = encode_dataset(_config(video_root, tmp_path / "out", vae=str(vae)))
+    assert report.episodes == len(LENGTHS)
+
+
+@needs_lerobot
+def test_a_device_this_machine_lacks_is_a_usage_error(video_root, tmp_path, capsys):
+    from packing.cli import main
+    from packing.encode import EncodeConfig, EncodeError, encode_dataset
+
+    dst = tmp_path / "out"
+    for device in ("cuda:x", "bogus", "cuda:-1"):
+        with pytest.raises(EncodeError, match=rf"device='{device}': use 'cpu', 'cuda' or 'cuda:N'"):
+            EncodeConfig(video_root, dst, device=device)
+        assert main(["encode", str(video_root), str(dst), "--vae", "tiny", "--device", device]) == 2
+        assert "is not a torch device" in capsys.readouterr().err
+    count = torch.cuda.device_count()
+    with pytest.raises(EncodeError, match=r"device='cuda:99' but .*(no CUDA GPU|pick one)"):
+        encode_dataset(_config(video_root, dst, device="cuda:99"))
+    assert not dst.exists() and count < 99
+
+
+@needs_lerobot
+def test_ctrl_c_during_encode_says_what_is_kept_and_a_rerun_resumes(
+    video_root, tmp_path, monkeypatch, capsys
+):
+    from packing.cli import main
+    from packing.encode import _write
+
+    real = _write.LatentWriter.write
+    calls = []
+
+    def interrupted_on_third(self, *args, **kw):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(_write.LatentWriter, "write", interrupted_on_third)
+    dst = tmp_path / "out"
+    argv = ["encode", str(video_root), str(dst), "--vae", "tiny", "--cameras", FRONT,
+            "--pad-frames", "--batch-size", "1"]  # fmt: skip
+    assert main(argv) == 130
+    err = [x for x in capsys.readouterr().err.splitlines() if not x.startswith("  ..")]
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert err[0].startswith("packing encode: interrupted; 2/5 episodes written by this run")
+    assert f"in {dst} are kept" in err[0] and "run the same command again to resume" in err[0]
+    monkeypatch.setattr(_write.LatentWriter, "write", real)
+    assert main(argv) == 0
+    assert "3 episodes encoded, 2 found done" in capsys.readouterr().out
+
+
+@needs_lerobot
+@pytest.mark.parametrize("tc", [2, 8])
+def test_a_temporal_compression_the_latents_do_not_have_is_refused_when_read(
+    latent_root, tmp_path, tc
+):
+    """info.json saying 2 (or 8) for latents written at 4 served zero rows as latent frames."""
+    root = shutil.copytree(latent_root, tmp_path / "lying")
+    info = json.loads((root / "meta" / "info.json").read_text())
+    info["features"][KEY]["latent"]["temporal_compression"] = tc
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    eps = LeRobotEpisodes(root, keys=[KEY])
+    with pytest.raises(ValueError, match=rf"episode 0 of .*: latent feature '{KEY}': meta/info"
+                       rf".json's temporal_compression {tc} puts .* the rows holding latents "
+                       r"are \[0, 4, 8\]"):  # fmt: skip
+        eps[0]
+    assert LeRobotEpisodes(latent_root, keys=[KEY])[0][KEY].shape[0] == 3  # the control
+
+
+@needs_lerobot
+def test_a_destination_that_is_a_file_is_named(video_root, tmp_path):
+    from packing.encode import EncodeError, encode_dataset
+
+    (tmp_path / "dst").write_text("mine")
+    with pytest.raises(EncodeError, match=r"destination .*dst is a file; pass a folder path"):
+        encode_dataset(_config(video_root, tmp_path / "dst"))
+    assert (tmp_path / "dst").read_text() == "mine"

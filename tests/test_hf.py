@@ -140,6 +140,25 @@ def test_ragged_and_null_columns_are_refused() -> None:
     assert got.dtype == np.int16 and got.tolist() == [[[5, 6], [7, 8]]]
 
 
+def test_a_ragged_or_null_column_is_refused_when_the_dataset_is_opened() -> None:
+    """Before, HFEpisodes accepted it and the error came when an item holding it was read
+    (in a DataLoader worker, steps later). A row filtered out does not count."""
+    obs = [[0.0, 1.0], [2.0, 3.0], [4.0], [5.0, 6.0]]  # row 2 (episode 1) is ragged
+    ds = datasets.Dataset.from_dict({"episode_index": [0, 0, 1, 1], "obs": obs})
+    with pytest.raises(ValueError, match=r"column 'obs' is ragged \(rows of 1 to 2 values\)"):
+        HFEpisodes(ds, keys=["obs"])
+    kept = ds.filter(lambda row: row["episode_index"] == 0)
+    assert HFEpisodes(kept, keys=["obs"])[0]["obs"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    nulls = datasets.Dataset.from_dict({"episode_index": [0, 0], "obs": [1.0, None]})
+    with pytest.raises(ValueError, match=r"column 'obs' has 1 null values"):
+        HFEpisodes(nulls, keys=["obs"])
+
+
+def test_no_keys_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"keys=\[\] requests no column"):
+        HFEpisodes(make_rows([0, 0, 1]), keys=[])
+
+
 def test_plan_columns_serves_is_pad_inverted_only() -> None:
     avail = ["latents", "action", "action_is_pad"]
     assert plan_columns(["latents", "action"], avail) == [

@@ -177,7 +177,7 @@ def test_mask_equals_lerobots_flexattn_mask_per_episode_and_blocks_are_exact() -
         theirs = mod(zero, zero, torch.arange(n)[:, None], torch.arange(n)[None])
         assert torch.equal(ours, theirs), k
     for block in (16, 32):
-        _check_blocks(tok.layout.doc_ids_T, rule, dense, block)
+        _check_blocks(tok.layout.doc_ids_T, rule, dense, block, tok)
 
 
 def test_block_mask_from_tile_rules_finds_full_tiles_on_larger_frames() -> None:
@@ -192,11 +192,11 @@ def test_block_mask_from_tile_rules_finds_full_tiles_on_larger_frames() -> None:
     tok = dual_stream_tokens(collate(eps), [2, 1, 4], [4, 7, 64], action_per_frame=2)
     rule = lingbot_va_mask(tok)
     dense = dense_mask(tok.layout.doc_ids_T, None, None, rule)
-    fulls = [_check_blocks(tok.layout.doc_ids_T, rule, dense, b) for b in (16, 32, 48)]
+    fulls = [_check_blocks(tok.layout.doc_ids_T, rule, dense, b, tok) for b in (16, 32, 48)]
     assert min(fulls) > 0, fulls  # the rules found full tiles: sparsity, not just safety
 
 
-def _check_blocks(doc: torch.Tensor, rule, dense: torch.Tensor, block: int) -> int:
+def _check_blocks(doc: torch.Tensor, rule, dense: torch.Tensor, block: int, tok=None) -> int:
     """Every tile with a true pair is listed, every full tile is truly full (the attention is
     exact); returns the number of full tiles."""
     bm = make_block_mask(doc, None, None, block, mask_mod=rule, inner_fallback="error")
@@ -209,13 +209,18 @@ def _check_blocks(doc: torch.Tensor, rule, dense: torch.Tensor, block: int) -> i
         k = int(bm.full_kv_num_blocks[0, 0, r])  # type: ignore[index]
         full[r, bm.full_kv_indices[0, 0, r, :k].long()] = True  # type: ignore[index]
     assert not (full & ~want_all).any(), f"block {block}: a tile listed full is not"
-    # Exact where a q tile and a kv tile each hold one episode (a tile spanning two episodes
-    # mixes their chunk ranges: listed, checked pair by pair in the kernel, still exact).
+    # Exact where a q tile and a kv tile each hold one part (copy and stream) of one episode;
+    # a tile mixing parts or episodes mixes their chunk ranges: listed, masked pair by pair.
     T = doc.shape[0]
-    tiles = torch.nn.functional.pad(doc, (0, n * block - T), value=-1).view(n, block)
-    one = (tiles >= 0).all(1) & (tiles.amin(1) == tiles.amax(1))
+    part = doc * 4 + (tok.copy_J + 2 * tok.kind_J if tok is not None else 0)
+
+    def tiles(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, n * block - T), value=-1).view(n, block)
+
+    d, pt = tiles(doc), tiles(part)
+    one = (d >= 0).all(1) & (pt.amin(1) == pt.amax(1))
     both = one[:, None] & one[None]
-    assert not (listed & ~want_any & both).any(), f"block {block}: loose on one-episode tiles"
+    assert not (listed & ~want_any & both).any(), f"block {block}: loose on one-part tiles"
     return int(full.sum())
 
 
@@ -363,3 +368,59 @@ def test_packed_sampler_under_accelerate_prepare_is_exact_once(tmp_path) -> None
             assert seen[r][f"all_ranks/{epoch}"] == seen[r][f"all_ranks/{epoch}/own"]
     trap = [e for r in (0, 1) for b in seen[r]["per_rank/0"] for e in b]
     assert len(set(trap)) < len(LENGTHS)  # the per-rank sampler under prepare drops episodes
+
+
+# -- properties ------------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    frames=st.lists(st.integers(1, 7), min_size=1, max_size=4),
+    chunks=st.lists(st.integers(1, 4), min_size=4, max_size=4),
+    windows=st.lists(st.integers(0, 12), min_size=4, max_size=4),
+    grid=st.sampled_from([(1, 1), (2, 2), (1, 3)]),
+    apf=st.integers(1, 3),
+    block=st.sampled_from([8, 16, 24]),
+)
+def test_block_mask_invariants_on_random_packs(frames, chunks, windows, grid, apf, block) -> None:
+    """Any pack: every tile with a true pair is listed, only full tiles are full, and tiles of
+    one episode are exact (the dense mask, from the same mask_mod, is the reference)."""
+    from packing.data import PackedCollator, Stream
+
+    collate = PackedCollator(
+        [Stream("latents", grid=grid), Stream("actions", tokens_per_step=apf)], pad_to_multiple=8
+    )
+    eps = [{"latents": torch.zeros(f, 1, *grid), "actions": torch.zeros(f, apf, 1), "episode_index": i}
+           for i, f in enumerate(frames)]  # fmt: skip
+    k = len(frames)
+    tok = dual_stream_tokens(collate(eps), chunks[:k], windows[:k], action_per_frame=apf)
+    rule = lingbot_va_mask(tok)
+    dense = dense_mask(tok.layout.doc_ids_T, None, None, rule)
+    _check_blocks(tok.layout.doc_ids_T, rule, dense, block, tok)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    frames=st.integers(0, 5),
+    act_shape=st.tuples(st.integers(0, 6), st.integers(1, 3), st.integers(13, 15)),
+    text_width=st.sampled_from([8, 16, 32]),
+)
+def test_random_episodes_are_packed_or_refused_naming_the_episode(frames, act_shape, text_width):
+    """A random episode is either LingBot-VA's (packed) or refused with packing's ValueError
+    naming it: never cropped, padded, or an error from inside torch."""
+    collate = _packed(2).collator(token_budget=4 * 8)
+    ep = {
+        "latents": torch.zeros(frames, 48, 4, 4),
+        "actions": torch.zeros(*act_shape),
+        "text": torch.zeros(5, text_width),
+        "episode_index": 11,
+    }
+    valid = frames >= 2 and act_shape == (frames, 2, 14) and text_width == 16
+    if valid:
+        batch = collate([ep])
+        assert batch.layout("latents").steps_K == (frames,)
+        return
+    with pytest.raises(ValueError, match=r"^episode 11"):
+        collate([ep])

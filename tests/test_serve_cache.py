@@ -469,3 +469,23 @@ def test_a_request_with_more_context_than_the_window_is_refused():
         engine.submit(Request(context=_frames(5), frames=1, actions=2, steps=2))
     with pytest.raises(ValueError, match=r"ContextCache\.context_frames"):
         ContextCache(pages=4, context_frames=0)
+
+
+def test_the_serving_masks_keep_flexattention_off_its_decoding_kernel():
+    """A pack of one request has fewer than 128 queries (80 at 5B widths), which inductor
+    lowers to FlexAttention's decoding kernel: 2.6 ms a call against 0.083 ms on an H200
+    (benchmarks/reports/2026-12-04_served_engine.md). Every serving mask forces the main one."""
+    from packing.attention import frame_causal
+    from packing.serve._cached_step import pool_mask
+    from packing.serve._step import cross_mask, step_masks
+
+    doc, pos = torch.zeros(80, dtype=torch.int64), torch.arange(80)
+    text = torch.zeros(16, dtype=torch.int64)
+    inner = frame_causal(8)
+    masks = [*step_masks(doc, text, backend="flex", inner=inner, document_mask=True),
+             cross_mask(doc, text, backend="flex", document_mask=True),
+             pool_mask(doc, pos, doc, pos, backend="flex", inner=inner, document_mask=True)]  # fmt: skip
+    for m in masks:
+        assert m.kernel_options == {"FORCE_USE_FLEX_ATTENTION": True}, m
+    sdpa = pool_mask(doc, pos, doc, pos, backend="sdpa", inner=inner, document_mask=True)
+    assert sdpa.kernel_options is None  # the control: SDPA has no such option

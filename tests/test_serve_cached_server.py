@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("websockets", reason="needs packing[serve]")
 from serve_robots import ADAPTER, FRAME, model, wait_until
 
-from packing import _serve_command
+from packing.cli import _serve as _serve_command
 from packing.cli import build_parser, main
 from packing.serve import ContextCache, Engine, EngineConfig, FlowScheduler, PackShape
 from packing.server import PolicyClient, PolicyServer, ServerConfig
@@ -108,8 +108,9 @@ def test_packing_serve_context_cache_builds_the_cached_engine():
                                       "--page-frames", "2", "--prefill-frames", "8",
                                       "--frames", "2", "--actions", "8"])  # fmt: skip
     engine, _ = _serve_command._build(args, "cpu")
-    assert engine.config.context_cache == ContextCache(pages=32, page_frames=2, prefill_frames=8,
-                                                       context_frames=4)  # --context-frames
+    assert engine.config.context_cache == ContextCache(
+        pages=32, page_frames=2, prefill_frames=8, context_frames=4
+    )  # --context-frames
     # the default shapes: 1, 2, 4, 8 requests of generated frames only (no room for context)
     assert [(s.frames, s.actions, s.requests) for s in engine.shapes] == [
         (2, 8, 1), (4, 16, 2), (8, 32, 4), (16, 64, 8)]  # fmt: skip
@@ -123,7 +124,7 @@ def test_packing_serve_context_cache_builds_the_cached_engine():
         (["--context-cache", "16"], r"frame-causal model.*--mask frame-causal"),
         (["--page-frames", "2"], r"--page-frames sizes the context cache; add --context-cache"),
         (["--prefill-frames", "4"], r"--prefill-frames sizes the context cache"),
-        (["--context-cache", "0", "--mask", "frame-causal"], r"ContextCache\.pages"),
+        (["--context-cache", "0", "--mask", "frame-causal"], r"--context-cache: 0 is below 1"),
         (["--context-cache", "4", "--model", "serve_robots:cli_engine"], r"a factory builds"),
     ],
 )

@@ -152,6 +152,18 @@ def test_default_token_budget() -> None:
     assert default_token_budget([32 * f for f in (5, 2, 9, 3, 7, 4, 8, 2, 6, 9, 3, 5)]) == 768
     assert default_token_budget([1000, 10]) == 1024
     assert default_token_budget([5, 2, 9, 3, 7]) == 16
+    # Three episodes whose third is below the longest: the two shortest must share a pack.
+    assert default_token_budget([45, 60, 30]) == 80
+
+
+def test_a_given_budget_that_holds_one_episode_a_pack_names_the_budget_to_give() -> None:
+    from packing.verify._command import token_budget
+
+    assert token_budget([45, 60, 30], 15, 75, leak_check=True) == 75
+    with pytest.raises(ValueError, match=r"--token-budget 60 holds one episode a pack .*"
+                       r"pass --token-budget 75 or more"):  # fmt: skip
+        token_budget([45, 60, 30], 15, 60, leak_check=True)
+    assert token_budget([45, 60, 30], 15, 60) == 60  # --no-leak-check: the user's call
 
 
 # -- the harness on a correct model -------------------------------------------------------------

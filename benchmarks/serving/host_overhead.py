@@ -17,7 +17,7 @@ pack fill and the device's busy fraction, for
 - ``before`` (40b14ba): the host never waits for the device, so it queues every member's
   remaining calls at once, and a reply's ``.cpu()`` on the engine's stream waits for every
   call queued after it;
-- ``after``: the host stays one call ahead (``ContinuousBatcher._in_flight``) and a reply is
+- ``after``: the host stays one call ahead (``Engine._in_flight``) and a reply is
   read on a side stream (`packing.serve._device.to_host`), waiting for no later call;
 
 and the packed arm twice: shapes of 1, 2, 4, 8 requests (``packed``) and one shape per

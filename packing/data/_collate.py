@@ -37,7 +37,11 @@ from packing._validate import (
 from packing.data._joint import joint_layout as _joint_layout
 from packing.data._layout import PackedBatch, StreamLayout, layout_from_lengths
 
-__all__ = ["PackedCollator", "Stream", "check_batch", "pack", "unpack"]
+__all__ = ["MAX_PACK_TOKENS", "PackedCollator", "Stream", "check_batch", "pack", "unpack"]
+
+# A pack is allocated at its budget: 2**27 tokens (134 M; a real step holds ~0.3 M a GPU) is
+# refused when the collator is built, not by the allocator after a DataLoader worker started.
+MAX_PACK_TOKENS = 2**27
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,9 @@ class Stream:
             raise ValueError(f"Stream name must be a non-empty string, got {self.name!r}")
         where = f"stream {self.name!r}: "
         check_int(where + "tokens_per_step", self.tokens_per_step, min=1)
-        check_optional_int(where + "budget", self.budget, min=1, hint="tokens")
+        check_optional_int(
+            where + "budget", self.budget, min=1, max=MAX_PACK_TOKENS, hint="tokens a pack"
+        )
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise TypeError(
                 f"{where}dtype={self.dtype!r} must be a torch.dtype, e.g. torch.float16"
@@ -127,6 +133,11 @@ def _as_tensor(value: Any) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
+        if not value.dtype.isnative:  # torch reads native byte order only
+            raise TypeError(
+                f"a numpy array of byte order {value.dtype.byteorder!r} ({value.dtype.str}); "
+                "convert it to the native order first (array.astype(array.dtype.newbyteorder('='))"
+            )
         return torch.from_numpy(value)
     return None
 
@@ -180,10 +191,16 @@ class PackedCollator:
         check_finite: bool = False,
     ) -> None:
         pad_to_multiple = check_int(
-            "pad_to_multiple", pad_to_multiple, min=1, hint="1 disables padding"
+            "pad_to_multiple",
+            pad_to_multiple,
+            min=1,
+            max=MAX_PACK_TOKENS,
+            hint="tokens; 1 disables padding",
         )
         max_docs = check_optional_int("max_docs", max_docs, min=1, hint="episodes per pack")
-        token_budget = check_optional_int("token_budget", token_budget, min=1, hint="tokens")
+        token_budget = check_optional_int(
+            "token_budget", token_budget, min=1, max=MAX_PACK_TOKENS, hint="tokens a pack"
+        )
         self.check_finite = check_bool("check_finite", check_finite)
         pin_memory = check_bool("pin_memory", pin_memory)
         decl = (
@@ -566,6 +583,8 @@ def _stack_plain(values: list[Any], k_out: int, fill: int) -> tuple[str, Any] | 
     kind = _KINDS.get(t0)
     if kind is None or kind == "tensor" or not all(type(v) is t0 for v in values):
         return None
+    if kind == "int" and not (min(values) >= -(2**63) and max(values) < 2**63):
+        return None  # outside int64: `_stack_checked` names the episode and the key
     pad = k_out - len(values)
     if kind == "object":
         return kind, values + [""] * pad
@@ -597,6 +616,13 @@ def _stack_checked(
             )
         stacked = torch.stack([t for t in ts if t is not None])
         return kind, _pad_rows(stacked, k_out, fill=fill)
+    if kind == "int":  # torch would fail inside its own conversion, naming nothing
+        big = next((i for i, v in enumerate(values) if not -(2**63) <= v < 2**63), None)
+        if big is not None:
+            raise ValueError(
+                f"episode {_name(episodes[big], big)} key {key!r} is {values[big]}, outside "
+                "int64; per-episode ints are stored as int64"
+            )
     if kind in _VALUE_DTYPES:
         return kind, _pad_rows(torch.tensor(values, dtype=_VALUE_DTYPES[kind]), k_out, fill=fill)
     return kind, list(values) + [""] * (k_out - len(values))

@@ -31,7 +31,14 @@ from typing import Any
 import torch
 
 from packing._layout_math import layout_arrays
-from packing._validate import check_int, check_int_tuple, check_optional_int, check_sequence
+from packing._validate import (
+    check_bool,
+    check_device,
+    check_int,
+    check_int_tuple,
+    check_optional_int,
+    check_sequence,
+)
 
 __all__ = ["JointLayout", "PackedBatch", "StreamLayout", "layout_from_lengths"]
 
@@ -73,6 +80,9 @@ class StreamLayout:
         return self.num_tokens / max(self.padded_len, 1)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> StreamLayout:
+        device = check_device("device", device)
+        check_bool("non_blocking", non_blocking)
+
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
@@ -136,6 +146,8 @@ class JointLayout:
         return {n: x.index_select(0, self.dest_index[n]) for n in self.streams}
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JointLayout:
+        device = check_device("device", device)
+        check_bool("non_blocking", non_blocking)
         return JointLayout(
             streams=self.streams,
             padded_lens=self.padded_lens,
@@ -299,6 +311,8 @@ class PackedBatch(Mapping[str, Any]):
     # -- devices ----------------------------------------------------------------------------
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """A copy on ``device``; Python ints and lists (lengths, max_seqlen) stay on the host."""
+        device = check_device("device", device)
+        check_bool("non_blocking", non_blocking)
 
         kw = {"non_blocking": non_blocking}
         return replace(

@@ -24,6 +24,7 @@ __all__ = [
     "RESERVED",
     "arrow_to_numpy",
     "check_numeric",
+    "check_rows_alike",
     "plan_columns",
     "table_to_episode",
 ]
@@ -68,6 +69,39 @@ def arrow_to_numpy(column: Any, *, key: str) -> np.ndarray:
     check_numeric(t, key=key)
     values = arr.to_numpy(zero_copy_only=False, writable=True)
     return values.reshape(n, *shape)
+
+
+def check_rows_alike(column: Any, *, key: str, rows: np.ndarray | None = None) -> None:
+    """Every served row (``rows`` of the column; all by default) has the same outer length
+    and is not null, checked once when the dataset is opened (one pass over the row
+    lengths, not the values, chunk by chunk: nothing the size of the column is copied): a
+    ragged or null column is refused then, not when an item that holds it is read. Inner
+    levels of nested lists are checked per item (`arrow_to_numpy`)."""
+    pa = require("pyarrow", extra=None)
+    pc = require("pyarrow.compute", extra=None)
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    nulls, lens = [], []
+    for arr in chunks:
+        if isinstance(arr, pa.ExtensionArray):
+            arr = arr.storage
+        nulls.append(arr.is_null().to_numpy(zero_copy_only=False))
+        if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+            lens.append(pc.list_value_length(arr).to_numpy(zero_copy_only=False))
+    null = np.concatenate(nulls) if nulls else np.zeros(0, dtype=bool)
+    if rows is not None:
+        null = null[rows]
+    if null.any():
+        raise ValueError(f"column {key!r} has {int(null.sum())} null values; fill them first")
+    if not lens:
+        return
+    length = np.concatenate(lens)
+    if rows is not None:
+        length = length[rows]
+    if len(length) and (length != length[0]).any():
+        raise ValueError(
+            f"column {key!r} is ragged (rows of {length.min()} to {length.max()} values); only "
+            "fixed-shape numeric features can be stacked into a sequence: pad or split it"
+        )
 
 
 def check_numeric(arrow_type: Any, *, key: str) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from packing._lazy import require
+from packing._validate import check_int, check_path, check_sequence
 
 __all__ = [
     "DEFAULT_LENGTHS",
@@ -62,13 +63,22 @@ def write_default_dataset(
     Deterministic: the same ``lengths`` and ``seed`` give the same frames. Episodes of one frame
     are refused because lerobot 0.6.1's writer fails to aggregate their stats.
     """
-    if min(lengths) < 2:
+    lengths = tuple(
+        check_int(f"lengths[{i}]", n) for i, n in enumerate(check_sequence("lengths", lengths))
+    )
+    check_int("seed", seed, min=0, max=2**32 - 1, hint="numpy's default_rng seed")
+    if not lengths or min(lengths) < 2:
         raise ValueError(
             f"lengths {lengths} contain an episode shorter than 2 frames; lerobot 0.6.1's writer "
             "cannot aggregate stats of a one-frame episode with a multi-dimensional feature"
         )
     lerobot_dataset = require("lerobot.datasets.lerobot_dataset", extra="lerobot")
-    root = Path(root)
+    root = Path(check_path("root", root)).expanduser()
+    if root.exists():
+        raise FileExistsError(
+            f"root={os.fspath(root)!r} exists; write_default_dataset writes a new dataset "
+            "there: pass a path that does not exist yet"
+        )
     ds = lerobot_dataset.LeRobotDataset.create(
         repo_id="packing/default",
         fps=DEFAULT_FPS,

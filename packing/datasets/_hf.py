@@ -89,6 +89,12 @@ def _reordered(dataset: Any) -> bool:
     return bool((np.diff(rows) < 0).any())
 
 
+def _served_rows(dataset: Any) -> np.ndarray | None:
+    """The stored rows a ``select``/``shuffle``/``filter``-ed dataset serves (None: all)."""
+    indices = getattr(dataset, "_indices", None)
+    return None if indices is None else indices.column(0).to_numpy().astype(np.int64)
+
+
 def _refuse_gaps(
     episode_ids: np.ndarray, frames: np.ndarray, order: np.ndarray, frame_column: str
 ) -> None:
@@ -116,6 +122,76 @@ def _refuse_duplicates(wanted: list[int]) -> None:
                 "episode_index keys its noise and timesteps): remove the duplicate"
             )
         seen.add(e)
+
+
+def _check_dataset(
+    dataset: Any, episode_column: Any, task_column: Any, frame_column: Any
+) -> list[str]:
+    """A non-empty ``datasets.Dataset`` holding the named columns; returns its columns."""
+    datasets = require("datasets", extra="hf")
+    for name, col in (
+        ("episode_column", episode_column),
+        ("task_column", task_column),
+        ("frame_column", frame_column),
+    ):
+        if (col is not None or name == "episode_column") and not isinstance(col, str):
+            raise TypeError(f"{name}={col!r} must be a column name (str)")
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(
+            f"expected a datasets.Dataset, got {type(dataset).__name__}"
+            + ("; pick a split, e.g. ds['train']" if isinstance(dataset, dict) else "")
+        )
+    if len(dataset) == 0:
+        raise ValueError(
+            "the dataset has no rows (an empty split, or a filter() that kept nothing); "
+            "pass a dataset with at least one episode"
+        )
+    columns = list(dataset.column_names)
+    for name, col in (
+        ("episode_column", episode_column),
+        ("task_column", task_column),
+        ("frame_column", None if frame_column == _DEFAULT_FRAME else frame_column),
+    ):
+        if col is not None and col not in columns:
+            raise KeyError(f"{name}={col!r} is not a column; available columns: {columns}")
+    return columns
+
+
+def _frames(dataset: Any, frame_column: str | None, columns: list[str]) -> np.ndarray | None:
+    """Each row's frame number, or None (row order); refused when rows were reordered and
+    nothing says the time order."""
+    if frame_column is not None and frame_column in columns:
+        fix = "; pass frame_column=None to serve rows in row order"
+        return _int_column(dataset, frame_column, "frame column", fix)
+    if frame_column is not None and _reordered(dataset):
+        raise ValueError(
+            f"the dataset's rows were reordered (shuffle/select/sort) and it has no "
+            f"{frame_column!r} column to put an episode's frames back in time order; "
+            f"pass frame_column= naming the frame-number column (columns: {columns}), "
+            "build HFEpisodes before shuffling (the sampler shuffles episodes), or pass "
+            "frame_column=None if the row order is the time order"
+        )
+    return None
+
+
+def _selection(ids: np.ndarray, episodes: Sequence[int] | None, column: str) -> np.ndarray:
+    """Positions in ``ids`` of the ``episodes`` to serve (all, in order, by default)."""
+    if episodes is None:
+        return np.arange(len(ids), dtype=np.int64)
+    wanted = [
+        check_int(f"episodes[{i}]", e) for i, e in enumerate(check_sequence("episodes", episodes))
+    ]
+    if not wanted:
+        raise ValueError("episodes=[] selects no episode; pass None for all of them")
+    _refuse_duplicates(wanted)
+    pos = {int(e): j for j, e in enumerate(ids)}
+    missing = [e for e in wanted if e not in pos]
+    if missing:
+        raise KeyError(
+            f"episodes {missing[:10]} not found in column {column!r} "
+            f"({len(ids)} episodes, ids {ids.min()}..{ids.max()})"
+        )
+    return np.array([pos[e] for e in wanted], dtype=np.int64)
 
 
 class HFEpisodes(Dataset):
@@ -152,53 +228,23 @@ class HFEpisodes(Dataset):
         frame_column: str | None = "frame_index",
         check_finite: bool = False,
     ) -> None:
-        datasets = require("datasets", extra="hf")
         keys = check_sequence("keys", keys, of=str)
-        self.check_finite = check_bool("check_finite", check_finite)
-        for name, col in (
-            ("episode_column", episode_column),
-            ("task_column", task_column),
-            ("frame_column", frame_column),
-        ):
-            if (col is not None or name == "episode_column") and not isinstance(col, str):
-                raise TypeError(f"{name}={col!r} must be a column name (str)")
-        if not isinstance(dataset, datasets.Dataset):
-            raise TypeError(
-                f"expected a datasets.Dataset, got {type(dataset).__name__}"
-                + ("; pick a split, e.g. ds['train']" if isinstance(dataset, dict) else "")
-            )
-        if len(dataset) == 0:
+        if not keys:
             raise ValueError(
-                "the dataset has no rows (an empty split, or a filter() that kept nothing); "
-                "pass a dataset with at least one episode"
+                "keys=[] requests no column: items would hold only episode_index (and task); "
+                "name the columns to serve, e.g. keys=['observation.state', 'action']"
             )
-        columns = list(dataset.column_names)
-        for name, col in (
-            ("episode_column", episode_column),
-            ("task_column", task_column),
-            ("frame_column", None if frame_column == _DEFAULT_FRAME else frame_column),
-        ):
-            if col is not None and col not in columns:
-                raise KeyError(f"{name}={col!r} is not a column; available columns: {columns}")
+        self.check_finite = check_bool("check_finite", check_finite)
+        columns = _check_dataset(dataset, episode_column, task_column, frame_column)
         self.keys = tuple(keys)
         self._plan = _arrow.plan_columns(self.keys, [c for c in columns if c != episode_column])
         self.task_column = task_column
         ep_ids = _int_column(dataset, episode_column, "episode column", "")
-        schema = dataset.data.schema  # validate early, not in a DataLoader worker
-        for _, col, _ in self._plan:
-            _arrow.check_numeric(schema.field(col).type, key=col)
-        frames = None
-        if frame_column is not None and frame_column in columns:
-            fix = "; pass frame_column=None to serve rows in row order"
-            frames = _int_column(dataset, frame_column, "frame column", fix)
-        elif frame_column is not None and _reordered(dataset):
-            raise ValueError(
-                f"the dataset's rows were reordered (shuffle/select/sort) and it has no "
-                f"{frame_column!r} column to put an episode's frames back in time order; "
-                f"pass frame_column= naming the frame-number column (columns: {columns}), "
-                "build HFEpisodes before shuffling (the sampler shuffles episodes), or pass "
-                "frame_column=None if the row order is the time order"
-            )
+        served = _served_rows(dataset)
+        for _, col, _ in self._plan:  # validate early, not in a DataLoader worker
+            _arrow.check_numeric(dataset.data.schema.field(col).type, key=col)
+            _arrow.check_rows_alike(dataset.data.column(col), key=col, rows=served)
+        frames = _frames(dataset, frame_column, columns)
         ids, offsets, self._order = group_rows(ep_ids, frames, frame_column or "")
         if frames is not None:
             _refuse_gaps(ep_ids, frames, self._order, frame_column or "")
@@ -206,23 +252,8 @@ class HFEpisodes(Dataset):
         # selecting columns first keeps a gather of scattered rows to the columns we serve.
         read = sorted({col for _, col, _ in self._plan} | ({task_column} if task_column else set()))
         self._rows = dataset.select_columns(read).with_format("arrow")
-        pos = {int(e): j for j, e in enumerate(ids)}
-        if episodes is None:
-            wanted = ids.tolist()
-        else:
-            wanted = [
-                check_int(f"episodes[{i}]", e)
-                for i, e in enumerate(check_sequence("episodes", episodes))
-            ]
-            _refuse_duplicates(wanted)
-        missing = [e for e in wanted if e not in pos]
-        if missing:
-            raise KeyError(
-                f"episodes {missing[:10]} not found in column {episode_column!r} "
-                f"({len(ids)} episodes, ids {ids.min()}..{ids.max()})"
-            )
-        sel = np.array([pos[e] for e in wanted], dtype=np.int64)
-        self.episode_ids = np.array(wanted, dtype=np.int64)
+        sel = _selection(ids, episodes, episode_column)
+        self.episode_ids = ids[sel].astype(np.int64)
         self._starts = offsets[sel]
         self.lengths = (offsets[sel + 1] - offsets[sel]).astype(np.int64)
 
@@ -236,6 +267,7 @@ class HFEpisodes(Dataset):
         return self._rows[rows.tolist()]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        i = check_int("i", i, hint="an episode position; numpy ints too, not bools")
         if not -len(self) <= i < len(self):
             raise IndexError(f"episode position {i} out of range for {len(self)} episodes")
         i = i % len(self)

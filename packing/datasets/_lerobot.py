@@ -47,7 +47,14 @@ from torch.utils.data import Dataset
 from packing._latent import latent_count, latent_rows, latent_spec
 from packing._lazy import require
 from packing._lerobot_v3 import EPISODE_COLUMNS, check_root, episodes_table, load_info, read_parquet
-from packing._validate import check_bool, check_finite, check_sequence, is_int
+from packing._validate import (
+    check_bool,
+    check_finite,
+    check_int,
+    check_path,
+    check_sequence,
+    is_int,
+)
 from packing.datasets._arrow import plan_columns, table_to_episode
 from packing.datasets._parquet_pages import ColumnChunks, Unsupported, fixed_shape
 
@@ -99,6 +106,8 @@ def _select(ids: np.ndarray, episodes: Sequence[int] | None, where: object) -> n
     if episodes is None:
         return np.arange(len(ids))
     episodes = check_sequence("episodes", episodes)
+    if not len(episodes):
+        raise ValueError(f"episodes=[] selects no episode of {where}; pass None for all of them")
     bad = [e for e in episodes if not is_int(e)]
     if bad:
         raise TypeError(f"episodes must be episode indices (ints), got {bad[:5]}")
@@ -118,6 +127,15 @@ def _select(ids: np.ndarray, episodes: Sequence[int] | None, where: object) -> n
     return np.array([pos[int(e)] for e in episodes], dtype=np.int64)
 
 
+def _cache_folder(cache_dir: Any) -> Path:
+    """``cache_dir`` as a folder that exists or can be made (a file there is refused now,
+    not when the first item is read)."""
+    path = Path(check_path("cache_dir", cache_dir)).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"cache_dir={cache_dir!r} is a file; pass a folder (it is created)")
+    return path
+
+
 def episode_lengths(
     root: str | os.PathLike[str], episodes: Sequence[int] | None = None
 ) -> np.ndarray:
@@ -128,7 +146,7 @@ def episode_lengths(
 
         episode_lengths("~/data/my_robot")  ->  array([2, 4, 3])
     """
-    root = Path(root).expanduser()
+    root = Path(check_path("root", root)).expanduser()
     check_root(root)
     load_info(root)
     table = episodes_table(root)
@@ -449,7 +467,7 @@ class LeRobotEpisodes(Dataset):
         )
         self._columns = sorted({c for _, c, _ in self._plan} | ids_cols)
         if isinstance(root_or_dataset, (str, os.PathLike)):
-            cache = None if cache_dir is None else Path(cache_dir).expanduser()
+            cache = None if cache_dir is None else _cache_folder(cache_dir)
             self._reader: _ParquetEpisodes | _InstanceEpisodes = _ParquetEpisodes(
                 self.root, info, table, sel, self._columns, cache
             )
@@ -465,14 +483,24 @@ class LeRobotEpisodes(Dataset):
             for name, col, invert in self._plan
             if not invert
         }
-        # Latent features (packing encode) hold L latent frames on F video-frame rows:
-        # {name: (temporal_compression, padded)}; each episode's F must encode exactly.
-        self._latents = {
+        self._latents = self._latent_specs(where)
+        # Declared per-frame shape; a (1,) feature is served as (F,), like lerobot's scalars.
+        self._shapes = {
+            name: ()
+            if tuple(self.features[col]["shape"]) == (1,)
+            else tuple(self.features[col]["shape"])
+            for name, col, _ in self._plan
+        }
+
+    def _latent_specs(self, where: object) -> dict[str, tuple[int, bool]]:
+        """Latent features (packing encode) hold L latent frames on F video-frame rows:
+        ``{name: (temporal_compression, padded)}``; each episode's F must encode exactly."""
+        latents = {
             name: spec
             for name, col, _ in self._plan
             if (spec := latent_spec(self.features[col], col)) is not None
         }
-        for name, (tc, pad) in self._latents.items():
+        for name, (tc, pad) in latents.items():
             for ep, n in zip(self.episode_ids, self.lengths, strict=True):
                 try:
                     latent_count(int(n), tc, pad=pad)
@@ -481,13 +509,7 @@ class LeRobotEpisodes(Dataset):
                         f"episode {ep} of {where}: latent feature {name!r}: {e}, but the "
                         "dataset says it was encoded without padding; re-encode it"
                     ) from None
-        # Declared per-frame shape; a (1,) feature is served as (F,), like lerobot's scalars.
-        self._shapes = {
-            name: ()
-            if tuple(self.features[col]["shape"]) == (1,)
-            else tuple(self.features[col]["shape"])
-            for name, col, _ in self._plan
-        }
+        return latents
 
     def _read_instance_meta(self, ds: Any, episodes: Sequence[int] | None) -> tuple[Any, Any]:
         """Root, features, fps and tasks of a ``LeRobotDataset`` instance onto ``self``;
@@ -547,6 +569,7 @@ class LeRobotEpisodes(Dataset):
         return len(self.episode_ids)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        i = check_int("i", i, hint="an episode position; numpy ints too, not bools")
         if not -len(self) <= i < len(self):
             raise IndexError(f"episode position {i} out of range for {len(self)} episodes")
         i = i % len(self)
@@ -589,7 +612,9 @@ class LeRobotEpisodes(Dataset):
             for name in self._shapes:
                 item[name] = item[name][order]
         for name, (tc, pad) in self._latents.items():  # F rows -> the L latent frames
-            item[name] = item[name][torch.from_numpy(latent_rows(length, tc, pad=pad))]
+            rows = latent_rows(length, tc, pad=pad)
+            _check_latent_rows(f"episode {ep} of {self.root}", name, item[name], rows, tc)
+            item[name] = item[name][torch.from_numpy(rows)]
         if self.check_finite:
             for name in self._shapes:
                 check_finite(f"episode {ep}", name, item[name])
@@ -701,3 +726,23 @@ def _tasks_from_parquet(root: Path) -> list[str]:
     ):
         tasks[int(idx)] = str(text)
     return tasks
+
+
+def _check_latent_rows(where: str, name: str, full: torch.Tensor, rows: np.ndarray,
+                       tc: int) -> None:  # fmt: skip
+    """A latent column holds its latent frames on ``rows`` and zeros on every other row
+    (`packing._latent`). A ``temporal_compression`` in meta/info.json that is not the one
+    the latents were written with puts ``rows`` elsewhere: some hold zeros, and latents sit
+    on rows never served. Refused, naming the rows that do hold latents."""
+    held = full.reshape(len(full), -1).ne(0).any(dim=1).numpy()
+    expected = np.zeros(len(full), dtype=bool)
+    expected[rows] = True
+    if (held == expected).all():
+        return
+    real = np.flatnonzero(held)
+    raise ValueError(
+        f"{where}: latent feature {name!r}: meta/info.json's temporal_compression {tc} puts "
+        f"its latent frames on rows {rows.tolist()[:8]}, but the rows holding latents are "
+        f"{real.tolist()[:8]}: the dataset's metadata does not match its latents; re-encode it "
+        "with packing encode, or correct temporal_compression in meta/info.json"
+    )

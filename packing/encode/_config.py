@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
@@ -66,11 +67,14 @@ class EncodeConfig:
         if self.size is not None:
             object.__setattr__(self, "size", check_int_tuple("size", self.size, length=2, min=1))
         check_bool("pad_frames", self.pad_frames)
-        check_int("chunk_latents", self.chunk_latents, min=1, hint="latent frames per chunk")
-        check_int("batch_size", self.batch_size, min=1, hint="episodes per batch")
-        check_int("num_workers", self.num_workers, min=0, hint="decoding threads, 0 or more")
-        check_int("seed", self.seed)
-        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+        # Bounded: each is a size of what is held in memory at once, or of a thread pool.
+        check_int(
+            "chunk_latents", self.chunk_latents, min=1, max=4096, hint="latent frames per chunk"
+        )
+        check_int("batch_size", self.batch_size, min=1, max=4096, hint="episodes per batch")
+        check_int("num_workers", self.num_workers, min=0, max=256, hint="decoding threads")
+        check_int("seed", self.seed, min=0, max=2**63 - 1)
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise EncodeError(f"device={self.device!r}: use 'cpu', 'cuda' or 'cuda:N'")
         if self.dtype is not None:
             check_choice("dtype", self.dtype, ("float32", "bfloat16"))

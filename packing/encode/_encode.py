@@ -30,8 +30,8 @@ from packing.encode._config import EncodeConfig, EncodeReport
 from packing.encode._errors import EncodeError
 from packing.encode._meta import check_size, finish_metadata, latent_features
 from packing.encode._source import Episode, Source, decode
-from packing.encode._vae import CausalEncoder, load_vae
-from packing.encode._write import LatentWriter
+from packing.encode._vae import CausalEncoder, check_compression, load_vae
+from packing.encode._write import LatentWriter, check_destination
 
 __all__ = ["encode_dataset"]
 
@@ -47,20 +47,22 @@ def encode_dataset(
     """
     if not isinstance(config, EncodeConfig):
         raise TypeError(f"config must be an EncodeConfig, got {type(config).__name__}")
+    _check_paths(config.src_path, config.dst_path)
+    check_destination(config.dst_path)
+    device, dtype = _device(config.device), getattr(torch, config.compute_dtype)
     src = Source(config.src_path, config.cameras)
     vae = load_vae(config.vae, seed=config.seed)
     tc = int(vae.config.scale_factor_temporal or 4)
     sizes = {cam: check_size(cam, config.size or src.frame_hw(cam), vae) for cam in src.cameras}
     latent_lengths = _check_lengths(src, tc, config.pad_frames)
     features, dropped = latent_features(src, sizes, vae, config)
-    device, dtype = torch.device(config.device), getattr(torch, config.compute_dtype)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise EncodeError(f"device={config.device!r} but no CUDA GPU is visible; use 'cpu'")
-    writer = LatentWriter(config.dst_path, _job(config, src, vae), features)
     vae.to(device=device)
     if dtype != torch.float32:  # (diffusers warns on any dtype cast; its Wan VAE keeps none fp32)
         vae.to(dtype=dtype)
     encoder = CausalEncoder(vae)
+    check_compression(config.vae, encoder, device, dtype)
+    # Everything is checked: only now is the destination made.
+    writer = LatentWriter(config.dst_path, _job(config, src, vae), features)
     todo = [j for j in range(len(src.ids)) if not writer.done(j, int(src.ids[j]))]
     resumed = len(src.ids) - len(todo)
     if resumed and progress:
@@ -96,6 +98,37 @@ def encode_dataset(
         seconds=time.perf_counter() - start,
         dropped_videos=tuple(dropped),
     )
+
+
+def _check_paths(src: Path, dst: Path) -> None:
+    """The destination is neither the source nor inside it (nor the source inside it)."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents:
+        raise EncodeError(
+            f"DST {dst} is {'SRC itself' if d == s else 'inside SRC ' + str(src)}: packing "
+            "encode never writes into the dataset it reads; pass a DST outside it"
+        )
+    if d in s.parents:
+        raise EncodeError(
+            f"SRC {src} is inside DST {dst}: packing encode writes a new dataset at DST; pass "
+            "a DST that does not hold the source"
+        )
+
+
+def _device(spec: str) -> torch.device:
+    """``spec`` as a device this machine has (EncodeConfig checked its spelling)."""
+    device = torch.device(spec)
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise EncodeError(f"device={spec!r} but no CUDA GPU is visible; use 'cpu'")
+    if device.index is not None and device.index >= count:
+        raise EncodeError(
+            f"device={spec!r} but this machine has {count} CUDA GPU(s), cuda:0 to "
+            f"cuda:{count - 1}; pick one of those"
+        )
+    return device
 
 
 def _check_lengths(src: Source, tc: int, pad: bool) -> np.ndarray:

@@ -16,6 +16,7 @@ VAE config's ``latents_mean``/``latents_std`` as diffusers' Wan pipelines do.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,16 @@ import torch
 
 from packing._lazy import require
 from packing._validate import check_int
+from packing.encode._errors import EncodeError
 
-__all__ = ["WAN22_VAE_CONFIG", "CausalEncoder", "load_vae", "tiny_vae", "vae_name"]
+__all__ = [
+    "WAN22_VAE_CONFIG",
+    "CausalEncoder",
+    "check_compression",
+    "load_vae",
+    "tiny_vae",
+    "vae_name",
+]
 
 # Wan 2.2's VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers, vae/config.json): 48 latent channels, 16x
 # space (8x convs on 2x2-patchified pixels), 4x time. Random-init at this size for benchmarks.
@@ -53,7 +62,7 @@ def tiny_vae(seed: int = 0) -> Any:
     """A random-init ``AutoencoderKLWan`` of Wan 2.2's design (residual, 2x2 patches, 16x
     space, 4x time) with 8 latent channels and ~0.3 M parameters: fast on a CPU, for tests
     and examples. ``tiny_vae()`` encodes ``(1, 3, 9, 32, 48)`` pixels to ``(1, 8, 3, 2, 3)``."""
-    check_int("seed", seed)
+    check_int("seed", seed, min=0, max=2**63 - 1)
     diffusers = require("diffusers", extra="encode")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -91,7 +100,65 @@ def load_vae(spec: str, *, seed: int = 0) -> Any:
             "give a local folder holding AutoencoderKLWan's config.json and weights (e.g. "
             "the vae/ folder of Wan2.2-TI2V-5B-Diffusers), or 'tiny' for the test VAE"
         )
-    return diffusers.AutoencoderKLWan.from_pretrained(os.fspath(path)).eval()
+    kind = _class_name(path / "config.json")
+    if kind != "AutoencoderKLWan":
+        raise EncodeError(
+            f"--vae {spec}: {path / 'config.json'} describes a {kind}, not a VAE; give the "
+            "folder holding AutoencoderKLWan's config.json (the vae/ folder of a Wan checkpoint)"
+        )
+    try:
+        return diffusers.AutoencoderKLWan.from_pretrained(os.fspath(path)).eval()
+    except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:
+        first = " ".join(str(e).split())[:300]
+        raise EncodeError(
+            f"--vae {spec}: diffusers cannot load {path} as an AutoencoderKLWan "
+            f"({type(e).__name__}: {first}); check that its weights are whole and match its "
+            "config.json"
+        ) from e
+
+
+def _class_name(config_json: Path) -> str:
+    """The ``_class_name`` diffusers wrote into a model folder's config.json."""
+    try:
+        config = json.loads(config_json.read_text())
+    except (OSError, ValueError) as e:
+        raise EncodeError(f"--vae: cannot read {config_json} as JSON ({e})") from e
+    name = config.get("_class_name") if isinstance(config, dict) else None
+    return name if isinstance(name, str) else "model of no _class_name"
+
+
+def check_compression(
+    spec: str, encoder: CausalEncoder, device: torch.device, dtype: torch.dtype
+) -> None:
+    """The VAE compresses as its config says (``scale_factor_temporal``/``_spatial``, which
+    plan the latent rows and sizes): a probe of ``1 + 2*tc`` frames of ``2s x 2s`` black
+    pixels must give 3 latent frames of 2x2 and ``z_dim`` channels. A config that misstates
+    it would otherwise write a dataset nobody can read correctly."""
+    vae, tc = encoder.vae, encoder.tc
+    s = int(vae.config.scale_factor_spatial or 8)
+    frames = 1 + 2 * tc
+    probe = torch.zeros(1, 3, frames, 2 * s, 2 * s, device=device, dtype=dtype)
+    encoder.reset()
+    try:
+        got = tuple(encoder.push(probe).shape[1:])
+    except (RuntimeError, ValueError) as e:
+        got, why = (), f"it fails on them ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+    finally:
+        encoder.reset()
+    want = (encoder.z, 3, 2, 2)
+    if got == want:
+        return
+    if got:
+        c, m, h, w = got
+        t_real = f"{(frames - 1) / (m - 1):g}x" if m > 1 else "?x"
+        why = (f"it gives {m} latent frames of {h}x{w} with {c} channels ({t_real} time, "
+               f"{2 * s / max(h, 1):g}x space)")  # fmt: skip
+    raise EncodeError(
+        f"--vae {spec}: its config says {tc}x time, {s}x space and {encoder.z} channels "
+        f"(scale_factor_temporal, scale_factor_spatial, z_dim), so {frames} frames of "
+        f"{2 * s}x{2 * s} pixels should give 3 latent frames of 2x2, but {why}; fix its "
+        "config.json"
+    )
 
 
 def vae_name(spec: str, vae: Any) -> str:

@@ -27,7 +27,7 @@ from packing._latent import ENCODE_STAGING, latent_rows
 from packing._lazy import require
 from packing.encode._errors import EncodeError
 
-__all__ = ["LatentWriter", "latent_stats"]
+__all__ = ["LatentWriter", "check_destination", "latent_stats"]
 
 STAGING = ENCODE_STAGING
 
@@ -40,11 +40,7 @@ class LatentWriter:
         self.dst, self.job, self.features = dst, job, features
         self.staging = dst / STAGING
         manifest = self.staging / "manifest.json"
-        if (dst / "meta" / "info.json").exists():
-            raise EncodeError(
-                f"destination {dst} already holds a dataset (meta/info.json); packing encode "
-                "writes a new one: pass another DST or remove it"
-            )
+        check_destination(dst)
         if manifest.is_file():
             old = json.loads(manifest.read_text())
             if old != job:
@@ -54,11 +50,6 @@ class LatentWriter:
                     f"(it differs in {diff}); rerun that command to finish it, or pass "
                     "another DST"
                 )
-        elif dst.exists() and any(dst.iterdir()):
-            raise EncodeError(
-                f"destination {dst} exists and is not empty; packing encode writes a new "
-                "dataset: pass a new DST (or an unfinished packing encode's, to resume it)"
-            )
         self.staging.mkdir(parents=True, exist_ok=True)
         for tmp in (dst / "data").glob("*/.*.tmp"):  # a killed run's half-written episode
             tmp.unlink()
@@ -123,6 +114,24 @@ class LatentWriter:
         _atomic_write(meta / "stats.json", json.dumps(stats, indent=4).encode())
         _atomic_write(meta / "info.json", json.dumps(info, indent=4).encode())
         shutil.rmtree(self.staging)
+
+
+def check_destination(dst: Path) -> None:
+    """``dst`` can take a new dataset: it does not exist, is an empty folder, or holds an
+    unfinished packing encode (whose job `LatentWriter` compares). Checked first, before
+    the VAE is loaded, and again when the writer is made."""
+    if dst.exists() and not dst.is_dir():
+        raise EncodeError(f"destination {dst} is a file; pass a folder path for DST")
+    if (dst / "meta" / "info.json").exists():
+        raise EncodeError(
+            f"destination {dst} already holds a dataset (meta/info.json); packing encode "
+            "writes a new one: pass another DST or remove it"
+        )
+    if dst.exists() and not (dst / STAGING / "manifest.json").is_file() and any(dst.iterdir()):
+        raise EncodeError(
+            f"destination {dst} exists and is not empty; packing encode writes a new "
+            "dataset: pass a new DST (or an unfinished packing encode's, to resume it)"
+        )
 
 
 def latent_stats(latents: np.ndarray) -> dict[str, Any]:

@@ -81,6 +81,8 @@ def frames_to_tokens(
         -> [9152, 8504]      # 48x240x8x16 latents: 240 * 32 + 240 * 4 + 512
     """
     n = np.asarray(num_frames)
+    if n.size == 0:
+        raise ValueError("num_frames is empty; pass one frame count per episode")
     if n.dtype.kind not in "iu":
         raise TypeError(
             f"num_frames must be integer frame counts, got {n.dtype}; convert them yourself "
@@ -338,6 +340,12 @@ def as_lengths(lengths: Any, what: str = "lengths") -> np.ndarray:
         arr = np.asarray(lengths)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what} must be a 1-D sequence of integer token counts ({e})") from e
+    if arr.dtype.kind == "b" or _has_bool(lengths):
+        first = _first_bool(lengths)
+        raise TypeError(
+            f"{what} holds a bool (episode {first}); a length is a token count: True would "
+            "be planned as 1 token"
+        )
     if arr.ndim != 1:
         raise ValueError(
             f"{what} must be one-dimensional (one token count per episode), got shape "
@@ -362,6 +370,17 @@ def as_lengths(lengths: Any, what: str = "lengths") -> np.ndarray:
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and len(arr) and arr.max() >= 2**63:
         raise ValueError(f"{what}: {int(arr.max())} tokens is out of range (int64)")
     return arr.astype(np.int64, copy=False)
+
+
+def _has_bool(lengths: Any) -> bool:
+    """A Python list or tuple holding a bool (numpy makes ``[True, 3]`` an int array)."""
+    return isinstance(lengths, list | tuple) and any(isinstance(v, bool) for v in lengths)
+
+
+def _first_bool(lengths: Any) -> int:
+    if not isinstance(lengths, list | tuple):
+        return 0  # a numpy bool array: its first entry
+    return next(i for i, v in enumerate(lengths) if isinstance(v, bool))
 
 
 def positive_int(name: str, value: Any, unit: str) -> int:

@@ -160,6 +160,11 @@ class PackedBatchSampler(Sampler[list[int]]):
             raise ValueError(f"min_fill={min_fill!r} must be in (0, 1], or None (plan as is)")
         self.min_fill = min_fill if plan is None else None  # a prebuilt plan is kept as is
         plan = _plan_of(plan, lengths, token_budget, algorithm, max_docs, oversize, split)
+        if len(plan.items_N) == 0:  # it would yield one empty step an epoch, all padding
+            raise ValueError(
+                "PackedBatchSampler got no episode (lengths=[] or an empty plan): nothing to "
+                "sample; pass the dataset's episode lengths"
+            )
         if self.min_fill is not None:
             plan = _filled(plan, self.min_fill, algorithm, max_docs)
         num_replicas, rank = _world(num_replicas, rank)

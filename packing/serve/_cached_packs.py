@@ -17,6 +17,7 @@ refused (its context attends to the generated tokens).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -33,6 +34,8 @@ from packing.serve._packs import DiTPacks, _label
 from packing.serve._request import Request
 
 __all__ = ["CachedDiTPacks"]
+
+_log = logging.getLogger("packing.serve")  # the engine's log: a request's traceback
 
 
 @dataclass
@@ -159,6 +162,7 @@ class CachedDiTPacks(DiTPacks):
                     self._prefill_frames(shape, [one])
                 except Exception as err:
                     why = f"prefilling its context raised {type(err).__name__}: {err}"
+                    _log.error("request %d: %s", one[1].rid, why, exc_info=err)
                     failed.append((one[1], why))
             return failed
 

@@ -67,6 +67,8 @@ __all__ = [
     "step_doc_ids",
 ]
 
+MAX_NOISE_ELEMENTS = 2**32  # one episode's noise: far above any real episode (1.4e9 values)
+
 _M64 = (1 << 64) - 1
 
 
@@ -110,7 +112,8 @@ def broadcast_to_tokens(
         if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling()
         else 0
     )
-    if values_K.shape[0] and values_K.shape[0] < need:
+    exact = isinstance(doc_ids, StreamLayout)  # host ids may leave trailing slots empty
+    if values_K.shape[0] and (values_K.shape[0] < need or (exact and values_K.shape[0] != need)):
         raise ValueError(
             f"values_K has {values_K.shape[0]} rows but the doc ids name {need} documents; "
             "pass one row per episode of the pack"
@@ -329,10 +332,25 @@ def episode_noise(
     the reference run: CPU and CUDA generators give different numbers for the same seed.
     """
     shape = check_int_tuple("shape", shape, min=0)
+    if math.prod(shape) > MAX_NOISE_ELEMENTS:  # refused before torch tries to allocate it
+        raise ValueError(
+            f"shape={shape} is {math.prod(shape):,} values > {MAX_NOISE_ELEMENTS:,} (16 GiB of "
+            "float32) for one episode's noise; check the shape (steps first, then one step's)"
+        )
     gen = torch.Generator(device=device)
     gen.manual_seed(episode_seed(seed, step, episode_index, stream))
     x = torch.randn(shape, generator=gen, dtype=torch.float32, device=device)
     return x.to(dtype)
+
+
+def _layout_steps(layout: StreamLayout) -> int:
+    """Rows of a stream's step-level data, from its layout alone."""
+    if layout.padded_len % layout.tokens_per_step:
+        raise ValueError(
+            f"padded_len={layout.padded_len} is not a multiple of tokens_per_step="
+            f"{layout.tokens_per_step}; pass num_steps=<rows of the step-level data>"
+        )
+    return layout.padded_len // layout.tokens_per_step
 
 
 def packed_noise(
@@ -391,13 +409,7 @@ def packed_noise(
                 "or pass the PackedBatch, which holds both"
             )
         step_shape = tuple(step_shape)
-        if num_steps is None:
-            if layout.padded_len % layout.tokens_per_step:
-                raise ValueError(
-                    f"padded_len={layout.padded_len} is not a multiple of tokens_per_step="
-                    f"{layout.tokens_per_step}; pass num_steps=<rows of the step-level data>"
-                )
-            num_steps = layout.padded_len // layout.tokens_per_step
+        num_steps = _layout_steps(layout) if num_steps is None else num_steps
     dtype = torch.float32 if dtype is None else dtype
     device = torch.device("cpu") if device is None else torch.device(device)
     episodes = _indices(episode_index_K, "packed_noise")

@@ -330,6 +330,11 @@ def reduce_loss(
         )
     if not (loss.dtype.is_floating_point or loss.dtype.is_complex):
         raise TypeError(f"loss must be a floating-point tensor, got {loss.dtype}")
+    if loss.device != ids.device:
+        raise ValueError(
+            f"loss is on {loss.device} but the doc ids on {ids.device}; compute the loss from "
+            "the batch on its device (batch.to(device) moves the layouts with it)"
+        )
     if loss.shape[0] != ids.shape[0]:
         raise ValueError(
             f"loss has {loss.shape[0]} rows but the layout has {ids.shape[0]} tokens; a step-"

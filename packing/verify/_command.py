@@ -134,8 +134,12 @@ class VerifyConfig:
             "token_budget", self.token_budget, min=1, max=_MAX_BUDGET, hint="tokens per pack"
         )
         check_int("seed", self.seed, min=0, max=2**63 - 1)
+        # The same bounds as packing verify's flags: a learning rate above 10 or an eps above 1
+        # diverges in a step or two, and the report would blame the model.
+        for name, value, top in (("lr", self.lr, 10.0), ("adam_eps", self.adam_eps, 1.0)):
+            if check_real(name, value, min=0.0, hint=f"at most {top:g}") > top:
+                raise ValueError(f"{name}={value!r} must be <= {top:g}")
         check_real("lr", self.lr, above=0.0)
-        check_real("adam_eps", self.adam_eps, min=0.0)
         for flag in ("dataset", "model", "reference"):
             if getattr(self, flag) is not None and not isinstance(getattr(self, flag), str):
                 raise TypeError(f"{flag}={getattr(self, flag)!r} must be a string or None")
@@ -247,7 +251,13 @@ def _backend_available(dev: torch.device) -> bool:
 
 
 def load_factory(spec: str, flag: str = "--model") -> Callable[..., nn.Module]:
-    """``"module:factory"`` -> the factory callable, with an error that names what is missing."""
+    """``"module:factory"`` -> the factory callable, with an error that names what is missing
+    (``flag`` names the option in it)."""
+    for name, value in (("spec", spec), ("flag", flag)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name}={value!r} must be a string, e.g. 'my_models:build'")
+    if spec.count(":") != 1:
+        raise ValueError(f"{flag} {spec!r}: expected 'module:factory', e.g. 'my_models:build'")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -339,15 +349,23 @@ def build_reference(config: VerifyConfig, model: nn.Module) -> tuple[nn.Module |
 
 def default_token_budget(lengths: Sequence[int]) -> int:
     """About a third of one step's tokens (so ~3 packs of several episodes), never below the
-    longest episode, rounded up to a multiple of 128 (of 8 below 512 tokens)::
+    longest episode nor the two shortest together (so that some pack holds two episodes and
+    the leak check has something to check), rounded up to a multiple of 128 (of 8 below 512
+    tokens)::
 
-        lengths [160, 64, 288, 96]        (608 tokens)   -> max(203, 288)  -> 288
-        lengths [160, ..., 288] x 12 eps  (2,016 tokens) -> max(672, 288)  -> 768
-        lengths [5, 2, 9, 3, 7]           (26 tokens)    -> max(9, 9)      -> 16
+        lengths [160, 64, 288, 96]        (608 tokens)   -> max(203, 288, 160)  -> 288
+        lengths [160, ..., 288] x 12 eps  (2,016 tokens) -> max(672, 288, 128)  -> 768
+        lengths [5, 2, 9, 3, 7]           (26 tokens)    -> max(9, 9, 5)        -> 16
+        lengths [45, 60, 30]              (135 tokens)   -> max(45, 60, 75)     -> 80
     """
-    want = max(-(-sum(lengths) // 3), max(lengths))
+    want = max(-(-sum(lengths) // 3), max(lengths), _two_shortest(lengths))
     multiple = 128 if want >= 512 else 8
     return -(-want // multiple) * multiple
+
+
+def _two_shortest(lengths: Sequence[int]) -> int:
+    """Tokens of the two shortest episodes together: the least budget a pack of two needs."""
+    return sum(sorted(lengths)[:2])
 
 
 # LeRobot's writer adds these to every dataset; they are bookkeeping, never a model stream.
@@ -529,9 +547,12 @@ def token_budget(
     tokens_per_step: int,
     given: int | None,
     episode_ids: Sequence[Any] | None = None,
+    *,
+    leak_check: bool = False,
 ) -> int:
     """The packs' budget: ``given`` (``--token-budget``) or `default_token_budget` rounded up
-    to whole steps of the primary stream; refused when an episode does not fit."""
+    to whole steps of the primary stream; refused when an episode does not fit, or (with the
+    leak check) when no two episodes fit one pack."""
     budget = given or -(-default_token_budget(lengths) // tokens_per_step) * tokens_per_step
     total = -(-sum(lengths) // tokens_per_step) * tokens_per_step
     if budget > total:  # refused before a pack of that size is allocated
@@ -545,6 +566,13 @@ def token_budget(
         raise ValueError(
             f"episode {worst if episode_ids is None else episode_ids[worst]} has {lengths[worst]:,} tokens > --token-budget {budget:,}; raise "
             "the budget"
+        )
+    pair = _two_shortest(lengths)
+    if leak_check and pair > budget:
+        raise ValueError(
+            f"--token-budget {budget:,} holds one episode a pack (the two shortest have "
+            f"{pair:,} tokens together): nothing to prove packing on and no leak to check; pass "
+            f"--token-budget {-(-pair // tokens_per_step) * tokens_per_step:,} or more"
         )
     return budget
 
@@ -578,7 +606,9 @@ def prepare(config: VerifyConfig) -> Setup:
     unpacked = PackedCollator(streams, pad_to_multiple=multiple)
     lengths = [unpacked([ep]).layout(streams[0].name).num_tokens for ep in episodes]
     ids = [ep.get("episode_index", i) for i, ep in enumerate(episodes)]
-    budget = token_budget(lengths, streams[0].tokens_per_step, config.token_budget, ids)
+    budget = token_budget(
+        lengths, streams[0].tokens_per_step, config.token_budget, ids, leak_check=config.leak_check
+    )
     return Setup(
         model=model,
         episodes=episodes,

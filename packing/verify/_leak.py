@@ -246,40 +246,28 @@ def find_leaks(
         )
     names = _input_streams(batch, inputs)
     gen = torch.Generator().manual_seed(seed)
-    # Fixed random projection of every output so no two leaks cancel in the objective.
-    with torch.no_grad():
-        probe = dict(fn(batch))
-    if not probe:
-        raise ValueError("fn returned no outputs")
-    layouts = {k: _output_layout(batch, k, v, output_layouts or {}) for k, v in probe.items()}
-    weights = {
-        k: torch.randn(v.shape, generator=gen).to(device=v.device, dtype=torch.float32)
-        for k, v in probe.items()
-    }
+    layouts, weights = _projection(fn, batch, output_layouts or {}, gen)
     run = _Runner(fn, batch, weights, gradients, deterministic)
     clean = {k: batch.streams[k].detach() for k in names}
     base = run(clean)
     tol, notes = _tolerances(base, run(clean), atol, rtol, noise_floor)
 
     input_rows = {k: _step_rows(batch.layout(k)) for k in names}
+    sources = list(range(num_docs)) + ([PADDING] if padding else [])
     leaks: list[Leak] = []
     perturbations = comparisons = 0
-    sources = list(range(num_docs)) + ([PADDING] if padding else [])
     for name in names:
         for j in sources:
             moved = _perturbed_run(run, clean, name, j, input_rows[name], gen, scale)
             if moved is None:  # the stream has no padding rows
                 continue
-            perturbations += 1
             found, compared = _compare_others(
                 base, moved, j, name, num_docs, layouts, input_rows, tol
             )
             leaks += found
-            comparisons += compared
-    if not padding:
-        notes.append("padding was not perturbed")
-    if deterministic:
-        notes.append("ran under torch.use_deterministic_algorithms(True, warn_only=True)")
+            perturbations, comparisons = perturbations + 1, comparisons + compared
+    notes += ["padding was not perturbed"] * (not padding)
+    notes += ["ran under torch.use_deterministic_algorithms(True, warn_only=True)"] * deterministic
     return LeakReport(
         leaks=tuple(leaks),
         num_docs=num_docs,
@@ -291,6 +279,26 @@ def find_leaks(
         gradients=gradients,
         notes=tuple(notes),
     )
+
+
+def _projection(
+    fn: Callable[[PackedBatch], Mapping[str, torch.Tensor]],
+    batch: PackedBatch,
+    output_layouts: Mapping[str, str],
+    gen: torch.Generator,
+) -> tuple[dict[str, StreamLayout], dict[str, torch.Tensor]]:
+    """Each output's stream layout, and a fixed random projection of every output so that
+    no two leaks cancel in the objective."""
+    with torch.no_grad():
+        probe = dict(fn(batch))
+    if not probe:
+        raise ValueError("fn returned no outputs")
+    layouts = {k: _output_layout(batch, k, v, output_layouts) for k, v in probe.items()}
+    weights = {
+        k: torch.randn(v.shape, generator=gen).to(device=v.device, dtype=torch.float32)
+        for k, v in probe.items()
+    }
+    return layouts, weights
 
 
 def _input_streams(batch: PackedBatch, inputs: Sequence[str] | None) -> list[str]:

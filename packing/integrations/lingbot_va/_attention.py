@@ -10,6 +10,8 @@ same), and `uninstall` puts LeRobot's ops back.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from packing.attention import AttentionMask, packed_attention
@@ -46,7 +48,7 @@ class PackedAttentionOp(nn.Module):
         return f"cross={self.cross}"
 
 
-def swap_attention_ops(blocks: nn.ModuleList, slot: MaskSlot | None) -> list[nn.Module]:
+def swap_attention_ops(blocks: Any, slot: MaskSlot | None) -> list[nn.Module]:
     """Put packed ops into every block's ``attn1`` / ``attn2`` (``slot=None``: nothing), return
     the ops that were there (for `restore_attention_ops`)."""
     old: list[nn.Module] = []
@@ -60,7 +62,7 @@ def swap_attention_ops(blocks: nn.ModuleList, slot: MaskSlot | None) -> list[nn.
     return old
 
 
-def restore_attention_ops(blocks: nn.ModuleList, ops: list[nn.Module]) -> None:
+def restore_attention_ops(blocks: Any, ops: list[nn.Module]) -> None:
     it = iter(ops)
     for block in blocks:
         for attn in (block.attn1, block.attn2):

@@ -13,6 +13,7 @@ from torch import nn
 from packing._lazy import require
 from packing._validate import check_int, check_real, is_int
 from packing.data import PackedBatch, PackedCollator
+from packing.integrations.lingbot_va._draws import draw_range
 from packing.integrations.lingbot_va._loss import REDUCTIONS
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "draw_range",
     "episode",
     "latent_hw",
+    "micro_batches",
     "model_and_config",
     "probability",
     "reduction",
@@ -70,6 +72,11 @@ def model_and_config(obj: Any, config: Any) -> tuple[nn.Module, LingBotConfig]:
             f"expected LeRobot's LingBotVAPolicy or its WanTransformer3DModel "
             f"(lerobot.policies.lingbot_va), got {type(obj).__name__}; a diffusers "
             "WanTransformer3DModel packs with packing.integrations.diffusers.install"
+        )
+    if any(type(b.attn1.attn_op).__name__ == "PackedAttentionOp" for b in transformer.blocks):
+        raise ValueError(
+            "this LingBot-VA transformer is already packed (install was called on it); keep "
+            "the PackedLingBotVA it returned, or call its uninstall() first"
         )
     mode = transformer.config.attn_mode
     if mode != "flex":
@@ -122,16 +129,6 @@ def latent_hw(value: Any, patch: tuple[int, int, int]) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
-def draw_range(name: str, value: Any, lo: int, hi: int) -> tuple[int, int]:
-    ok = isinstance(value, tuple | list) and len(value) == 2 and all(is_int(v) for v in value)
-    if not ok or not lo <= value[0] <= value[1] <= hi:
-        raise ValueError(
-            f"{name}={value!r} is out of range; pass an inclusive (low, high) pair of ints with "
-            f"{lo} <= low <= high <= {hi} (LeRobot draws chunk_size in (1, 4), window in (4, 64))"
-        )
-    return int(value[0]), int(value[1])
-
-
 def probability(name: str, value: Any) -> float:
     p = check_real(name, value, min=0.0, hint="a probability in [0, 1]")
     if p > 1:
@@ -157,6 +154,24 @@ def reduction(value: Any) -> str:
             "batch mean)"
         )
     return value
+
+
+def micro_batches(value: Any, batch: PackedBatch) -> list[PackedBatch]:
+    """Every micro-batch of the step (this one among them), as PackedBatches."""
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"micro_batches={value!r}; pass the list of this optimizer step's PackedBatches "
+            "(fetched before the first backward), or None"
+        )
+    items = list(value)
+    if not items or not all(isinstance(b, PackedBatch) for b in items):
+        raise TypeError("micro_batches must be a non-empty list of PackedBatches")
+    if not any(b is batch for b in items):
+        raise ValueError(
+            "micro_batches does not hold this batch; pass every micro-batch of the step, "
+            "this one included"
+        )
+    return items
 
 
 def episode(ep: Mapping[str, Any], i: int, streams: Sequence[Any], chunk: int) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from packing._validate import check_dtype, check_int_tuple, check_real, is_int
 from packing.train import episode_seed
 
 __all__ = ["EpisodeDraws", "draw_episode", "lingbot_seed"]
@@ -73,6 +74,17 @@ def draw_episode(
     ``(A, F, apf, 1)``; noise in ``dtype`` on ``device`` (LeRobot draws it in the inputs'
     dtype and device); ``chunk_sizes`` / ``windows`` are inclusive ranges."""
     s = lingbot_seed(seed, step, episode_index)
+    latent_shape = check_int_tuple("latent_shape", latent_shape, length=4, min=1)  # type: ignore[assignment]
+    action_shape = check_int_tuple("action_shape", action_shape, length=4, min=1)  # type: ignore[assignment]
+    if latent_shape[1] != action_shape[1]:
+        raise ValueError(
+            f"latent_shape {latent_shape} and action_shape {action_shape} disagree on the "
+            "frames (dim 1); pass (C, F, H, W) and (A, F, apf, 1) of one episode"
+        )
+    noisy_cond_prob = _checks_probability(noisy_cond_prob)
+    chunk_sizes = draw_range("chunk_sizes", chunk_sizes, 1, 64)
+    windows = draw_range("windows", windows, 0, 1 << 20)
+    dtype = check_dtype("dtype", dtype)  # type: ignore[assignment]
     gen = torch.Generator().manual_seed(s)
     dev = torch.device(device)
     noise_gen = gen if dev.type == "cpu" else torch.Generator(dev).manual_seed(s)
@@ -95,6 +107,24 @@ def draw_episode(
     return EpisodeDraws(
         latent_ids, latent_noise, cond_ids, cond_noise, action_ids, action_noise, chunk, window
     )
+
+
+def draw_range(name: str, value: object, lo: int, hi: int) -> tuple[int, int]:
+    """An inclusive ``(low, high)`` range of ints within ``[lo, hi]``, or a ValueError."""
+    ok = isinstance(value, tuple | list) and len(value) == 2 and all(is_int(v) for v in value)
+    if not ok or not lo <= value[0] <= value[1] <= hi:  # type: ignore[index]
+        raise ValueError(
+            f"{name}={value!r} is out of range; pass an inclusive (low, high) pair of ints with "
+            f"{lo} <= low <= high <= {hi} (LeRobot draws chunk_size in (1, 4), window in (4, 64))"
+        )
+    return int(value[0]), int(value[1])  # type: ignore[index]
+
+
+def _checks_probability(value: object) -> float:
+    p = check_real("noisy_cond_prob", value, min=0.0, hint="a probability in [0, 1]")
+    if p > 1:
+        raise ValueError(f"noisy_cond_prob={value!r} is above 1; pass a probability in [0, 1]")
+    return p
 
 
 def _timestep_ids(gen: torch.Generator, n: int, lo: float, hi: float) -> Tensor:

@@ -18,11 +18,13 @@ the episode is named in the docs, not used). Nothing is padded.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from packing._validate import check_int
 
 __all__ = ["lingbot_episodes"]
 
@@ -98,15 +100,28 @@ def lingbot_episodes(
     latent_key: str = "latents",
     action_key: str = "action",
     action_per_frame: int = 4,
-    last_frame: str = "error",
+    last_frame: Literal["error", "drop"] = "error",
 ) -> Dataset:
     """A map-style dataset of LingBot-VA episodes over ``source`` (e.g. ``LeRobotEpisodes(root,
     keys=["observation.latent", "action"])``): ``latents (F, C, H, W)``, ``actions (F,
     action_per_frame, n_used)``, ``text (L, text_dim)`` from ``text_embeddings[task]`` (a
     mapping, or a function of the task), ``episode_index``. ``last_frame``: ``"error"``
     (default) or ``"drop"`` (module docstring)."""
-    if last_frame not in ("error", "drop"):
+    if not isinstance(last_frame, str) or last_frame not in ("error", "drop"):
         raise ValueError(f"last_frame={last_frame!r}; use 'error' or 'drop'")
+    if (
+        isinstance(source, str)
+        or not hasattr(source, "__getitem__")
+        or not hasattr(source, "__len__")
+    ):
+        raise TypeError(
+            f"source must be an episode dataset (LeRobotEpisodes, a list of dicts), got "
+            f"{type(source).__name__}"
+        )
+    for name, key in (("latent_key", latent_key), ("action_key", action_key)):
+        if not isinstance(key, str):
+            raise TypeError(f"{name}={key!r} must be a feature name (str)")
+    check_int("action_per_frame", action_per_frame, min=1, hint="actions a latent frame")
     if not (isinstance(text_embeddings, Mapping) or callable(text_embeddings)):
         raise TypeError(
             "text_embeddings must map each task to a (L, text_dim) tensor, or be a function of "

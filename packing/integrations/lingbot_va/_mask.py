@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import and_masks, or_masks
 
 from packing._layout_math import ceil_div
+from packing._validate import check_bool
 from packing.attention import with_tile_rule
 from packing.integrations.lingbot_va._tokens import DualStreamTokens
 
@@ -89,6 +90,7 @@ def lingbot_va_mask(tok: DualStreamTokens, *, window: bool = True) -> MaskMod:
     mask_mod=)`` / ``prepare_attention(..., mask_mod=)``. ``window=False`` drops the window
     (a negative control: verify must then fail). Its tile rule applies the window to each
     copy pair's own chunk ranges (tighter than AND-ing the two rules' tiles)."""
+    check_bool("window", window)
     copies = or_masks(clean_to_clean(tok), noise_to_clean(tok), noise_to_noise(tok))
     pairs = [(1, 1, "le"), (0, 1, "lt"), (0, 0, "eq")]
     rules = [_copy_rule(tok, qc, kc, rel, window=window) for qc, kc, rel in pairs]

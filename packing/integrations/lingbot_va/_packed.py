@@ -28,6 +28,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from packing._validate import check_choice, check_optional_int
 from packing.attention import Backend, prepare_attention
 from packing.data import PackedBatch, PackedCollator, Stream, StreamLayout
 from packing.integrations.lingbot_va import _checks
@@ -94,7 +95,9 @@ class PackedLingBotVA(nn.Module):
         self.chunk_sizes = _checks.draw_range("chunk_sizes", chunk_sizes, 1, 64)
         self.windows = _checks.draw_range("windows", windows, 0, 1 << 20)
         self.noisy_cond_prob = _checks.probability("noisy_cond_prob", noisy_cond_prob)
-        self.backend = backend
+        self.backend: Backend = check_choice(  # type: ignore[assignment]
+            "backend", backend, ("auto", "flex", "flex_flash", "sdpa", "varlen")
+        )
         self.action_per_frame = int(cfg.action_per_frame)
         self.used_channels = tuple(int(c) for c in cfg.used_action_channel_ids)
         self.schedulers = _checks.schedulers(cfg)
@@ -110,13 +113,13 @@ class PackedLingBotVA(nn.Module):
             Stream("text", step_shape=(int(cfg.text_dim),)),
         )
         self._slot = MaskSlot()
-        self._lerobot_ops = swap_attention_ops(transformer.blocks, self._slot)
+        self._lerobot_ops = swap_attention_ops(self._blocks(), self._slot)
 
     @property
     def blocks(self) -> nn.ModuleList:
         """The transformer's blocks (what `packing.train.shard_model` wraps, one FSDP2 unit
         and checkpoint each); a property, so ``state_dict`` keeps LeRobot's names alone."""
-        return self.transformer.blocks
+        return self._blocks()
 
     # -- data -------------------------------------------------------------------------------
     def collator(
@@ -126,7 +129,7 @@ class PackedLingBotVA(nn.Module):
         max_docs: int | None = None,
         text_budget: int | None = None,
         pin_memory: bool = False,
-    ) -> PackedCollator:
+    ) -> _checks.CheckedCollator:
         """The ``collate_fn``: K episodes -> one `PackedBatch` of static shapes.
 
         ``token_budget`` counts latent tokens of one copy (a multiple of a frame's tokens,
@@ -136,6 +139,7 @@ class PackedLingBotVA(nn.Module):
         """
         lat, act, txt = self.streams
         frames = _checks.budget_frames(token_budget, lat.tokens_per_step)
+        check_optional_int("text_budget", text_budget, min=1, hint="text rows of a pack")
         streams = [
             Stream(lat.name, grid=lat.grid, budget=token_budget, step_shape=lat.step_shape),
             Stream(
@@ -150,10 +154,23 @@ class PackedLingBotVA(nn.Module):
         return _checks.CheckedCollator(inner, self.config.frame_chunk_size)
 
     # -- the step ---------------------------------------------------------------------------
-    def forward(self, batch: PackedBatch) -> dict[str, Tensor]:
+    def forward(
+        self,
+        batch: PackedBatch,
+        reduction: str | None = None,
+        *,
+        micro_batches: Sequence[PackedBatch] | None = None,
+    ) -> Any:
         """Per-token losses ``{"latents": (T_lat,), "actions": (T_act,)}`` of a pack (its
-        ``extras`` hold ``seed`` and ``step``): reduce them with `loss` (or
-        `packing.train.LossNormalizer`, as `packing verify` does)."""
+        ``extras`` hold ``seed`` and ``step``), as `packing verify` takes them; with a
+        ``reduction``, the loss to ``backward()`` (see `loss`; through ``forward`` so a
+        DDP / Accelerate wrapper sees the call)."""
+        if reduction is not None:
+            red = _checks.reduction(reduction)
+            return self._reduce(self._losses(batch), batch, red, micro_batches)
+        return self._losses(batch)
+
+    def _losses(self, batch: PackedBatch) -> dict[str, Tensor]:
         lat_lay = batch.layout("latents")
         frames_K = list(lat_lay.steps_K)
         draws = self.draws(batch)
@@ -210,9 +227,16 @@ class PackedLingBotVA(nn.Module):
         this optimizer step on this rank (fetched first); the denominator then covers them
         and every rank (one all_reduce), so accumulation and data parallelism stay exact.
         None: this pack is the whole step."""
-        red = _checks.reduction(reduction)
-        group = list(micro_batches) if micro_batches is not None else [batch]
-        losses = self(batch)
+        return self(batch, _checks.reduction(reduction), micro_batches=micro_batches)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _reduce(
+        losses: dict[str, Tensor],
+        batch: PackedBatch,
+        red: str,
+        micro_batches: Sequence[PackedBatch] | None,
+    ) -> Tensor:
+        group = [batch] if micro_batches is None else _checks.micro_batches(micro_batches, batch)
         total = torch.zeros((), device=batch["latents"].device)
         for stream, per_token in losses.items():
             lays = [b.layout(stream) for b in group]
@@ -222,11 +246,11 @@ class PackedLingBotVA(nn.Module):
 
     def uninstall(self) -> nn.Module:
         """Put LeRobot's attention ops back; returns the transformer."""
-        restore_attention_ops(self.transformer.blocks, self._lerobot_ops)
+        restore_attention_ops(self._blocks(), self._lerobot_ops)
         return self.transformer
 
     def _reinstall(self) -> None:
-        self._lerobot_ops = swap_attention_ops(self.transformer.blocks, self._slot)
+        self._lerobot_ops = swap_attention_ops(self._blocks(), self._slot)
 
     def reference(self) -> nn.Module:
         """LeRobot's own training path, one episode a call (`packing verify`'s unpacked side):
@@ -237,6 +261,14 @@ class PackedLingBotVA(nn.Module):
         return LeRobotReference(self)
 
     # -- internals --------------------------------------------------------------------------
+    @property
+    def _m(self) -> Any:
+        """The transformer, typed loosely: its submodules are LeRobot's."""
+        return self.transformer
+
+    def _blocks(self) -> nn.ModuleList:
+        return self._m.blocks  # type: ignore[no-any-return]
+
     def _full_actions(self, a: Tensor) -> Tensor:
         """``(S, apf, n_used)`` -> ``(S, apf, action_dim)``, used channels scattered in place."""
         full = a.new_zeros((*a.shape[:2], int(self.config.action_dim)))
@@ -251,7 +283,7 @@ class PackedLingBotVA(nn.Module):
     def _run(
         self, batch: PackedBatch, tok: DualStreamTokens, lat: StreamInputs, act: StreamInputs
     ) -> tuple[Tensor, Tensor]:
-        m = self.transformer
+        m: Any = self.transformer
         wdtype = m.patch_embedding_mlp.weight.dtype
 
         def rounded(x: Tensor) -> Tensor:  # forward_train's .to(torch.bfloat16)
@@ -293,7 +325,7 @@ class PackedLingBotVA(nn.Module):
         if self._ablation == "no_document_mask":  # every real token in one document
             joint, text = _one_document(joint), _one_document(text)
         rule = lingbot_va_mask(tok, window=self._ablation != "no_window")
-        kw: dict[str, Any] = dict(dtype=dtype, head_dim=self.transformer.attention_head_dim)
+        kw: dict[str, Any] = dict(dtype=dtype, head_dim=self._m.attention_head_dim)
         self._slot.self_mask = prepare_attention(
             joint, None, None, self.backend, mask_mod=rule, **kw
         )
@@ -309,7 +341,7 @@ class PackedLingBotVA(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """``temb (J, D)`` and ``timestep_proj (J, 6, D)``: LeRobot's condition embedders run
         on one row per step and copy (not per token: the same rows), gathered to tokens."""
-        m = self.transformer
+        m: Any = self.transformer
         out: dict[str, tuple[Tensor, Tensor]] = {}
         for part, emb, t_S, stream in (
             ("noisy_latents", m.condition_embedder, lat.t_noisy_S, "latents"),

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from packing._validate import check_int, check_sequence, is_int
 from packing.data import JointLayout, PackedBatch, StreamLayout, joint_layout
 
 __all__ = ["COPIES", "DualStreamTokens", "dual_stream_tokens"]
@@ -88,7 +89,24 @@ def dual_stream_tokens(
         frame_J  0 0 0 0 | 0 1 0 1 0 1 0 1
         chunk_J  0 0 1 1 | 0 0 0 0 1 1 1 1
     """
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
+    check_int("action_per_frame", action_per_frame, min=1, hint="actions a latent frame")
     lat, act = batch.layout("latents"), batch.layout("actions")
+    if action_per_frame != act.tokens_per_step:
+        raise ValueError(
+            f"action_per_frame={action_per_frame} but the batch's actions stream has "
+            f"{act.tokens_per_step} actions a latent frame; pass {act.tokens_per_step}"
+        )
+    for name, values in (("chunk_size_K", chunk_size_K), ("window_K", window_K)):
+        got = check_sequence(name, values)
+        if len(got) != lat.num_docs or not all(
+            is_int(v) and v >= (name == "chunk_size_K") for v in got
+        ):
+            raise ValueError(
+                f"{name}={values!r}; pass one int per episode of the pack ({lat.num_docs}), "
+                "chunk sizes >= 1 and windows >= 0"
+            )
     parts = {name: (lat if stream == "latents" else act) for name, stream, _ in COPIES}
     shadow = PackedBatch(streams={}, layouts=parts, per_episode={}, primary="noisy_latents")
     joint = joint_layout(shadow, [name for name, _, _ in COPIES]).to("cpu")

@@ -70,7 +70,7 @@ class _VerifyLingBotVA(PackedLingBotVA):
             [{**ep, "latents": ep["latents"].float()} for ep in episodes], text,
             action_per_frame=self.action_per_frame,
         )  # fmt: skip
-        return [ds[i] for i in range(len(ds))]
+        return [ds[i] for i in range(len(episodes))]
 
 
 def tiny_lingbot_va(

@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from packing.cli._parser import real, whole
+
 # Fitted on one H200 (benchmarks/distributed/fsdp_budget.py, 2026-12-01, packing_src_sha1 7eae458a7111):
 # bytes = fixed + tokens * (per_token + per_token_block * depth) on top of the sharded states.
 MEASURED_H200 = {
@@ -40,22 +42,6 @@ PRESET_PARAMS = {
 PRESETS = tuple(PRESET_PARAMS)
 
 
-def count(text: str) -> int:
-    """A count written as an int or in float notation that is a whole number: ``5e9``,
-    ``5_000_000_000``; ``2.5`` or ``1e-3`` are refused (argparse prints one line)."""
-    try:
-        return int(text.replace("_", ""))
-    except ValueError:
-        pass
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value.is_integer():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
-    return int(value)
-
-
 def add_parser(sub: Any) -> None:
     b = sub.add_parser(
         "budget",
@@ -63,34 +49,45 @@ def add_parser(sub: Any) -> None:
         description=__doc__.split("::")[0].strip(),
     )
     b.add_argument("--preset", default="wan_2_2_5b", choices=PRESETS, help="reference DiT widths")
-    b.add_argument("--depth", type=int, default=None, help="blocks (default: the preset's)")
     b.add_argument(
-        "--params", type=count, default=None, help="parameters of your own model (5e9 is read)"
+        "--depth",
+        type=whole(1, 1000, "blocks"),
+        default=None,
+        help="blocks (default: the preset's)",
     )
-    b.add_argument("--gpus", type=int, action="append", help="GPUs (repeatable; default 1,2,4,8)")
+    b.add_argument(
+        "--params",
+        type=whole(1, 10**13, "parameters"),
+        default=None,
+        help="parameters of your own model (5e9 is read)",
+    )
+    b.add_argument(
+        "--gpus",
+        type=whole(1, 65_536, "GPUs"),
+        action="append",
+        help="GPUs (repeatable; default 1,2,4,8)",
+    )
     b.add_argument("--checkpointing", default="full", choices=["full", "none"])
     b.add_argument("--accumulate", action="store_true", help="several no-sync micro-steps a step")
     b.add_argument(
         "--gpu-memory-gb",
-        type=float,
+        type=real(1, 10_000, "GB of one GPU"),
         default=None,
         help="default: 150 (an H200, the fit's machine); with --measure this GPU",
     )
-    b.add_argument("--headroom", type=float, default=0.08, help="fraction left free (0.08)")
+    b.add_argument(
+        "--headroom",
+        type=real(0, 0.9, "a fraction"),
+        default=0.08,
+        help="fraction left free (0.08)",
+    )
     b.add_argument("--measure", action="store_true", help="fit the model on this GPU first")
 
 
 def run(args: argparse.Namespace) -> int:
     from packing._memory_model import MemoryModel
 
-    if not 0 <= args.headroom < 1:
-        raise ValueError(f"--headroom {args.headroom} must be in [0, 1)")
-    gpus = args.gpus or [1, 2, 4, 8]
-    for flag, value in (("--depth", args.depth), ("--params", args.params), ("--gpus", min(gpus))):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} {value} must be >= 1")
-    if args.gpu_memory_gb is not None and not 0 < args.gpu_memory_gb < 1e6:
-        raise ValueError(f"--gpu-memory-gb {args.gpu_memory_gb} must be in (0, 1e6)")
+    gpus = args.gpus or [1, 2, 4, 8]  # the parser bounded every flag
     blocks, outside, per_block = PRESET_PARAMS[args.preset]
     depth = args.depth if args.depth is not None else blocks
     params = args.params or outside + depth * per_block
@@ -101,6 +98,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = MemoryModel(**MEASURED_H200[args.checkpointing])
         source = "fitted on one H200 (benchmarks/results/fsdp_budget_1xh200.json)"
+    rows = [(n, _fit(model, capacity, params, depth, n, args.accumulate)) for n in gpus]
+    if not any(isinstance(fit, int) for _, fit in rows):
+        n, why = max(rows)  # the most GPUs: the best chance, and still nothing
+        raise ValueError(
+            f"nothing fits: at {n} GPUs {why}; give fewer --params or --depth, more --gpus, "
+            "a larger --gpu-memory-gb"
+            + (" or --checkpointing full" if args.checkpointing != "full" else "")
+        )
     print(
         f"packing budget: {params / 1e9:.2f} B parameters, depth {depth}, "
         f"checkpointing {args.checkpointing}, {'accumulating' if args.accumulate else 'one micro-step a step'}, "
@@ -113,12 +118,29 @@ def run(args: argparse.Namespace) -> int:
         )
     print("| GPUs | tokens per GPU | with the full-depth margin |")
     print("|---:|---:|---:|")
-    for n in gpus:
-        kw = {"accumulate": args.accumulate}
-        t = model.max_tokens(capacity, params, depth, n, **kw)
-        safe = model.max_tokens(capacity / FULL_DEPTH_MARGIN, params, depth, n, **kw)
-        print(f"| {n} | {t:,} | {safe:,} |")
+    for n, fit in rows:
+        safe = _fit(model, capacity / FULL_DEPTH_MARGIN, params, depth, n, args.accumulate)
+        print(f"| {n} | {_cell(fit)} | {_cell(safe)} |")
     return 0
+
+
+def _fit(
+    model: Any, capacity: float, params: int, depth: int, n: int, accumulate: bool
+) -> int | str:
+    """The largest pack per GPU, or why none fits (the memory model says 0 tokens)."""
+    tokens = model.max_tokens(capacity, params, depth, n, accumulate=accumulate)
+    if tokens:
+        return int(tokens)
+    states = model.peak(0, params, depth, n, accumulate=accumulate)
+    if states >= capacity:
+        return f"the sharded states alone need {states / 1e9:,.1f} GB of {capacity / 1e9:,.1f} GB"
+    pack = model.peak(1024, params, depth, n, accumulate=accumulate) - states
+    free = capacity - states
+    return f"1,024 tokens need {pack / 1e9:,.1f} GB, {free / 1e9:,.1f} GB are left"
+
+
+def _cell(fit: int | str) -> str:
+    return f"{fit:,}" if isinstance(fit, int) else f"none ({fit})"
 
 
 def _memory(gpu_memory_gb: float | None, measure: bool) -> float:

@@ -1,4 +1,4 @@
-"""The ``packing`` console script: ``packing verify``, ``packing budget``, ``packing --version``.
+"""``packing verify``: packed vs unpacked training from the same weights, and its exit status.
 
 ::
 
@@ -18,12 +18,11 @@ Exit status, a contract scripts can rely on (`EXIT_STATUS`):
        the full traceback
     3  the run crashed: an error inside torch, a library or the model while it ran (also in
        a rank of ``--nproc``); the line names its type, ``--traceback`` shows where
+   130  interrupted (Ctrl-C): no verdict
 
 Under ``torchrun`` each rank exits with this status, and torchrun itself reports any failing
 rank as 1: read the rank's line (``packing verify: error: ...``) or use ``--nproc``, which keeps
 the contract.
-
-Only argparse is imported until a command runs: ``packing --help`` does not load torch.
 """
 
 from __future__ import annotations
@@ -31,13 +30,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from packing._cli_parser import Parser, given_flags
+from packing.cli._parser import device, folder, pattern, real, report_path, whole
 
-__all__ = ["EXIT_STATUS", "build_parser", "main"]
+__all__ = ["EXIT_STATUS", "add_parser", "run"]
 
 EXIT_STATUS = """exit status:
   0  packed and unpacked training agree within tolerance
@@ -47,7 +46,8 @@ EXIT_STATUS = """exit status:
      diverging): one line on stderr names the problem and the fix; --traceback adds the
      full traceback
   3  the run crashed (an error inside torch, a library or the model; also in a rank of
-     --nproc): the line names its type; --traceback shows where"""
+     --nproc): the line names its type; --traceback shows where
+  130  interrupted (Ctrl-C): no verdict"""
 
 
 # The flags ``packing verify --inference`` reads; any other verify flag is refused with it
@@ -67,13 +67,10 @@ INFERENCE_FLAGS = frozenset(
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="packing",
-        description="Pack whole robot episodes into one sequence, and prove it changes nothing.",
-    )
-    parser.add_argument("--version", action="version", version=f"packing {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+FACTORY = pattern(r"[\w.]+:[\w.]+", "my_models:build", "'module:factory'")
+
+
+def add_parser(sub: Any) -> None:
     v = sub.add_parser(
         "verify",
         help="train packed and unpacked from the same weights; compare losses and gradients",
@@ -93,30 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distributed_options(v)
     _add_model_and_data_options(v)
     _add_optimizer_and_output_options(v)
-    from packing import _budget_command, _serve_command
-
-    _budget_command.add_parser(sub)
-    _serve_command.add_parser(sub)
-    from packing import _encode_command
-
-    _encode_command.add_parser(sub)
-    return parser
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("packing")
-    except PackageNotFoundError:  # run from a source tree that is not installed
-        from packing import __version__
-
-        return __version__
 
 
 def _add_run_options(v: argparse.ArgumentParser) -> None:
     """Where and how long: device, dtype, compile, steps, episodes, budget."""
-    v.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    v.add_argument(
+        "--device", type=device(), default="cpu", help="cpu (default), cuda, cuda:1, ..."
+    )
     v.add_argument(
         "--dtype",
         default="float32",
@@ -138,11 +118,18 @@ def _add_run_options(v: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --inference: the packed run through the engine's frame-causal context cache",
     )
-    v.add_argument("--steps", type=int, default=3, help="AdamW steps (default 3)")
-    v.add_argument("--episodes", type=int, default=None, help="first N episodes (default all)")
+    v.add_argument(
+        "--steps", type=whole(1, 10_000, "AdamW steps"), default=3, help="AdamW steps (default 3)"
+    )
+    v.add_argument(
+        "--episodes",
+        type=whole(2, 10**6, "packing needs at least 2 episodes"),
+        default=None,
+        help="first N episodes (default all)",
+    )
     v.add_argument(
         "--token-budget",
-        type=int,
+        type=whole(1, 2**22, "tokens per pack"),
         default=None,
         help="tokens per pack (default: about a third of a step's tokens)",
     )
@@ -185,7 +172,7 @@ def _add_distributed_options(v: argparse.ArgumentParser) -> None:
     """The distributed run (``--nproc``, FSDP2): ranks, sharding, noise keys."""
     v.add_argument(
         "--nproc",
-        type=int,
+        type=whole(1, 64, "processes"),
         default=1,
         help=(
             "ranks: > 1 trains packed under FSDP2 on that many processes (gloo on CPU, NCCL on "
@@ -201,6 +188,7 @@ def _add_distributed_options(v: argparse.ArgumentParser) -> None:
     )
     v.add_argument(
         "--blocks",
+        type=pattern(r"[A-Za-z_][\w.]*", "blocks", "an attribute name"),
         default="blocks",
         help="distributed run: the model's nn.ModuleList of blocks to shard (default 'blocks')",
     )
@@ -225,10 +213,16 @@ def _add_distributed_options(v: argparse.ArgumentParser) -> None:
 
 def _add_model_and_data_options(v: argparse.ArgumentParser) -> None:
     """Whose model, on whose data: dataset, features, model, reference."""
-    v.add_argument("--dataset", default=None, help="a local LeRobot v3 root (default: embedded)")
+    v.add_argument(
+        "--dataset",
+        type=folder("a local LeRobot v3 dataset root"),
+        default=None,
+        help="a local LeRobot v3 root (default: embedded)",
+    )
     v.add_argument(
         "--feature",
         action="append",
+        type=pattern(r"[^=\s]+=[^=\s]+", "latents=observation.latent", "STREAM=FEATURE"),
         default=[],
         metavar="STREAM=FEATURE",
         help=(
@@ -239,11 +233,13 @@ def _add_model_and_data_options(v: argparse.ArgumentParser) -> None:
     )
     v.add_argument(
         "--model",
+        type=FACTORY,
         default=None,
         help="module:factory returning your packed model (see docs/verify.md)",
     )
     v.add_argument(
         "--reference",
+        type=FACTORY,
         default=None,
         help=(
             "module:factory called with the packed model, returning the unpacked baseline "
@@ -254,11 +250,16 @@ def _add_model_and_data_options(v: argparse.ArgumentParser) -> None:
 
 def _add_optimizer_and_output_options(v: argparse.ArgumentParser) -> None:
     """AdamW, the leak check, the report and the process."""
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    v.add_argument("--seed", type=whole(0, 2**63 - 1, "a seed"), default=0)
+    v.add_argument(
+        "--lr",
+        type=real(0, 10, "a learning rate", above=True),
+        default=1e-4,
+        help="AdamW learning rate (default 1e-4)",
+    )
     v.add_argument(
         "--adam-eps",
-        type=float,
+        type=real(0, 1, "AdamW's eps"),
         default=1e-6,
         help="AdamW eps (default 1e-6: keeps fp32 rounding noise of zero gradients below eps)",
     )
@@ -269,10 +270,12 @@ def _add_optimizer_and_output_options(v: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not refuse data holding NaN or inf (by default the episode and key are named)",
     )
-    v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
+    v.add_argument(
+        "--json", type=report_path(), default=None, metavar="PATH", help="write the report as JSON"
+    )
     v.add_argument(
         "--threads",
-        type=int,
+        type=whole(1, 4096, "CPU threads"),
         default=None,
         help=(
             "CPU threads for torch (default: $OMP_NUM_THREADS if set, else 1: the models are "
@@ -288,36 +291,7 @@ def _progress(line: str) -> None:
     print(f"  .. {line}", file=sys.stderr, flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)  # usage errors: one line (`Parser`), exit 2
-    if args.command is None:
-        parser.print_help()
-        return 2
-    if args.command == "verify":
-        args.given = given_flags(_subparser(parser, "verify"), argv[argv.index("verify") + 1 :])
-    try:
-        if hasattr(args, "run_command"):  # a command whose module gives its run (packing serve)
-            return int(args.run_command(args))
-        if args.command == "budget":
-            from packing import _budget_command
-
-            return _budget_command.run(args)
-        if args.command == "encode":
-            from packing import _encode_command
-
-            return _encode_command.run(args)
-        return _verify(args)
-    except Exception as e:  # the contract: 2 bad input or environment, 3 a crash
-        tb = getattr(args, "traceback", False)
-        if tb:
-            traceback.print_exc()
-        print(f"packing {args.command}: error: {_one_line(e, tb)}", file=sys.stderr)
-        return 2 if _is_input_error(e) else 3
-
-
-def _verify(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     _check_json_path(args.json)
     restore = _set_threads(args.threads)
     try:
@@ -333,8 +307,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("--context-cache is a flag of --inference; add --inference")
     import dataclasses
 
-    from packing.verify import VerifyConfig, run_verify
-    from packing.verify._distributed import launched_by_torchrun, verify_rank
+    from packing.verify import VerifyConfig, launched_by_torchrun, run_verify, verify_rank
 
     # Every VerifyConfig field is a flag of the same name (--feature is parsed first).
     given = {
@@ -361,13 +334,6 @@ def _run(args: argparse.Namespace) -> int:
     if report.passed:
         return 0
     return 2 if report.diverged else 1
-
-
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    for action in parser._actions:  # argparse keeps its subparsers only here
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices[name]
-    raise LookupError(name)
 
 
 def _run_inference(args: argparse.Namespace) -> int:
@@ -422,20 +388,13 @@ def _run_lingbot_serving(args: argparse.Namespace) -> int:
 
 
 def _check_json_path(path: str | None) -> None:
+    """Try writing the report now (the parser checked its folder): a report that cannot be
+    written must not cost a whole comparison."""
     if path is None:
         return
     p = Path(path)
-    if p.is_dir():
-        raise IsADirectoryError(
-            f"--json {path} is a directory; give a file path, e.g. {p / 'report.json'}"
-        )
-    if not p.parent.is_dir():
-        raise FileNotFoundError(
-            f"--json {path}: the folder {p.parent} does not exist; create it first "
-            f"(mkdir -p {p.parent}) or write the report elsewhere"
-        )
     existed = p.exists()
-    try:  # try it now: a report that cannot be written must not cost a whole comparison
+    try:
         with open(p, "a"):
             pass
     except OSError as e:
@@ -477,30 +436,3 @@ def _parse_features(pairs: Sequence[str]) -> dict[str, str]:
             raise ValueError(f"--feature: stream {stream!r} is mapped twice")
         out[stream] = feature
     return out
-
-
-def _is_input_error(e: BaseException) -> bool:
-    """An error packing raised on bad input or environment (exit 2): a builtin ValueError,
-    TypeError, LookupError, OSError, ImportError or AttributeError, or one of packing's own.
-    Anything else -- an error from inside torch, a library or the user's model while the
-    comparison ran -- is a crash (exit 3)."""
-    known = (ValueError, TypeError, LookupError, OSError, ImportError, AttributeError)
-    own = type(e).__module__.startswith("packing.")
-    return (isinstance(e, known) and type(e).__module__ == "builtins") or own
-
-
-def _one_line(e: BaseException, traceback_shown: bool) -> str:
-    """The exception as one line. Errors packing raises on bad input (builtin types, or its
-    own) already name the problem and the fix; anything else (an error from inside a library
-    or a user's model) is named by its type, with a pointer to ``--traceback``."""
-    args = e.args
-    # KeyError's str() adds quotes around its message.
-    text = args[0] if isinstance(e, KeyError) and len(args) == 1 else str(e)
-    text = " ".join(str(text).split()) or type(e).__name__
-    if _is_input_error(e):
-        return text
-    return f"{type(e).__name__}: {text}" + ("" if traceback_shown else " (--traceback shows where)")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -24,7 +24,13 @@ import logging
 import os
 from typing import Any
 
+from packing.cli._parser import device, file, pattern, real, text, whole
+
 PRESETS = ("tiny", "wan_1_3b", "wan_2_2_5b")
+MODEL = pattern(
+    r"[\w.]+(:[\w.]+)?", "my_robot.policy:build", f"a preset {PRESETS} or 'module:factory'"
+)
+SHAPE = pattern(r"\d+,\d+,\d+", "96,128,8", "FRAMES,ACTIONS,REQUESTS")
 
 
 def add_parser(sub: Any) -> None:
@@ -33,43 +39,101 @@ def add_parser(sub: Any) -> None:
         help="serve a policy to robots over openpi's websocket protocol, packing their requests",
         description=__doc__.split("::")[0].strip(),
     )
-    s.set_defaults(run_command=run)
-    s.add_argument("--model", default="tiny",
+    s.add_argument("--model", default="tiny", type=MODEL,
                    help=f"a reference DiT preset {PRESETS} or module:factory (default tiny)")  # fmt: skip
-    s.add_argument("--checkpoint", default=None, help="a state_dict file for the preset (.pt)")
-    s.add_argument("--device", action="append", help="repeatable: one engine each (default cpu)")
+    s.add_argument(
+        "--checkpoint",
+        default=None,
+        type=file("a state_dict file (.pt)"),
+        help="a state_dict file for the preset (.pt)",
+    )
+    s.add_argument(
+        "--device", action="append", type=device(), help="repeatable: one engine each (default cpu)"
+    )
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    s.add_argument("--shape", action="append", metavar="FRAMES,ACTIONS,REQUESTS",
+    s.add_argument("--shape", action="append", type=SHAPE, metavar="FRAMES,ACTIONS,REQUESTS",
                    help="a static pack (repeatable; default 1, 2, 4 and 8 requests); FRAMES: "
                         "context + generated frames, with --context-cache generated only")  # fmt: skip
     s.add_argument("--mask", default="document", choices=["document", "frame-causal"],
                    help="a preset's attention inside an episode (as it was trained)")  # fmt: skip
-    s.add_argument("--context-cache", type=int, default=None, metavar="PAGES",
+    s.add_argument("--context-cache", type=whole(1, 2**20, "context cache pages"), default=None, metavar="PAGES",
                    help="cache each episode's context in a pool of PAGES pages (frame-causal "
                         "presets; docs/serving.md)")  # fmt: skip
-    s.add_argument("--page-frames", type=int, default=None,
+    s.add_argument("--page-frames", type=whole(1, 1024, "latent frames a page"), default=None,
                    help="with --context-cache: latent frames a page (default 4)")  # fmt: skip
-    s.add_argument("--prefill-frames", type=int, action="append",
+    s.add_argument("--prefill-frames", type=whole(1, 4096, "frames a prefill pass"), action="append",
                    help="with --context-cache: a prefill pass's frames (repeatable; default 4, 32)")  # fmt: skip
     s.add_argument("--cuda-graphs", action="store_true", help="capture each shape's step")
     s.add_argument("--compile", action="store_true", help="compile the DiT's blocks")
-    s.add_argument("--max-steps", type=int, default=50, help="most denoising steps a request asks")
-    s.add_argument("--frames", type=int, default=1, help="latent frames a chunk generates (1)")
-    s.add_argument("--actions", type=int, default=16, help="action steps a chunk generates (16)")
-    s.add_argument("--steps", type=int, default=10, help="denoising steps by default (10)")
-    s.add_argument("--context-frames", type=int, default=4,
+    s.add_argument(
+        "--max-steps",
+        type=whole(1, 1000, "denoising steps"),
+        default=50,
+        help="most denoising steps a request asks",
+    )
+    s.add_argument(
+        "--frames",
+        type=whole(1, 1024, "latent frames a chunk"),
+        default=1,
+        help="latent frames a chunk generates (1)",
+    )
+    s.add_argument(
+        "--actions",
+        type=whole(1, 4096, "action steps a chunk"),
+        default=16,
+        help="action steps a chunk generates (16)",
+    )
+    s.add_argument(
+        "--steps",
+        type=whole(1, 1000, "denoising steps"),
+        default=10,
+        help="denoising steps by default (10)",
+    )
+    s.add_argument("--context-frames", type=whole(0, 4096, "context frames"), default=4,
                    help="the most context frames a chunk keeps (4): room in the default shapes, "
                         "or with --context-cache each pack's window of pages")  # fmt: skip
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="0: any free port (logged)")
-    s.add_argument("--api-key", default=os.environ.get("PACKING_API_KEY"),
+    _add_server_options(s)
+
+
+def _add_server_options(s: argparse.ArgumentParser) -> None:
+    """The server's own: address, key, limits, timing."""
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        type=text("a bind address"),
+        help="bind address (default 127.0.0.1)",
+    )
+    s.add_argument(
+        "--port", type=whole(0, 65535, "a TCP port"), default=8000, help="0: any free port (logged)"
+    )
+    s.add_argument("--api-key", default=os.environ.get("PACKING_API_KEY") or None,
+                   type=text("an API key"),
                    help="required off loopback (default: $PACKING_API_KEY)")  # fmt: skip
-    s.add_argument("--max-message-mb", type=float, default=64.0)
-    s.add_argument("--max-connections", type=int, default=64)
-    s.add_argument("--max-queue", type=int, default=64, help="requests per engine, then 'busy'")
-    s.add_argument("--deadline-s", type=float, default=30.0, help="a request's time limit")
-    s.add_argument("--drain-s", type=float, default=30.0, help="shutdown waits this long at most")
-    s.add_argument("--summary-every-s", type=float, default=60.0)
+    s.add_argument(
+        "--max-message-mb", type=real(0, 4096, "MiB a message", above=True), default=64.0
+    )
+    s.add_argument("--max-connections", type=whole(1, 65_536, "connections"), default=64)
+    s.add_argument(
+        "--max-queue",
+        type=whole(1, 2**20, "queued requests"),
+        default=64,
+        help="requests per engine, then 'busy'",
+    )
+    s.add_argument(
+        "--deadline-s",
+        type=real(0, 86_400, "seconds", above=True),
+        default=30.0,
+        help="a request's time limit",
+    )
+    s.add_argument(
+        "--drain-s",
+        type=real(0, 3600, "seconds"),
+        default=30.0,
+        help="shutdown waits this long at most",
+    )
+    s.add_argument(
+        "--summary-every-s", type=real(0.1, 86_400, "seconds between summaries"), default=60.0
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,7 +183,7 @@ def _build(args: argparse.Namespace, device: str) -> tuple[Any, Any]:
         if cache is not None or args.mask != "document":
             raise ValueError("--context-cache and --mask build a preset's engine; a factory "
                              "builds its own (EngineConfig(context_cache=ContextCache(...)))")  # fmt: skip
-        from packing.verify._command import load_factory
+        from packing.verify import load_factory
 
         out = load_factory(args.model)(device)
         return out if isinstance(out, tuple) else (out, None)
