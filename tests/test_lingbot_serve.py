@@ -82,6 +82,41 @@ def test_one_robots_fault_fails_only_that_robot() -> None:
     assert _run_one(engine, _first_chunk("bad", 2)).error is None
 
 
+def test_a_model_call_raising_with_one_robot_fails_only_that_robot() -> None:
+    policy = tiny_serving_policy()
+    engine = LingBotVAEngine(policy, robots=3, shapes=[LingShape(video=1, action=1),
+                                                       LingShape(video=3, action=3)])  # fmt: skip
+    good, other = _first_chunk("good", 1), _first_chunk("other", 3)
+    bad = _first_chunk("bad", 2)
+    bad = ChunkRequest(session="bad", frames=torch.full_like(bad.frames, 7.0), actions=None,
+                       prompt=bad.prompt, negative=bad.negative)  # fmt: skip
+
+    def fault(module, inputs, out):  # type: ignore[no-untyped-def]
+        if bool((inputs[0] == 7.0).all(dim=-1).any()):  # the bad robot's conditioning frame
+            raise RuntimeError("planted: the kernel fails on this robot's tokens")
+        return out
+
+    hook = policy.transformer.patch_embedding_mlp.register_forward_hook(fault)
+    ids = engine.submit(good), engine.submit(bad), engine.submit(other)
+    out = _run(engine)
+    hook.remove()
+    assert out[ids[1]].error is not None and "planted" in out[ids[1]].error
+    for rid, req in ((ids[0], good), (ids[2], other)):
+        assert out[rid].error is None
+        ref2 = tiny_policy(**TINY)
+        ref2.load_state_dict(policy.state_dict())
+        lat, _, act = ReferenceRobot(ref2, req.prompt, req.negative).chunk(
+            req.frames, None, req.seed
+        )
+        assert (out[rid].latents - lat).abs().max() <= 1e-5
+        assert (out[rid].action - act).abs().max() <= 1e-5
+    # the good robots' sessions go on: their next chunk is served from their caches
+    nxt = ChunkRequest(session="good", frames=torch.cat([good.frames, torch.randn(1, 48, 8, 16)]),
+                       actions=None, prompt=good.prompt, negative=good.negative, seed=5)  # fmt: skip
+    assert _run_one(engine, nxt).error is None
+    assert engine.stats["rebuilds"] == 0
+
+
 def _run_one(engine: LingBotVAEngine, req: ChunkRequest):  # type: ignore[no-untyped-def]
     rid = engine.submit(req)
     return _run(engine)[rid]

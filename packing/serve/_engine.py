@@ -386,7 +386,8 @@ class Engine:
         for m in members:
             m.saved = None
         self._left = True
-        self.packs.sweep({m.rid for m in self._members})  # the failed ones are in no pack
+        # the failed ones are in no pack; a next phase (`Packs.then`) waits in the queue
+        self.packs.sweep({m.rid for m in self._members} | {rid for rid, _ in self._waiting})
 
     def _place(self, group: list[_Member]) -> None:
         """Lay ``group`` out alone, every member joining from its saved state."""

@@ -201,7 +201,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         if s is None:
             regions = self.regions.claim(self.geo.cv, p.session, len(self.sessions))
             s = self.sessions[p.session] = Session(p.session, regions, self.geo.capacity)
-        s.busy = True
+        s.busy, s.rid = True, rid
         try:
             s.plan = self._plan(s, p)
         except Exception:
@@ -370,16 +370,35 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         if s is None:
             return
         if not finished:
-            s.busy, s.dirty = False, True
-            if s.plan is not None:  # a chunk that failed was not executed
-                del s.executed[s.plan.index :]
+            self._failed(s)
         elif m.request.kind == "action":
             s.busy, s.plan = False, None
+        if s.ending and not s.busy:
+            self.end_session(s.key)
+
+    def _failed(self, s: Session) -> None:
+        """Its chunk failed: not executed, and the cache is rebuilt from the next request."""
+        s.busy, s.dirty = False, True
+        if s.plan is not None:
+            del s.executed[s.plan.index :]
+
+    def sweep(self, live: set[int]) -> None:
+        """After a failed model call: the sessions whose chunk is in no pack any more."""
+        for s in list(self.sessions.values()):
+            if s.busy and s.rid not in live:
+                self._failed(s)
+                if s.ending:
+                    self.end_session(s.key)
 
     def end_session(self, session: str) -> None:
-        s = self.sessions.pop(session, None)
+        """Free the session's regions and text slots (after its chunk in flight, if any)."""
+        s = self.sessions.get(session)
         if s is None:
             return
+        if s.busy:
+            s.ending = True
+            return
+        del self.sessions[session]
         self.regions.release(s.regions)
         for slot in s.text:
             self.text.release(slot)

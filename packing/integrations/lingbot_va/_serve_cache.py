@@ -110,6 +110,8 @@ class Session:
     plan: ChunkPlan | None = None  # the chunk in flight
     executed: list[Tensor] = field(default_factory=list)  # its predicted chunks (model space)
     busy: bool = False
+    rid: int = -1  # the engine request of the chunk in flight
+    ending: bool = False  # end_session came while a chunk was in flight: free it after
     dirty: bool = False  # a chunk failed midway: rebuild from the history next time
 
     def __post_init__(self) -> None:
