@@ -248,3 +248,15 @@ def test_bench_lingbot_serve_smoke(tmp_path) -> None:
     assert {r["robots"] for r in rows} == {1, 2} and len(rows) == 8
     assert all(r["chunks_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
     assert json.loads(out.read_text())["provenance"]
+
+
+def test_verify_inference_model_lingbot_va_names_only_the_served_proof() -> None:
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "packing", "verify", "--model", "lingbot_va"]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "add --inference" in out.stderr
+    out = subprocess.run([*run[:4], "--inference", "--model", "nope"], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and "module:factory' (or lingbot_va" in out.stderr

@@ -68,6 +68,9 @@ INFERENCE_FLAGS = frozenset(
 
 
 FACTORY = pattern(r"[\w.]+:[\w.]+", "my_models:build", "'module:factory'")
+# --model also names a served model for --inference (LeRobot's LingBot-VA)
+MODEL = pattern(r"[\w.]+:[\w.]+|lingbot_va", "my_models:build",
+                "'module:factory' (or lingbot_va with --inference)")  # fmt: skip
 
 
 def add_parser(sub: Any) -> None:
@@ -233,9 +236,12 @@ def _add_model_and_data_options(v: argparse.ArgumentParser) -> None:
     )
     v.add_argument(
         "--model",
-        type=FACTORY,
+        type=MODEL,
         default=None,
-        help="module:factory returning your packed model (see docs/verify.md)",
+        help=(
+            "module:factory returning your packed model (see docs/verify.md); with "
+            "--inference: lingbot_va (LeRobot's LingBot-VA served to several robots)"
+        ),
     )
     v.add_argument(
         "--reference",
@@ -305,6 +311,12 @@ def _run(args: argparse.Namespace) -> int:
         return _run_inference(args)
     if args.context_cache:
         raise ValueError("--context-cache is a flag of --inference; add --inference")
+    if args.model == "lingbot_va":
+        raise ValueError(
+            "--model lingbot_va names the served model --inference proves; add --inference, "
+            "or give a module:factory (packing.integrations.lingbot_va.testing:tiny_lingbot_va "
+            "for its training)"
+        )
     import dataclasses
 
     from packing.verify import VerifyConfig, launched_by_torchrun, run_verify, verify_rank
