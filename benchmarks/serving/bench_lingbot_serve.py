@@ -57,7 +57,8 @@ def build_policy(smoke: bool, exec_step: int, device: str) -> Any:
                           video_exec_step=exec_step, obs_cam_keys=cams, device=device,
                           input_features={k: visual for k in cams})  # fmt: skip
     torch.manual_seed(0)
-    return LingBotVAPolicy(cfg).to(device).eval()
+    with torch.device(device):  # 5B parameters initialised where they run, not on the host
+        return LingBotVAPolicy(cfg).eval()
 
 
 def _episode(
