@@ -154,9 +154,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.quick, args.device = True, "cpu"
         args.robots, args.chunks, args.warm = [1, 2], 2, 1
     rows = []
-    for label, exec_step in (("20+1 video, 50 action", -1), (f"video_exec_step {args.exec_step}",
-                                                             args.exec_step)):  # fmt: skip
+    for exec_step in (-1, args.exec_step):
         policy = build_policy(args.smoke, exec_step, args.device)
+        c = policy.config
+        video = f"{c.num_inference_steps}+1" if exec_step == -1 else f"exec_step {exec_step}"
+        label = f"video {video}, action {c.action_num_inference_steps}"
         alone = lerobot_alone(policy, args.chunks + args.warm, args.device)[args.warm :]
         t = sorted(alone)[len(alone) // 2]
         for n in args.robots:
