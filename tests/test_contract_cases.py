@@ -83,8 +83,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_verify_inference_with_a_training_flag_exits_2() -> None:
-    out = _cli("verify", "--inference", "--model", "nope:nope")
-    assert out.returncode == 2 and "does not take --model" in out.stderr
+    out = _cli("verify", "--inference", "--steps", "5")
+    assert out.returncode == 2 and "does not take --steps" in out.stderr
+    out = _cli("verify", "--inference", "--model", "nope:nope")  # only a served model's name
+    assert out.returncode == 2 and "the served models it proves are 'lingbot_va'" in out.stderr
 
 
 def test_argparse_errors_are_one_line_and_budget_takes_5e9_without_torch() -> None:

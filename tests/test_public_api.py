@@ -178,6 +178,24 @@ CROSS_FOLDER_PRIVATE = {
     ("packing/server/_adapter.py", "packing.serve._limits", "MAX_FRAMES"),
     ("packing/server/_adapter.py", "packing.serve._limits", "MAX_STEPS"),
     ("packing/server/_adapter.py", "packing.serve._request", "SEED_MAX"),
+    # The served LingBot-VA is one more implementation of the engine's per-model protocol
+    # (Packs, its Spans, the Steps that run or capture a step) and shares the engine's
+    # request checks, its quarantine, its read-back and its flex kernel options.
+    ("packing/integrations/lingbot_va/_serve.py", "packing.serve._packs", "Packs"),
+    ("packing/integrations/lingbot_va/_serve.py", "packing.serve._packs", "Spans"),
+    ("packing/integrations/lingbot_va/_serve.py", "packing.serve._step", "Steps"),
+    ("packing/integrations/lingbot_va/_serve_layout.py", "packing.serve._packs", "Spans"),
+    ("packing/integrations/lingbot_va/_serve_packs.py", "packing.serve._device", "quarantine"),
+    ("packing/integrations/lingbot_va/_serve_step.py", "packing.serve._step", "FLEX_OPTIONS"),
+    ("packing/integrations/lingbot_va/_serve_adapter.py", "packing.serve._device", "to_host"),
+    ("packing/integrations/lingbot_va/_serve_adapter.py", "packing.serve._request", "SEED_MAX"),
+    ("packing/integrations/lingbot_va/_serve_request.py", "packing.serve._request", "check_seed"),
+    (
+        "packing/integrations/lingbot_va/_serve_request.py",
+        "packing.serve._request",
+        "check_carried",
+    ),
+    ("packing/integrations/lingbot_va/_serve_request.py", "packing.serve._request", "host_copy"),
 }
 
 

@@ -53,11 +53,24 @@ EXIT_STATUS = """exit status:
 # The flags ``packing verify --inference`` reads; any other verify flag is refused with it
 # (a --model would otherwise be dropped and the built-in model proven in its place).
 INFERENCE_FLAGS = frozenset(
-    {"inference", "mask", "document_mask", "seed", "json", "threads", "traceback", "context_cache"}
+    {
+        "inference",
+        "mask",
+        "document_mask",
+        "seed",
+        "json",
+        "threads",
+        "traceback",
+        "context_cache",
+        "model",
+    }
 )
 
 
 FACTORY = pattern(r"[\w.]+:[\w.]+", "my_models:build", "'module:factory'")
+# --model also names a served model for --inference (LeRobot's LingBot-VA)
+MODEL = pattern(r"[\w.]+:[\w.]+|lingbot_va", "my_models:build",
+                "'module:factory' (or lingbot_va with --inference)")  # fmt: skip
 
 
 def add_parser(sub: Any) -> None:
@@ -223,9 +236,12 @@ def _add_model_and_data_options(v: argparse.ArgumentParser) -> None:
     )
     v.add_argument(
         "--model",
-        type=FACTORY,
+        type=MODEL,
         default=None,
-        help="module:factory returning your packed model (see docs/verify.md)",
+        help=(
+            "module:factory returning your packed model (see docs/verify.md); with "
+            "--inference: lingbot_va (LeRobot's LingBot-VA served to several robots)"
+        ),
     )
     v.add_argument(
         "--reference",
@@ -295,6 +311,12 @@ def _run(args: argparse.Namespace) -> int:
         return _run_inference(args)
     if args.context_cache:
         raise ValueError("--context-cache is a flag of --inference; add --inference")
+    if args.model == "lingbot_va":
+        raise ValueError(
+            "--model lingbot_va names the served model --inference proves; add --inference, "
+            "or give a module:factory (packing.integrations.lingbot_va.testing:tiny_lingbot_va "
+            "for its training)"
+        )
     import dataclasses
 
     from packing.verify import VerifyConfig, launched_by_torchrun, run_verify, verify_rank
@@ -337,6 +359,8 @@ def _run_inference(args: argparse.Namespace) -> int:
             "--inference to verify your model's training; the bf16 GPU inference comparison "
             "is benchmarks/serving/bench_serve.py)"
         )
+    if args.model is not None:
+        return _run_lingbot_serving(args)
     from packing.serve import verify_inference
 
     report = verify_inference(
@@ -347,6 +371,32 @@ def _run_inference(args: argparse.Namespace) -> int:
         report.to_json(args.json)
     print(report.format(), flush=True)
     return 0 if report.passed else 1
+
+
+def _run_lingbot_serving(args: argparse.Namespace) -> int:
+    """``--inference --model lingbot_va``: LeRobot's LingBot-VA served to several robots at
+    once equals its own policy run for each robot alone (tiny, fp32 CPU)."""
+    if args.model != "lingbot_va":
+        raise ValueError(
+            f"--inference --model {args.model}: the served models it proves are 'lingbot_va' "
+            "(LeRobot's LingBot-VA); drop --model for the built-in DiT"
+        )
+    from packing.integrations.lingbot_va import prove_serving
+
+    report = prove_serving(None if args.document_mask else "no_document_mask")
+    verdict = "PASS" if report.ok else "FAIL"
+    print(
+        f"{verdict}: lingbot_va served, {report.chunks} chunks of 4 robots vs LeRobot alone: "
+        f"latents max |diff| {report.latents:.2e}, actions {report.actions:.2e} (tol 1e-5); "
+        f"fullest pack {report.max_pack} robots, mixed steps {report.mixed_steps}, "
+        f"evicted slots {report.evicted}, failed robots {sorted(report.errors) or 'none'}",
+        flush=True,
+    )
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps(vars(report), indent=2))
+    return 0 if report.ok else 1
 
 
 def _check_json_path(path: str | None) -> None:

@@ -387,7 +387,8 @@ class Engine:
         for m in members:
             m.saved = None
         self._left = True
-        self.packs.sweep({m.rid for m in self._members})  # the failed ones are in no pack
+        # the failed ones are in no pack; a next phase (`Packs.then`) waits in the queue
+        self.packs.sweep({m.rid for m in self._members} | {rid for rid, _ in self._waiting})
 
     def _place(self, group: list[_Member]) -> None:
         """Lay ``group`` out alone, every member joining from its saved state."""
@@ -403,10 +404,16 @@ class Engine:
             if m.step == m.request.steps:
                 try:
                     result = self._result(m)
+                    nxt = None if result.error else self.packs.then(m.request, result.latents,
+                                                                    result.action)  # fmt: skip
                 except Exception as err:  # this request's own host work
                     why = f"reading its result back raised {type(err).__name__}: {err}"
                     _log.error("request %d failed: %s", m.rid, why, exc_info=err)
-                    result = self._failed(m.rid, m.admitted, why)
+                    result, nxt = self._failed(m.rid, m.admitted, why), None
+                if nxt is not None:  # its next phase rejoins first, under the same id
+                    self._drop(m.rid)
+                    self._waiting.appendleft((m.rid, nxt))
+                    continue
                 self._finishing[m.rid] = (result, self._seq)
                 self._drop(m.rid)
         # Queued after the results' copies: when its event has completed, so have they, and a
@@ -455,8 +462,18 @@ class Engine:
             if result.error is None:
                 self._finishing[m.rid] = (self._failed(m.rid, m.admitted, why), seq)
             self.packs.left(m, finished=False)  # a finished one's pages were kept: free them
-        elif self._drop(m.rid):
+        elif self._drop(m.rid) or self._unqueue(m.rid, m.request):
             self._out.append(self._failed(m.rid, m.admitted, why))
+
+    def _unqueue(self, rid: int, request: Any) -> bool:
+        """A phase whose last step's flag came late: its next phase (`Packs.then`) waits in
+        the queue; it fails there, its model record freed."""
+        for i, (wid, _) in enumerate(self._waiting):
+            if wid == rid:
+                del self._waiting[i]
+                self.packs.left(_Member(rid, request, admitted=self.clock), finished=False)
+                return True
+        return False
 
     def _drop(self, rid: int) -> bool:
         """A member leaves (finished, cancelled, failed); the model frees or keeps what it

@@ -102,6 +102,13 @@ class Packs(Generic[R, S]):
     def sweep(self, live: set[int]) -> None:
         """After a failed model call: free what belongs to requests not in ``live``."""
 
+    def then(self, request: R, latents: Tensor, actions: Tensor) -> R | None:
+        """A finished request's next phase, or None (its result is handed out). A model
+        whose chunk runs in phases of different token counts (LingBot-VA: its video steps,
+        then its action steps) returns the next phase's request here: it rejoins first in
+        the queue under the same id, and its last phase's result is the one handed out."""
+        return None
+
     @property
     def stats(self) -> dict[str, int]:
         return {}

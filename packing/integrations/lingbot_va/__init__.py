@@ -21,6 +21,14 @@ batch mean), exact under packing, accumulation and data parallelism.
 - `packing.integrations.lingbot_va.testing`: tiny policies from LeRobot's classes
   (``packing verify --model packing.integrations.lingbot_va.testing:tiny_lingbot_va``).
 
+Serve it to many robots at once (docs/lingbot-va.md, "Serving"):
+
+- `LingBotVAEngine` (the engine over `ServedLingBotVA`, the per-model Packs), `LingShape`
+  (its static packs), `ChunkRequest` (a robot's next chunk: its episode so far);
+- `LingBotVAAdapter`: a LeRobot LingBot-VA client's observation through ``packing serve``;
+- `prove_serving` -> `ServingReport`: served == LeRobot's ``predict_action_chunk`` per robot
+  alone (``packing verify --inference --model lingbot_va``).
+
 docs/lingbot-va.md has the recipe and the proof.
 """
 
@@ -39,6 +47,17 @@ from packing.integrations.lingbot_va._mask import (  # noqa: E402
     noise_to_noise,
 )
 from packing.integrations.lingbot_va._packed import PackedLingBotVA, install  # noqa: E402
+from packing.integrations.lingbot_va._serve import (  # noqa: E402
+    LingBotVAEngine,
+    ServedLingBotVA,
+)
+from packing.integrations.lingbot_va._serve_adapter import LingBotVAAdapter  # noqa: E402
+from packing.integrations.lingbot_va._serve_packs import LingShape  # noqa: E402
+from packing.integrations.lingbot_va._serve_proof import (  # noqa: E402
+    ServingReport,
+    prove_serving,
+)
+from packing.integrations.lingbot_va._serve_request import ChunkRequest  # noqa: E402
 from packing.integrations.lingbot_va._tokens import (  # noqa: E402
     DualStreamTokens,
     dual_stream_tokens,
@@ -46,9 +65,15 @@ from packing.integrations.lingbot_va._tokens import (  # noqa: E402
 
 __all__ = [
     "REDUCTIONS",
+    "ChunkRequest",
     "DualStreamTokens",
     "EpisodeDraws",
+    "LingBotVAAdapter",
+    "LingBotVAEngine",
+    "LingShape",
     "PackedLingBotVA",
+    "ServedLingBotVA",
+    "ServingReport",
     "chunk_window",
     "clean_to_clean",
     "draw_episode",
@@ -58,4 +83,5 @@ __all__ = [
     "lingbot_va_mask",
     "noise_to_clean",
     "noise_to_noise",
+    "prove_serving",
 ]
