@@ -224,6 +224,10 @@ def _lingbot_base() -> dict[str, Base]:
         "packing.integrations.lingbot_va.noise_to_clean": lambda: (L.noise_to_clean, (tokens(),), {}),
         "packing.integrations.lingbot_va.noise_to_noise": lambda: (L.noise_to_noise, (tokens(),), {}),
         "packing.integrations.lingbot_va.chunk_window": lambda: (L.chunk_window, (tokens(),), {}),
+        "packing.integrations.lingbot_va.LingShape": lambda: (L.LingShape, (), {"video": 2, "action": 2}),
+        "packing.integrations.lingbot_va.ChunkRequest": lambda: (L.ChunkRequest, (), {
+            "session": "robot", "frames": torch.zeros(1, 48, 8, 16), "actions": None,
+            "prompt": torch.zeros(3, 16), "negative": None, "seed": 0}),
     }  # fmt: skip
 
 
@@ -442,8 +446,20 @@ NOT_CALLED.update(
         "packing.integrations.lingbot_va.DualStreamTokens": "built by dual_stream_tokens (checked above)",
         "packing.integrations.lingbot_va.DualStreamTokens.join": "the packed forward's plumbing",
         "packing.integrations.lingbot_va.DualStreamTokens.take": "the packed forward's plumbing",
+        "packing.integrations.lingbot_va.LingShape.fits": "takes the engine's phases (plumbing)",
+        "packing.integrations.lingbot_va.ServingReport": "a result record built by prove_serving",
+        "packing.integrations.lingbot_va.prove_serving": "runs the serving proof (tests/test_lingbot_serve.py)",
     }
 )
+NOT_CALLED.update({  # LingBot-VA served: each needs a LeRobot policy (tests/test_lingbot_serve.py)
+    f"packing.integrations.lingbot_va.{n}": "needs a LeRobot policy (tests/test_lingbot_serve.py)"
+    for n in [
+        "LingBotVAEngine", "LingBotVAAdapter", "LingBotVAAdapter.request", "LingBotVAAdapter.reply",
+        "ServedLingBotVA", *(f"ServedLingBotVA.{m}" for m in (
+            "check", "executed", "fits", "member", "fresh", "layout", "state", "step", "flags",
+            "result", "then", "joined", "left", "sweep", "end_session")),
+    ]
+})  # fmt: skip
 NOT_CALLED.update({  # the diffusers integration: every entry needs a diffusers transformer
     f"packing.integrations.diffusers.{n}": "needs a diffusers transformer (tests/test_diffusers*.py)"
     for n in [
@@ -563,6 +579,7 @@ allow(_LB + "draw_episode", _KEYS, "zero negative", _HASHED)
 allow(_LB + "PackedLingBotVA.collator", "token_budget max_docs text_budget", "huge",
       "a size: refused only when a pack is built over it")  # fmt: skip
 allow(_LB + "lingbot_episodes", "action_per_frame", "huge", "checked against each episode read")
+allow(_LB + "ChunkRequest", "seed", "zero", "seed 0 is a seed")
 
 allow("packing.server.DiTAdapter", "seed", "zero", "seed 0 is a seed")
 allow("packing.server.WanAdapter", "seed", "zero", "seed 0 is a seed")

@@ -22,21 +22,12 @@ from packing.integrations.lingbot_va._serve import LingBotVAEngine
 from packing.integrations.lingbot_va._serve_packs import LingShape
 from packing.integrations.lingbot_va._serve_reference import ReferenceRobot
 from packing.integrations.lingbot_va._serve_request import ChunkRequest
+from packing.integrations.lingbot_va.testing import SERVING_TINY as TINY
+from packing.integrations.lingbot_va.testing import tiny_policy, tiny_serving_policy
 
 __all__ = ["ABLATIONS", "ServingReport", "prove_serving", "tiny_serving_policy"]
 
 ABLATIONS = ("no_history_check", "no_document_mask")
-TINY = dict(attn_mode="torch", frame_chunk_size=2, action_per_frame=2, num_inference_steps=2,
-            action_num_inference_steps=3, attn_window=4)  # fmt: skip
-
-
-def tiny_serving_policy(**overrides: Any) -> Any:
-    """A tiny LeRobot policy for inference (``attn_mode="torch"``, a short schedule and a
-    cache window of two chunks, so the cache evicts within a few chunks)."""
-    from packing.integrations.lingbot_va.testing import tiny_policy
-
-    torch.manual_seed(0)
-    return tiny_policy(**{**TINY, **overrides})
 
 
 @dataclass
@@ -156,7 +147,6 @@ def _reference(
     """LeRobot alone on each of the robot's chunks: its own loop (executed = predicted), but
     with the history a robot arrived with, and, once a keyframe changed, a fresh policy on the
     new history with the actions the robot executed (``served``)."""
-    from packing.integrations.lingbot_va.testing import tiny_policy
 
     out: dict[int, tuple[Tensor, Tensor]] = {}
     runs = [(range(r.first, r.chunks), None if r.first == 0 else r.actions)]

@@ -24,7 +24,13 @@ from packing._lazy import require
 from packing.integrations.lingbot_va._episodes import lingbot_episodes
 from packing.integrations.lingbot_va._packed import PackedLingBotVA
 
-__all__ = ["ABLATIONS", "tiny_lingbot_va", "tiny_policy", "toy_text_embeddings"]
+__all__ = [
+    "ABLATIONS",
+    "tiny_lingbot_va",
+    "tiny_policy",
+    "tiny_serving_policy",
+    "toy_text_embeddings",
+]
 
 ABLATIONS = ("no_document_mask", "one_chunk_window", "no_window")
 TEXT_ROWS = 512  # LeRobot's cross mask assumes 512 text rows (UMT5's max_sequence_length)
@@ -83,3 +89,16 @@ def tiny_lingbot_va(
     packed = _VerifyLingBotVA(tiny_policy(**overrides), latent_hw=(8, 16))
     packed._ablation = "no_document_mask" if not document_mask else ablation
     return packed
+
+
+# serving: attn_mode "torch" (LeRobot's inference path), a short schedule and a cache window
+# of two chunks, so the cache evicts within a few chunks
+SERVING_TINY = dict(attn_mode="torch", frame_chunk_size=2, action_per_frame=2,
+                    num_inference_steps=2, action_num_inference_steps=3, attn_window=4)  # fmt: skip
+
+
+def tiny_serving_policy(**overrides: Any) -> Any:
+    """`tiny_policy` for serving (``SERVING_TINY``): what ``packing verify --inference --model
+    lingbot_va`` serves."""
+    torch.manual_seed(0)
+    return tiny_policy(**{**SERVING_TINY, **overrides})
