@@ -1,4 +1,4 @@
-"""Train LeRobot's LingBot-VA packed: ``pip install 'packing[lingbot]'``.
+"""Train LeRobot's LingBot-VA packed: ``pip install -e '.[lingbot]'``.
 
     policy = LingBotVAPolicy.from_pretrained(path, config=config)   # attn_mode="flex"
     packed = install(policy, latent_hw=(24, 40))     # LeRobot's transformer, unmodified
