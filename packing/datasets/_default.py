@@ -72,13 +72,13 @@ def write_default_dataset(
             f"lengths {lengths} contain an episode shorter than 2 frames; lerobot 0.6.1's writer "
             "cannot aggregate stats of a one-frame episode with a multi-dimensional feature"
         )
-    lerobot_dataset = require("lerobot.datasets.lerobot_dataset", extra="lerobot")
     root = Path(check_path("root", root)).expanduser()
     if root.exists():
         raise FileExistsError(
             f"root={os.fspath(root)!r} exists; write_default_dataset writes a new dataset "
             "there: pass a path that does not exist yet"
         )
+    lerobot_dataset = require("lerobot.datasets.lerobot_dataset", extra="lerobot")  # args first
     ds = lerobot_dataset.LeRobotDataset.create(
         repo_id="packing/default",
         fps=DEFAULT_FPS,
