@@ -202,7 +202,7 @@ def run_variant(kind: str, args: Any, state: dict[str, torch.Tensor],
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
         denom = float(sum(mb.layout("latents").num_tokens for mb in mbs))
-        start = _clock(dev)
+        start = harness.mark(dev)
         step_loss = torch.zeros((), device=dev)
         for mb in mbs:
             b = mb.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else mb
@@ -215,7 +215,7 @@ def run_variant(kind: str, args: Any, state: dict[str, torch.Tensor],
         opt.zero_grad(set_to_none=True)
         losses.append(step_loss)
         if s >= args.warmup:
-            times.append((start, _clock(dev)))
+            times.append((start, harness.mark(dev)))
         if s == 0:
             print(
                 f"  {kind}: first step done ({_elapsed(dev, start):.1f} s incl. compile)",
@@ -223,7 +223,7 @@ def run_variant(kind: str, args: Any, state: dict[str, torch.Tensor],
             )
     if dev.type == "cuda":
         torch.cuda.synchronize()  # every recorded event has completed before it is read
-    ms = [_ms(dev, a, b) for a, b in times]
+    ms = [harness.elapsed_ms(dev, a, b) for a, b in times]
     timed = steps_eps[args.warmup :]
     tpf = (LATENT_HW[0] // 2) * (LATENT_HW[1] // 2)
     tokens = sum(e["latents"].shape[0] * tpf for eps in timed for e in eps)
@@ -335,7 +335,7 @@ def run_bucketed(args: Any, state: dict[str, torch.Tensor], steps_eps: list[list
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
         denom = float(sum(f * tpf * len(eps) for f, eps in batches))
-        start = _clock(dev)
+        start = harness.mark(dev)
         for f, eps in batches:
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 loss = bucketed_loss(model, f, eps, args.seed, s, denom, dev)
@@ -343,10 +343,10 @@ def run_bucketed(args: Any, state: dict[str, torch.Tensor], steps_eps: list[list
         opt.step()
         opt.zero_grad(set_to_none=True)
         if s >= args.warmup:
-            times.append((start, _clock(dev)))
+            times.append((start, harness.mark(dev)))
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    ms = [_ms(dev, a, b) for a, b in times]
+    ms = [harness.elapsed_ms(dev, a, b) for a, b in times]
     trained = sum(f * tpf * len(eps) for p in plans[args.warmup :] for f, eps in p)
     held = sum(e["latents"].shape[0] * tpf for eps in steps_eps[args.warmup :] for e in eps)
     timed = steps_eps[args.warmup :]
@@ -370,18 +370,6 @@ def warm_unseen_shapes(model: torch.nn.Module, plans: list[list[tuple[int, list[
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 bucketed_loss(model, f, eps, args.seed, len(plans), 1.0, dev).backward()
     model.zero_grad(set_to_none=True)
-
-
-def _clock(dev: torch.device) -> Any:
-    if dev.type == "cuda":
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-    return time.perf_counter()
-
-
-def _ms(dev: torch.device, a: Any, b: Any) -> float:
-    return float(a.elapsed_time(b)) if dev.type == "cuda" else (b - a) * 1e3
 
 
 def _elapsed(dev: torch.device, a: Any) -> float:

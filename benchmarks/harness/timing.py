@@ -161,3 +161,18 @@ def mem_gb(device: torch.device | str) -> float:
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated() / 1e9
     return 0.0
+
+
+def mark(device: torch.device) -> Any:
+    """A point in time on ``device``'s stream (a recorded CUDA event) or the host's clock; two
+    marks give the time between them with `elapsed_ms`, with no sync in between."""
+    if device.type == "cuda":
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+    return time.perf_counter()
+
+
+def elapsed_ms(device: torch.device, a: Any, b: Any) -> float:
+    """Milliseconds between two `mark`s (a CUDA pair needs ``b`` to have completed)."""
+    return float(a.elapsed_time(b)) if device.type == "cuda" else (b - a) * 1e3

@@ -204,10 +204,14 @@ class LeanArm(Arm):
     def prepare(self, eps: list[lb.Episode]) -> Any:
         return [lb.layout([ep], self.hw, pad_to=1) for ep in eps]
 
+    def before_episode(self, *, last: bool) -> None:
+        """A hook before each micro-step (FSDP: sync and reshard on the last one only)."""
+
     def step(self, eps: list[lb.Episode], prepared: Any) -> torch.Tensor:
         lb.MASKS.self_attend, lb.MASKS.cross_attend = self.attend, lb.sdpa
         total = torch.zeros((), device=self.dev)
-        for ep, host_lay in zip(eps, prepared, strict=True):
+        for i, (ep, host_lay) in enumerate(zip(eps, prepared, strict=True)):
+            self.before_episode(last=i == len(eps) - 1)
             lay = lb.layout_to(host_lay, self.dev)
             inp = lb.noise_inputs([ep], self.holder, self.amask, lb.TEXT_LEN, num_docs=len(eps))
             lb.MASKS.self_mask, lb.MASKS.cross_mask = self.mask(ep, lay), None
@@ -346,10 +350,10 @@ def run_arm(arm: Arm, steps: list[list[lb.Episode]], warmup: int) -> dict[str, A
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             g0 = harness.dynamo_counters()["unique_graphs"]
-        a = _event(dev)
+        a = harness.mark(dev)
         losses.append(arm.step(eps, prepared[s]))
         arm.finish()
-        b = _event(dev)
+        b = harness.mark(dev)
         if s >= warmup:
             times.append((a, b))
         if s == 0:
@@ -357,7 +361,7 @@ def run_arm(arm: Arm, steps: list[list[lb.Episode]], warmup: int) -> dict[str, A
             arm.info["first step s (compile)"] = time.perf_counter() - t_first
             print(f"    first step {arm.info['first step s (compile)']:.1f} s", flush=True)
     harness.sync(dev)
-    ms = [_ms(dev, a, b) for a, b in times]
+    ms = [harness.elapsed_ms(dev, a, b) for a, b in times]
     timed = steps[warmup:]
     return {
         "ms": ms,
@@ -366,18 +370,6 @@ def run_arm(arm: Arm, steps: list[list[lb.Episode]], warmup: int) -> dict[str, A
         "recompiles after warm-up": harness.dynamo_counters()["unique_graphs"] - g0,
         "timed episodes": timed,
     }
-
-
-def _event(dev: torch.device) -> Any:
-    if dev.type == "cuda":
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-    return time.perf_counter()
-
-
-def _ms(dev: torch.device, a: Any, b: Any) -> float:
-    return float(a.elapsed_time(b)) if dev.type == "cuda" else (b - a) * 1e3
 
 
 def packed_parts(

@@ -72,20 +72,10 @@ def shard(arm: bl.Arm, dev: torch.device) -> None:
 class LeanNoReshard(bl.LeanArm):
     name = "lean"
 
-    def step(self, eps: list[lb.Episode], prepared: Any) -> torch.Tensor:
-        total = torch.zeros((), device=self.dev)
-        lb.MASKS.self_attend, lb.MASKS.cross_attend = self.attend, lb.sdpa
-        for i, (ep, host_lay) in enumerate(zip(eps, prepared, strict=True)):
-            last = i == len(eps) - 1
-            self.root.set_requires_gradient_sync(last)
-            self.root.set_reshard_after_backward(last)
-            lay = lb.layout_to(host_lay, self.dev)
-            inp = lb.noise_inputs([ep], self.holder, self.amask, lb.TEXT_LEN, num_docs=len(eps))
-            lb.MASKS.self_mask, lb.MASKS.cross_mask = self.mask(ep, lay), None
-            loss = self.loss_module(inp, lay, self.run_blocks)
-            loss.backward()
-            total += loss.detach()
-        return total
+    def before_episode(self, *, last: bool) -> None:
+        # accumulate locally; sync gradients and reshard only after the last episode
+        self.root.set_requires_gradient_sync(last)
+        self.root.set_reshard_after_backward(last)
 
 
 def make(name: str, args: Any, state: dict[str, Any], blocks: int, dev: torch.device,
