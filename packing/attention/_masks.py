@@ -87,17 +87,8 @@ def with_block_rule(inner: InnerMask, rule: BlockRule, name: str | None = None) 
     true, and is every pair true. ``any`` may over-approximate and ``all`` under-approximate
     (the attention stays exact; only sparsity is lost), but the rules shipped here are exact.
     """
-    if not callable(inner) or not callable(rule):
-        raise TypeError(
-            f"with_block_rule takes a mask function inner(b, h, q, kv) and a rule(a, b, c, d); "
-            f"got {type(inner).__name__} and {type(rule).__name__}"
-        )
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"name={name!r} must be a str")
-    inner.block_rule = rule  # type: ignore[attr-defined]
-    if name is not None:
-        inner.__name__ = name
-    return inner
+    takes = "with_block_rule takes a mask function inner(b, h, q, kv) and a rule(a, b, c, d)"
+    return _attach(inner, "block_rule", rule, name, takes)
 
 
 def with_tile_rule(mask_mod: MaskMod, rule: TileRule, name: str | None = None) -> MaskMod:
@@ -111,17 +102,20 @@ def with_tile_rule(mask_mod: MaskMod, rule: TileRule, name: str | None = None) -
     attributes, never from the ``T x T`` pairs). ``any`` may over-approximate and ``all``
     under-approximate: the attention stays exact, only sparsity is lost.
     """
-    if not callable(mask_mod) or not callable(rule):
-        raise TypeError(
-            f"with_tile_rule takes a mask_mod(b, h, q, kv) and a rule(q_block, kv_block); "
-            f"got {type(mask_mod).__name__} and {type(rule).__name__}"
-        )
+    takes = "with_tile_rule takes a mask_mod(b, h, q, kv) and a rule(q_block, kv_block)"
+    return _attach(mask_mod, "tile_rule", rule, name, takes)
+
+
+def _attach(fn: MaskMod, attr: str, rule: Any, name: str | None, takes: str) -> MaskMod:
+    """``fn`` with ``rule`` as its ``attr`` (and ``name`` as its ``__name__``), checked."""
+    if not callable(fn) or not callable(rule):
+        raise TypeError(f"{takes}; got {type(fn).__name__} and {type(rule).__name__}")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name={name!r} must be a str")
-    mask_mod.tile_rule = rule  # type: ignore[attr-defined]
+    setattr(fn, attr, rule)
     if name is not None:
-        mask_mod.__name__ = name
-    return mask_mod
+        fn.__name__ = name
+    return fn
 
 
 def _band_rule(lo: int, hi: int | None) -> BlockRule:
