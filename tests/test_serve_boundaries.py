@@ -227,8 +227,8 @@ def _pack_cases(kind: str) -> tuple[Any, list[Any], list[Any]]:
 
 def _unchecked(monkeypatch: pytest.MonkeyPatch) -> None:
     """The negative control: no check on the request's tensors (the code before issue 41)."""
-    monkeypatch.setattr(request_module, "check_carried", lambda *a, **k: a[2])
-    monkeypatch.setattr(video_request_module, "check_carried", lambda *a, **k: a[2])
+    monkeypatch.setattr(request_module, "check_request_tensor", lambda *a, **k: a[2])
+    monkeypatch.setattr(video_request_module, "check_request_tensor", lambda *a, **k: a[2])
 
 
 @pytest.mark.parametrize("kind", ["engine", "cached", "video"])

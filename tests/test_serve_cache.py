@@ -477,12 +477,12 @@ def test_the_serving_masks_keep_flexattention_off_its_decoding_kernel():
     (benchmarks/reports/2026-12-04_served_engine.md). Every serving mask forces the main one."""
     from packing.attention import frame_causal
     from packing.serve._cached_step import pool_mask
-    from packing.serve._step import cross_mask, step_masks
+    from packing.serve._step import cross_mask, masks_from_doc_ids
 
     doc, pos = torch.zeros(80, dtype=torch.int64), torch.arange(80)
     text = torch.zeros(16, dtype=torch.int64)
     inner = frame_causal(8)
-    masks = [*step_masks(doc, text, backend="flex", inner=inner, document_mask=True),
+    masks = [*masks_from_doc_ids(doc, text, backend="flex", inner=inner, document_mask=True),
              cross_mask(doc, text, backend="flex", document_mask=True),
              pool_mask(doc, pos, doc, pos, backend="flex", inner=inner, document_mask=True)]  # fmt: skip
     for m in masks:

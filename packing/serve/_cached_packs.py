@@ -124,7 +124,7 @@ class CachedDiTPacks(DiTPacks):
 
     def left(self, m: Any, *, finished: bool) -> None:
         """A finished chunk of a session keeps its pages for the next; any other frees them."""
-        self.pages.release(m.model.key, m.rid, keep=finished and m.request.session is not None)
+        self.pages.release(m.record.key, m.rid, keep=finished and m.request.session is not None)
 
     def end_session(self, session: str) -> None:
         """Free ``session``'s pages (when its request in the pack, if any, leaves)."""
@@ -133,20 +133,20 @@ class CachedDiTPacks(DiTPacks):
     def sweep(self, live: set[int]) -> None:
         self.pages.sweep(live)
 
-    def joined(self, shape: Any, members: list[Any], first: int) -> list[tuple[Any, str]]:
+    def joined(self, shape: Any, members: Sequence[Any], first: int) -> list[tuple[Any, str]]:
         """The joining members claim their pages, the window is loaded, the frames not
         cached are prefilled; returns the members whose own prefill raised."""
         prefill: list[tuple[int, Any, int]] = []
         for k, m in enumerate(members[first:], start=first):
             rejoins = m.saved is not None  # after a failed call: its pages are still held
-            m.model.pages, reuse = self.pages.claim(m.model.key, m.model.hashes, m.rid)
+            m.record.pages, reuse = self.pages.claim(m.record.key, m.record.hashes, m.rid)
             prefill.append((k, m, reuse))
             if not rejoins:
                 self.cache_stats["reused_frames"] += reuse
-                self.cache_stats["prefilled_frames"] += len(m.model.hashes) - reuse
+                self.cache_stats["prefilled_frames"] += len(m.record.hashes) - reuse
         pf = self.cache.page_frames
-        window = [(p, k, j * pf, min(pf, len(m.model.hashes) - j * pf))
-                  for k, m in enumerate(members) for j, p in enumerate(m.model.pages)]  # fmt: skip
+        window = [(p, k, j * pf, min(pf, len(m.record.hashes) - j * pf))
+                  for k, m in enumerate(members) for j, p in enumerate(m.record.pages)]  # fmt: skip
         self.pool.clear(self.pages.take_released())  # before any prefill writes them again
         self.pool.load_window(window)
         return self._prefill(shape, prefill)
@@ -171,7 +171,7 @@ class CachedDiTPacks(DiTPacks):
     def _prefill_frames(self, shape: Any, todo: Sequence[tuple[int, Any, int]]) -> None:
         """The frames ``reuse..`` of each of ``todo``, in passes of the cache's sizes."""
         cfg, tpf, pf = self.model.config, self.model.config.tokens_per_frame, self.cache.page_frames
-        frames = [(k, m, j) for k, m, reuse in todo for j in range(reuse, len(m.model.hashes))]
+        frames = [(k, m, j) for k, m, reuse in todo for j in range(reuse, len(m.record.hashes))]
         gh, gw = cfg.grid
         hw = torch.stack(torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij"), -1)
         hw, s = hw.reshape(tpf, 2), torch.arange(tpf)
@@ -188,7 +188,7 @@ class CachedDiTPacks(DiTPacks):
                 t = slice(i * tpf, (i + 1) * tpf)
                 doc[t], pos[t] = k, j * tpf + s
                 thw[t, 0], thw[t, 1:] = m.request.kept[j], hw
-                rows[t] = m.model.pages[j // pf] * self.pool.page_tokens + (j % pf) * tpf + s
+                rows[t] = m.record.pages[j // pf] * self.pool.page_tokens + (j % pf) * tpf + s
             block = self.pool.prefill[size]
             block.load(*(t.to(self.device, non_blocking=True) for t in (x, doc, pos, thw, rows)))
             self._run_prefill(shape, block)

@@ -35,7 +35,7 @@ from packing.attention._block_tables import tables_from_flags
 from packing.model import DiT, KVCache, PackInputs
 from packing.serve._cache import ContextCache
 from packing.serve._device import pinned
-from packing.serve._step import FLEX_OPTIONS, Buffers, cross_mask, schedule, velocity_update
+from packing.serve._step import FLEX_KERNEL_OPTIONS, Buffers, cross_mask, schedule, velocity_update
 
 __all__ = ["DevicePool", "PrefillBlock", "cached_step", "pool_mask", "prefill_step"]
 
@@ -201,7 +201,9 @@ def pool_mask(
         seq_lengths=(Tq, Tk), **tables._asdict(), BLOCK_SIZE=(_TILE, _TILE),
         mask_mod=pool_document,
     )  # fmt: skip
-    return AttentionMask(**common, block_mask=block_mask, kernel_options=FLEX_OPTIONS[backend])
+    return AttentionMask(
+        **common, block_mask=block_mask, kernel_options=FLEX_KERNEL_OPTIONS[backend]
+    )
 
 
 def cached_step(

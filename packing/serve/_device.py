@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from packing._validate import check_sequence
+
 __all__ = ["allocate", "bounded", "pinned", "quarantine", "to_host"]
 
 S = TypeVar("S")  # the pack shape type
@@ -31,6 +33,8 @@ def to_host(t: Tensor) -> Tensor:
     result (it keeps the next call queued), a whole pack's call added to every reply. Safe
     because a result is handed out only once the event queued after its copy has completed
     (`Engine._ran`); nothing then remains for the side stream to wait for."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"to_host(t) takes a Result's tensor, got t={type(t).__name__}")
     if t.device.type != "cuda":
         return t.cpu()
     with torch.cuda.stream(torch.cuda.Stream(t.device)):
@@ -49,6 +53,7 @@ def quarantine(bad_K: Tensor, states: Sequence[tuple[Tensor, Tensor]]) -> None:
         slot_T   0 0 1 1 -1        bad_K   [False, True]
         finite   y y n y  n   ->   x rows 2 and 3 set to 0, row 4 (padding) left as it is
     """
+    _check_quarantine(bad_K, states)
     R = bad_K.shape[0]
     ids_R = torch.arange(R, device=bad_K.device)
     bad = torch.zeros(R, dtype=torch.bool, device=bad_K.device)
@@ -60,6 +65,20 @@ def quarantine(bad_K: Tensor, states: Sequence[tuple[Tensor, Tensor]]) -> None:
     for x, slot in states:
         hit = bad_R1[torch.where(slot >= 0, slot, R)].reshape(-1, *[1] * (x.dim() - 1))
         x.copy_(torch.where(hit, 0.0, x))
+
+
+def _check_quarantine(bad_K: Any, states: Any) -> None:
+    """The arguments' types and sizes (host checks only: no sync, so a captured step may too)."""
+    if not isinstance(bad_K, Tensor) or bad_K.dtype != torch.bool or bad_K.dim() != 1:
+        got = f"{bad_K.dtype} {tuple(bad_K.shape)}" if isinstance(bad_K, Tensor) else bad_K
+        raise TypeError(f"quarantine's bad_K must be an (R,) bool tensor, got {got!r}")
+    for i, pair in enumerate(check_sequence("states", states)):
+        ok = isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(t, Tensor) for t in pair)
+        if not ok or pair[1].dtype != torch.int64 or pair[1].shape != pair[0].shape[:1]:
+            raise TypeError(
+                f"quarantine's states[{i}] must be an (x, slot_T) pair: x rows first, slot_T an "
+                "int64 tensor of one request slot per row (-1: not state)"
+            )
 
 
 def allocate(

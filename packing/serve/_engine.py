@@ -10,9 +10,10 @@ step, then each request's solver update. A pack of three requests at three steps
     after it       request 4 finishes (its Result is returned), request 8 joins at step 0
 
 What a pack is (its buffers, its layout, its step, its cache) is the model's `Packs`
-(`packing.serve._packs`): the reference DiT, the DiT with its context in a paged pool, and
-any `VideoModel` are three of them; admission, the carry of each request's state from one
-pack to the next, failure isolation and the non-finite flags are this loop's, once.
+(`packing.serve.protocol`): the reference DiT, the DiT with its context in a paged pool, any
+`VideoModel` and LeRobot's LingBot-VA are four of them (`Engine.from_packs` serves yours);
+admission, the carry of each request's state from one pack to the next, failure isolation
+and the non-finite flags are this loop's, once.
 
 Nothing here reads a device value: the host mirrors every request's step count, so it knows
 when one finishes; it waits only for the model call before the one it just launched, so the
@@ -40,13 +41,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from packing._validate import check_int
+from packing._validate import check_int, is_int
 from packing.attention._compile import FLEX_KERNELS
 from packing.model import DiT
 from packing.serve._config import EngineConfig
 from packing.serve._device import pinned
+from packing.serve._limits import MAX_STEPS
 from packing.serve._packs import DiTPacks, Packs, Spans
 from packing.serve._request import Result
+from packing.serve._schedulers import FlowScheduler, check_scheduler
+from packing.serve._step import Steps
 
 __all__ = ["Engine"]
 
@@ -63,7 +67,7 @@ class _Member:
     spans: Spans = ()  # its (first row, rows) in each state group of the pack
     fresh: tuple[Tensor, ...] | None = None  # host state rows to join with
     saved: tuple[Tensor, ...] | None = None  # (x, v_prev) per group, to rejoin after a fault
-    model: Any = None  # the model's own record (a cache: its session, hashes, pages)
+    record: Any = None  # the model's own record, `Packs.member` (a cache: session, pages)
 
 
 @dataclass
@@ -85,7 +89,8 @@ class Engine:
     ``model`` is the reference `packing.model.DiT` (or anything with its ``config``,
     ``patchify``/``unpatchify`` and ``velocity``); compile its blocks first
     (``block.compile()``) for compiled kernels. ``config.context_cache`` keeps each
-    request's context in a paged pool (`packing.serve._cached_packs`).
+    request's context in a paged pool (`packing.serve._cached_packs`). Any other model:
+    ``Engine.from_packs(packs)`` with its `packing.serve.protocol.Packs`.
     """
 
     # Model calls whose flags the host leaves unread, still running on the device: after
@@ -111,6 +116,26 @@ class Engine:
         self.model, self.config = model, config
         self._serve(packs, config.scheduler, config.max_steps)
 
+    @classmethod
+    def from_packs(
+        cls, packs: Packs[Any, Any], *, scheduler: FlowScheduler | None = None
+    ) -> Engine:
+        """An engine serving your own model through its ``packs`` (a subclass of
+        `packing.serve.protocol.Packs`; docs/serving-your-model.md). ``scheduler`` gives each
+        request's times and solver coefficients, the ``tables`` `Packs.layout` receives
+        (default: Euler, ``FlowScheduler()``). ``engine.model`` is ``packs``."""
+        if not isinstance(packs, Packs):
+            raise TypeError(
+                f"Engine.from_packs takes packs=, a packing.serve.protocol.Packs subclass, got "
+                f"{type(packs).__name__}; serve the reference DiT with Engine(model, config)"
+            )
+        _check_packs(packs)
+        sched = FlowScheduler() if scheduler is None else check_scheduler("scheduler", scheduler)
+        engine = cls.__new__(cls)
+        engine.model, engine.config = packs, None
+        engine._serve(packs, sched, packs.max_steps)
+        return engine
+
     def _serve(self, packs: Packs[Any, Any], scheduler: Any, max_steps: int) -> None:
         self.packs, self.scheduler, self.max_steps = packs, scheduler, max_steps
         self.device, self.shapes = packs.device, packs.shapes
@@ -133,6 +158,13 @@ class Engine:
         and copied (its tensors detached, on the host), so changing it afterwards changes
         nothing."""
         request = self.packs.check(request)
+        steps: Any = getattr(request, "steps", None)  # the protocol's one field the loop reads
+        if not is_int(steps) or not 1 <= steps <= self.max_steps:
+            raise ValueError(
+                f"{type(self.packs).__name__}.check returned a {type(request).__name__} with "
+                f"steps={steps!r}, not an int in [1, max_steps={self.max_steps}]; refuse such a "
+                "request in check, naming its field"
+            )
         rid = self._next_id
         self._next_id += 1
         self._waiting.append((rid, request))
@@ -277,7 +309,7 @@ class Engine:
     def _member(self, rid: int, r: Any) -> _Member:
         """The request's host work at admission: its initial state and the model's record."""
         return _Member(rid, r, admitted=self.clock, fresh=self.packs.fresh(r),
-                       model=self.packs.member(rid, r))  # fmt: skip
+                       record=self.packs.member(rid, r))  # fmt: skip
 
     def _recompose(self, shape: Any, staying: list[_Member], joining: list[_Member]) -> None:
         """Lay the members out in ``shape``; the ``staying`` ones carry their state over (in
@@ -488,6 +520,27 @@ class Engine:
     def _failed(self, rid: int, admitted: int, error: str) -> Result:
         empty = torch.zeros(0, device=self.device)
         return Result(rid, empty, empty, admitted=admitted, finished=self.clock, error=error)
+
+
+def _check_packs(packs: Packs[Any, Any]) -> None:
+    """The attributes the engine reads from ``packs``, each one line if it is wrong."""
+    name = type(packs).__name__
+    shapes = getattr(packs, "shapes", None)
+    if not isinstance(shapes, list) or not shapes:
+        raise ValueError(f"{name}.shapes={shapes!r}; set a non-empty list of pack shapes, "
+                         "smallest first")  # fmt: skip
+    if not isinstance(getattr(packs, "device", None), torch.device):
+        raise TypeError(
+            f"{name}.device must be a torch.device, got {getattr(packs, 'device', None)!r}"
+        )
+    if not isinstance(getattr(packs, "steps", None), Steps):
+        raise TypeError(
+            f"{name}.steps must be a packing.serve.protocol.Steps (Steps(cuda_graphs=False))"
+        )
+    max_steps: Any = getattr(packs, "max_steps", None)
+    if not is_int(max_steps) or not 1 <= max_steps <= MAX_STEPS:
+        raise ValueError(f"{name}.max_steps={max_steps!r}; set an int in [1, {MAX_STEPS}], the "
+                         "columns of the schedule tables its buffers hold")  # fmt: skip
 
 
 def _carry(x: Tensor, vp: Tensor, old: Sequence[Tensor] | None, take: Tensor) -> None:

@@ -1,31 +1,18 @@
-"""What a served model gives the engine: a few static pack shapes, a layout, a step.
+"""The engine's per-model protocol (`Packs`, `Member`, `Spans`) and its first implementation,
+`DiTPacks` (the reference DiT, its context in the pack).
 
-The engine (`packing.serve._engine`) is one continuous-batching loop for every model; a model
-is served through a `Packs`, which owns its static buffers (and its cache, if it keeps one)::
-
-    engine                              Packs (one per served model)
-    ------                              ----------------------------
-    submit  -> check                    the request, validated and copied to the host
-    admit   -> fresh                    a joining request's initial state rows (host)
-            -> layout(shape, requests)  index tensors and schedule tables into the shape's
-                                        buffers; each request's rows in each state group
-            -> (carry the state)        state(shape): (x, v_prev) per group, rows first
-            -> joined                   (a cache: claim pages, prefill; failures returned)
-    step    -> step(shape)              one model call + every request's solver update
-            -> flags(shape)             (R,) bool: whose state went non-finite
-    finish  -> result(shape, rows)      (latents, actions) on the device
-            -> left / sweep             (a cache: free or keep the request's pages)
-
-Three implementations: `DiTPacks` (the reference DiT, its context in the pack),
-`packing.serve._cached_packs.CachedDiTPacks` (the DiT with its context in a paged pool) and
-`packing.serve._video.VideoPacks` (any `VideoModel`, e.g. a packed diffusers Wan).
+The protocol is public through `packing.serve.protocol`, whose docstring draws the call order
+and says what each method must guarantee; the other implementations are
+`packing.serve._cached_packs.CachedDiTPacks` (the DiT with its context in a paged pool),
+`packing.serve._video.VideoPacks` (any `VideoModel`, e.g. a packed diffusers Wan) and, outside
+this folder, `packing.integrations.lingbot_va.ServedLingBotVA`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -38,62 +25,100 @@ from packing.serve._pack import PackShape, build_pack, initial_tokens
 from packing.serve._request import Request, check_task, submitted
 from packing.serve._step import Buffers, Steps, run_step
 
-__all__ = ["DiTPacks", "Packs", "Spans"]
+__all__ = ["DiTPacks", "Member", "Packs", "Spans"]
 
 R = TypeVar("R")  # the request type
 S = TypeVar("S")  # the pack shape type
 Spans = tuple[tuple[int, int], ...]  # a request's (first row, rows) in each state group
 
 
+class Member(Protocol[R]):
+    """What the engine knows of a request in its pack, as the hooks `Packs.joined` and
+    `Packs.left` see it (read it, never change it)."""
+
+    rid: int  # the request's id (what `Engine.submit` returned)
+    request: R  # what `Packs.check` returned (or `Packs.then`, for a later phase)
+    step: int  # steps run so far
+    spans: Spans  # its rows in the pack's state groups (what `Packs.layout` returned)
+    record: Any  # what `Packs.member` returned for it (None by default)
+    saved: tuple[Tensor, ...] | None  # not None: it rejoins with its saved state, not `fresh`
+
+
 class Packs(Generic[R, S]):
-    """The per-model protocol (module docstring). Subclasses set ``shapes`` (smallest
-    first), ``device``, ``steps`` (`Steps`: the step functions run or captured, by key) and
-    give the methods that raise here; the hooks with a body are what a model without a
-    cache keeps: nothing."""
+    """A served model behind the engine's one loop (`packing.serve.protocol` draws the call
+    order). A subclass sets ``shapes`` (its static pack shapes, smallest first), ``device``,
+    ``max_steps`` (the columns of the schedule tables it is given) and ``steps`` (a `Steps`:
+    its step functions, run plainly or captured in CUDA graphs), and implements the methods
+    that raise here; the hooks with a body are optional (what a model without a cache does:
+    nothing)."""
 
     shapes: list[S]
     device: torch.device
+    max_steps: int
     steps: Steps
 
     def check(self, request: R) -> R:
+        """``request`` checked (each bad value: one ValueError or TypeError naming it) and
+        copied to the host (`host_copy`), so the caller may change its own tensors once
+        submitted. It must have ``steps``, an int in [1, ``max_steps``]."""
         raise NotImplementedError
 
     def fits(self, shape: S, requests: Sequence[R]) -> bool:
-        return shape.fits(requests)  # type: ignore[attr-defined]
+        """Whether ``requests`` fit ``shape`` together (default: ``shape.fits(requests)``)."""
+        return shape.fits(requests)  # type: ignore[attr-defined,no-any-return]
 
     def fresh(self, request: R) -> tuple[Tensor, ...]:
+        """A joining request's first rows of each state group (host tensors): its noise (and
+        any clean rows it keeps in its span), exactly as many rows as `layout` gives it."""
         raise NotImplementedError
 
     def layout(self, shape: S, requests: Sequence[R], tables: tuple[Tensor, ...]) -> list[Spans]:
+        """Write the composition ``requests`` (in this order: request k is slot k) into
+        ``shape``'s static buffers with ``copy_`` (a captured step keeps reading the same
+        tensors), and the engine's ``tables`` too: ``t_table (R, max_steps)`` each request's
+        time at each step, ``coef (R, max_steps, 2)`` its solver's ``(a, b)`` (``x += a v + b
+        v_prev``), ``step_K (R,)`` its current step; rows past the requests are 0. Returns
+        each request's rows in each state group; a request's row counts never change."""
         raise NotImplementedError
 
     def state(self, shape: S) -> tuple[tuple[Tensor, Tensor], ...]:
+        """The static state of ``shape``: ``(x, v_prev)`` per state group, rows first. The
+        engine carries the staying requests' rows into a new composition in place."""
         raise NotImplementedError
 
     def step(self, shape: S) -> None:
+        """One model call over the pack and every request's update, in place on the
+        buffers, through ``self.steps.run(shape, fn, buffers)``: no host sync (no ``.item()``,
+        no ``.cpu()``, no Python branch on a device value), rows outside a request's slots
+        left as they are, ``quarantine`` after the update, ``step_K`` advanced by one."""
         raise NotImplementedError
 
     def flags(self, shape: S) -> Tensor:
+        """``(R,)`` bool on the device: request k's state went non-finite in the last step
+        (written by `quarantine`)."""
         raise NotImplementedError
 
     def result(self, shape: S, request: R, spans: Spans) -> tuple[Tensor, Tensor]:
+        """A finished request's ``(latents, action)`` on the device: copies (``clone``), since
+        the next composition overwrites the buffers."""
         raise NotImplementedError
 
     def warm_keys(self) -> list[tuple[str, Callable[[], None]]]:
         """Every step function the engine can meet, as (label, run it once)."""
         return [(_label(s), partial(self.step, s)) for s in self.shapes]
 
-    # -- a cache's hooks --------------------------------------------------------------------
+    # -- optional hooks: a cache's, a phased model's -----------------------------------------
     def member(self, rid: int, request: R) -> Any:
-        """The model's own record of a joining request (a cache: its session, its hashes)."""
+        """The model's own record of a joining request (a cache: its session, its hashes);
+        `Member.record` in the hooks below."""
         return None
 
-    def joined(self, shape: S, members: list[Any], first: int) -> list[tuple[Any, str]]:
+    def joined(self, shape: S, members: Sequence[Member[R]], first: int) -> list[tuple[Any, str]]:
         """After ``members`` were laid out in ``shape`` (``members[first:]`` joined): the
-        members that failed here, each with why."""
+        members that failed here, each with why (returned, not raised: the others go on)."""
         return []
 
-    def left(self, member: Any, *, finished: bool) -> None:
+    def left(self, member: Member[R], *, finished: bool) -> None:
         """``member`` left the pack (``finished``: its last step ran, it did not fail)."""
 
     def end_session(self, session: str) -> None:
@@ -111,6 +136,7 @@ class Packs(Generic[R, S]):
 
     @property
     def stats(self) -> dict[str, int]:
+        """The model's counters (`Engine.stats`)."""
         return {}
 
 
@@ -129,6 +155,7 @@ class DiTPacks(Packs[Request, PackShape]):
             raise ValueError("EngineConfig.cuda_graphs=True needs a CUDA model; use False on CPU")
         cfg = model.config
         self.model, self.config, self.device = model, config, device
+        self.max_steps = config.max_steps
         self.inner = frame_causal(cfg.tokens_per_frame) if cfg.frame_causal else None
         self.backend = resolve_backend(config.attention, device=device, dtype=p.dtype,
                                        head_dim=cfg.head_dim, inner=self.inner)  # fmt: skip

@@ -26,8 +26,8 @@ from packing._validate import check_finite, check_int, check_sequence, is_int
 from packing.serve._limits import MAX_ACTIONS, MAX_FRAMES, MAX_STEPS
 
 __all__ = [
-    "FLOATS", "SEED_MAX", "Request", "Result", "check_carried", "check_seed", "check_task",
-    "host_copy", "submitted",
+    "FLOATS", "SEED_MAX", "Request", "Result", "check_request_tensor", "check_seed",
+    "check_task", "host_copy", "submitted",
 ]  # fmt: skip
 
 # `torch.Generator.manual_seed` takes [-2**63, 2**64 - 1] and maps a negative seed s to
@@ -50,11 +50,13 @@ R = TypeVar("R")
 
 
 def check_seed(name: str, seed: object) -> int:
-    """A seed ``torch.Generator.manual_seed`` takes, each value its own noise."""
+    """``seed`` if ``torch.Generator.manual_seed`` takes it as its own noise: an int in
+    [0, `SEED_MAX`] (numpy ints too); ``name`` is what the error calls it."""
+    _check_name("check_seed", "name", name)
     return check_int(name, seed, min=0, max=SEED_MAX, hint="the generator's 64-bit seed")
 
 
-def check_carried(
+def check_request_tensor(
     where: str,
     key: str,
     value: Any,
@@ -67,10 +69,17 @@ def check_carried(
     with values (not on the meta device), of one of ``dtypes``, finite in its own dtype and
     in each of ``compute``, the dtypes the engine casts it to (its state, the model's)::
 
-        check_carried("Request", "context", torch.full((1, 8, 4, 8), 1e39, dtype=torch.float64))
+        check_request_tensor("Request", "context", torch.full((1, 8, 4, 8), 1e39, dtype=torch.float64))
         ValueError: Request 'context' holds 1e+39 at index (0, 0, 0, 0), beyond float32's
         range (max 3.4e+38): the engine computes in float32, where it is inf; ...
     """
+    _check_name("check_request_tensor", "where", where)
+    _check_name("check_request_tensor", "key", key)
+    for arg, given in (("dtypes", dtypes), ("compute", compute)):
+        if not isinstance(given, tuple) or not all(isinstance(d, torch.dtype) for d in given):
+            raise TypeError(
+                f"check_request_tensor's {arg}={given!r} must be a tuple of torch.dtype"
+            )
     name = f"{where}.{key}"
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -119,6 +128,8 @@ def host_copy(value: Tensor) -> Tensor:
     """A contiguous CPU copy of ``value``, detached (no autograd history, no grad), that the
     caller can no longer change: the engine reads a request's tensors only after ``submit``
     returns, while a robot loop may refill its frame buffer the moment it has submitted."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"host_copy(value) copies a tensor, got value={type(value).__name__}")
     out = torch.empty(value.shape, dtype=value.dtype)
     out.copy_(value.detach())
     return out
@@ -134,8 +145,13 @@ def submitted(request: R, compute: torch.dtype | None = None) -> R:
     if compute is not None:
         for key, v in copies.items():
             if v.is_floating_point():
-                check_carried(type(request).__name__, key, v, compute=(compute,))
+                check_request_tensor(type(request).__name__, key, v, compute=(compute,))
     return out
+
+
+def _check_name(fn: str, arg: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{fn}'s {arg}={value!r} must be a str: what the error names")
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -149,7 +165,7 @@ class Request:
     ``steps`` the denoising steps, ``seed`` keys the initial noise (a CPU generator, so the
     same request gives the same noise on any device and in any pack; in [0, 2**64 - 1]).
     ``context`` must be finite, in float32 too (a NaN, inf or a float64 beyond float32's range is
-    refused here, naming its index; `check_carried`). ``keep_frames``: the context frames to
+    refused here, naming its index; `check_request_tensor`). ``keep_frames``: the context frames to
     attend to, ascending ints, a tuple (or an integer tensor) (``None``: all). ``session`` names the robot episode
     this chunk belongs to (a policy server sets it per connection and episode): an engine that
     caches context keeps a session's cached frames for its next chunk until
@@ -175,7 +191,7 @@ class Request:
                 f"Request.context must be a (F_c, C, H, W) tensor of clean latent frames, got "
                 f"{got!r}; pass torch.zeros(0, C, H, W) for no context"
             )
-        check_carried("Request", "context", self.context)
+        check_request_tensor("Request", "context", self.context)
         for name, low, top in (("frames", 0, MAX_FRAMES), ("actions", 1, MAX_ACTIONS),
                                ("steps", 1, MAX_STEPS)):  # fmt: skip
             v = check_int(f"Request.{name}", getattr(self, name), min=low, max=top)
@@ -190,7 +206,7 @@ class Request:
         if self.keep_frames is not None:
             keep = self.keep_frames
             if isinstance(keep, Tensor):  # indices as a tensor: checked as every tensor is
-                keep = check_carried("Request", "keep_frames", keep, dtypes=INTS).tolist()
+                keep = check_request_tensor("Request", "keep_frames", keep, dtypes=INTS).tolist()
                 if not isinstance(keep, list):
                     raise ValueError("Request.keep_frames is a 0-d tensor; pass a 1-d one")
             keep = tuple(check_sequence("Request.keep_frames", keep))
@@ -237,7 +253,7 @@ def _check_committed(c: Tensor | None, actions: int) -> None:
             f"Request.committed_actions must be float32 (the engine's state, so they come back "
             f"bit-identical), got {c.dtype}; pass committed_actions.float()"
         )
-    check_carried("Request", "committed_actions", c, dtypes=(torch.float32,))
+    check_request_tensor("Request", "committed_actions", c, dtypes=(torch.float32,))
 
 
 @dataclass(frozen=True)

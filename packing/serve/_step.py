@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from packing._validate import check_bool, check_choice, check_doc_ids
 from packing.attention import AttentionMask, InnerMask, dense_mask, make_block_mask
 from packing.model import DiT, KVCache, PackInputs
 from packing.serve._device import pinned, quarantine
@@ -29,16 +30,16 @@ from packing.serve._pack import HostPack, PackShape
 from packing.train import broadcast_to_tokens
 
 __all__ = [
-    "FLEX_OPTIONS", "Buffers", "GraphedStep", "Steps", "cross_mask", "run_step", "schedule",
-    "step_masks", "velocity_update",
+    "FLEX_KERNEL_OPTIONS", "Buffers", "GraphedStep", "Steps", "cross_mask", "masks_from_doc_ids",
+    "run_step", "schedule", "velocity_update",
 ]  # fmt: skip
 
-# FlexAttention's kernel options by backend. Inductor lowers a call with fewer than 128 queries
+# FlexAttention's kernel options by backend, for every mask a served step builds. Inductor lowers a call with fewer than 128 queries
 # to its decoding kernel (made for a few queries over a long cache: one block of all queries,
 # the keys split across the SMs); a pack of one request's generated tokens (80 at 5B widths)
 # has that few, and on an H200 the decoding kernel took 2.6 ms a call where the main kernel
 # takes 0.083 ms (94.8 -> 18.9 ms a step, benchmarks/reports/2026-12-04_served_engine.md).
-FLEX_OPTIONS: dict[str, dict[str, Any] | None] = {
+FLEX_KERNEL_OPTIONS: dict[str, dict[str, Any] | None] = {
     "flex": {"FORCE_USE_FLEX_ATTENTION": True},
     "flex_flash": {"BACKEND": "FLASH"},
     "sdpa": None,
@@ -98,7 +99,7 @@ class Buffers:
         self.step_K.copy_(pinned(step_K, dev), non_blocking=True)
 
 
-def step_masks(
+def masks_from_doc_ids(
     doc_J: Tensor,
     text_doc_X: Tensor,
     *,
@@ -106,11 +107,22 @@ def step_masks(
     inner: InnerMask | None,
     document_mask: bool,
 ) -> tuple[AttentionMask, AttentionMask]:
-    """The self- and cross-attention masks from doc ids alone (sync-free, static shapes).
+    """The self- and cross-attention masks of a packed step from doc ids alone (sync-free,
+    static shapes, so a captured step stays right for any composition)::
 
-    ``backend`` is resolved already: ``"sdpa"`` (a dense mask, CPU) or ``"flex"``/
-    ``"flex_flash"`` (a block mask). ``document_mask=False`` treats all real tokens as one
-    document, the deliberately broken model the proof must catch."""
+        doc_J       0 0 1 1 1 -1        text_doc_X   0 0 1 -1
+        self        a query attends the keys of its own doc (and ``inner``'s rule in it)
+        cross       a query attends its own doc's text rows; a padding row (-1) gets one
+                    key of its own, so no row is empty and no NaN appears
+
+    ``backend`` is resolved already (`packing.attention.resolve_backend`): ``"sdpa"`` (a
+    dense mask, CPU) or ``"flex"``/``"flex_flash"`` (a block mask, `FLEX_KERNEL_OPTIONS`).
+    ``document_mask=False`` treats all real tokens as one document, the deliberately broken
+    model a proof must catch."""
+    check_doc_ids("doc_J", doc_J)
+    check_doc_ids("text_doc_X", text_doc_X)
+    check_choice("backend", backend, FLEX_KERNEL_OPTIONS)
+    check_bool("document_mask", document_mask)
     if not document_mask:
         doc_J = torch.where(doc_J >= 0, 0, -1)
     J = doc_J.shape[0]
@@ -126,7 +138,7 @@ def step_masks(
         self_mask = AttentionMask(
             backend=backend, kernel=backend, reason="packing.serve step", q_len=J, kv_len=J,
             inner=inner, cross=False, block_mask=make_block_mask(doc_J, None, inner),
-            kernel_options=FLEX_OPTIONS[backend],
+            kernel_options=FLEX_KERNEL_OPTIONS[backend],
         )  # fmt: skip
     return self_mask, cross_mask(doc_J, text_doc_X, backend=backend, document_mask=document_mask)
 
@@ -149,7 +161,7 @@ def cross_mask(
         return AttentionMask(**common, dense_TT=dense | ~has_key[:, None], keep_T=has_key)
     return AttentionMask(
         **common, block_mask=make_block_mask(doc_J, text_doc_X, None),
-        kernel_options=FLEX_OPTIONS[backend],
+        kernel_options=FLEX_KERNEL_OPTIONS[backend],
     )  # fmt: skip
 
 
@@ -158,7 +170,7 @@ def run_step(
 ) -> None:
     """One denoising step of every request in the pack, in place on ``b``."""
     t_R, ab_K2 = schedule(b)
-    self_mask, cross = step_masks(
+    self_mask, cross = masks_from_doc_ids(
         b.doc_J, b.text_doc_X, backend=backend, inner=inner, document_mask=document_mask
     )
     pack = PackInputs(b.src_index_J, b.latents_dest_T, b.action_dest_T, b.thw_J3, b.text_X,
@@ -248,14 +260,17 @@ class Steps:
     ``keys`` the keys run, so a server can say how many happened after its warm-up."""
 
     def __init__(self, cuda_graphs: bool) -> None:
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs = check_bool("cuda_graphs", cuda_graphs)
         self.graphs: dict[Any, GraphedStep] = {}
         self.keys: set[Any] = set()
         self.captures = 0
         self.sealed = False
 
     def run(self, key: Any, fn: Callable[[], None], holder: Any) -> None:
-        """``fn`` (whose state ``holder.state()`` names), for ``key``."""
+        """``fn()`` for ``key`` (hashable: a pack shape, ``"prefill"``); ``holder.state()``
+        names the tensors ``fn`` changes (a captured graph's warm-up runs ``fn`` twice, then
+        restores them). Under ``cuda_graphs`` ``fn`` runs at capture only: everything it
+        reads must be in static tensors, written with ``copy_`` between replays."""
         if key not in self.keys:
             if self.sealed:
                 raise RuntimeError(

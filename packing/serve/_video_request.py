@@ -17,7 +17,7 @@ from torch import Tensor
 
 from packing._validate import check_int
 from packing.serve._limits import MAX_FRAMES, MAX_REQUESTS, MAX_STEPS, MAX_TEXT
-from packing.serve._request import check_carried, check_seed
+from packing.serve._request import check_request_tensor, check_seed
 
 __all__ = ["VideoModel", "VideoPack", "VideoRequest", "VideoShape"]
 
@@ -81,7 +81,7 @@ class VideoRequest:
     latent frames to generate, ``steps`` denoising steps; ``seed`` keys the initial noise (a
     CPU generator: the same noise on any device and in any pack; in [0, 2**64 - 1]). Both
     tensors must be finite, in float32 too, the engine's dtype (a NaN, inf or a float64
-    beyond float32's range is refused here, naming its index; `check_carried`)."""
+    beyond float32's range is refused here, naming its index; `check_request_tensor`)."""
 
     text: Tensor
     context: Tensor
@@ -95,7 +95,7 @@ class VideoRequest:
             if not isinstance(v, Tensor) or v.dim() != dim:
                 got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
                 raise ValueError(f"VideoRequest.{name} must be a {what} tensor, got {got}")
-            check_carried("VideoRequest", name, v)
+            check_request_tensor("VideoRequest", name, v)
         if self.text.shape[0] < 1:
             raise ValueError("VideoRequest.text has no rows; give the text encoder's output")
         for name, top in (("frames", MAX_FRAMES), ("steps", MAX_STEPS)):

@@ -32,9 +32,7 @@ from torch import Tensor
 
 from packing._validate import check_bool, check_int
 from packing.serve import Request, Result, VideoRequest
-from packing.serve._device import to_host
-from packing.serve._limits import MAX_ACTIONS, MAX_FRAMES, MAX_STEPS
-from packing.serve._request import SEED_MAX
+from packing.serve.protocol import MAX_ACTIONS, MAX_FRAMES, MAX_STEPS, SEED_MAX, to_host
 
 __all__ = ["Adapter", "DiTAdapter", "WanAdapter", "episode_control"]
 

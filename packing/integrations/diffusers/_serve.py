@@ -3,7 +3,7 @@
 `ServedWan` is the engine's side of the protocol: one velocity over the whole pack from the
 pack's doc ids, with per-token times (a context frame's tokens at ``t = 0``, Wan 2.2 TI2V's
 clean first frame). The masks are built inside the call from doc ids alone
-(`packing.serve._step.step_masks`), so a captured step stays right for any composition::
+(`packing.serve.protocol.masks_from_doc_ids`), so a captured step stays right for any composition::
 
     engine      t_T in [0, 1] per token, x (S, C, H, W), text rows (X, D_txt), doc ids
     ServedWan   1000 * t_T -> PackedWan.packed_forward (the training forward, per-token adaLN)
@@ -28,7 +28,7 @@ from packing.attention import resolve_backend
 from packing.integrations.diffusers._adapter import TIMESTEP_SCALE
 from packing.integrations.diffusers._wan import PackedWan
 from packing.serve import FlowScheduler, VideoPack, VideoRequest
-from packing.serve._step import step_masks
+from packing.serve.protocol import masks_from_doc_ids
 
 __all__ = ["ServedWan", "reference_generate"]
 
@@ -73,7 +73,7 @@ class ServedWan:
         p, dtype = self.packed, self.packed.transformer.dtype
         if not p.installed:  # its packed blocks need the swapped processors
             raise ValueError("this PackedWan was uninstalled; install(model) again to serve it")
-        self_mask, cross_mask = step_masks(
+        self_mask, cross_mask = masks_from_doc_ids(
             pack.doc_T, pack.text_doc_X, backend=self.backend, inner=None,
             document_mask=p.document_mask,
         )  # fmt: skip

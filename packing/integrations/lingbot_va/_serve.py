@@ -55,8 +55,7 @@ from packing.integrations.lingbot_va._serve_request import (
 )  # fmt: skip
 from packing.integrations.lingbot_va._serve_step import CallBuffers, Pools, forward_call
 from packing.serve import Engine, FlowScheduler
-from packing.serve._packs import Packs, Spans
-from packing.serve._step import Steps
+from packing.serve.protocol import Packs, Spans, Steps
 
 __all__ = ["LingBotVAEngine", "ServedLingBotVA"]
 
@@ -333,7 +332,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         return [*keys, ("feedback pass", self._warm_feedback)]
 
     # -- the cache's hooks --------------------------------------------------------------
-    def joined(self, shape: LingShape, members: list[Any], first: int) -> list[tuple[Any, str]]:
+    def joined(self, shape: LingShape, members: Sequence[Any], first: int) -> list[tuple[Any, str]]:
         from packing.integrations.lingbot_va._serve_layout import feedback_rounds
 
         todo = [m for m in members[first:] if m.request.kind == "video" and m.saved is None]

@@ -35,8 +35,7 @@ from torch import Tensor
 from packing._validate import check_int
 from packing.integrations.lingbot_va._serve_request import ChunkRequest
 from packing.serve import Result
-from packing.serve._device import to_host
-from packing.serve._request import SEED_MAX
+from packing.serve.protocol import SEED_MAX, to_host
 
 __all__ = ["LingBotVAAdapter"]
 

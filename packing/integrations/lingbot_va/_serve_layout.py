@@ -19,7 +19,7 @@ from packing._lazy import require
 from packing.integrations.lingbot_va._serve_cache import CallPlan, Session
 from packing.integrations.lingbot_va._serve_packs import LingShape
 from packing.integrations.lingbot_va._serve_request import Phase
-from packing.serve._packs import Spans
+from packing.serve.protocol import Spans
 
 __all__ = ["feedback_rounds", "step_layout"]
 
@@ -127,7 +127,7 @@ def step_layout(
 def feedback_rounds(packs: Any, members: list[Any]) -> None:
     """Prefill the joining members' feedback, one chunk of each a round (module docstring)."""
     g, F_ = packs.geo, packs.cfg.frame_chunk_size
-    todo = [(m.model, m.request.chunk, list(m.model.plan.feedback)) for m in members]
+    todo = [(m.record, m.request.chunk, list(m.record.plan.feedback)) for m in members]
     while any(fb for _, _, fb in todo):
         now = [(s, r, fb.pop(0)) for s, r, fb in todo if fb]
         Qv = packs.fb_docs * g.L

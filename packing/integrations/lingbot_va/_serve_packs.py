@@ -23,7 +23,7 @@ from torch import Tensor
 
 from packing._validate import check_int
 from packing.integrations.lingbot_va._serve_step import CallBuffers, Pools, forward_call
-from packing.serve._device import quarantine
+from packing.serve.protocol import quarantine
 
 __all__ = ["LingShape", "StepBuffers", "lingbot_step"]
 

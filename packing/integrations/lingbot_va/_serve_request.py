@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from packing._validate import check_int
-from packing.serve._request import check_carried, check_seed, host_copy
+from packing.serve.protocol import check_request_tensor, check_seed, host_copy
 
 __all__ = ["ChunkRequest", "Phase", "chunk_index", "draw_noise", "tensor_digest"]
 
@@ -71,7 +71,7 @@ class ChunkRequest:
             if v is None and name in ("negative", "actions"):
                 continue
             if isinstance(v, Tensor):  # a real device, dense, a float dtype, finite in float32
-                check_carried("ChunkRequest", name, v)
+                check_request_tensor("ChunkRequest", name, v)
             if not isinstance(v, Tensor) or v.dim() != dim:
                 got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
                 raise ValueError(f"ChunkRequest.{name} must be a {what} tensor, got {got}")

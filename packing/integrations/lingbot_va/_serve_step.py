@@ -25,7 +25,7 @@ from einops import rearrange
 from torch import Tensor
 
 from packing.attention import AttentionMask, packed_attention
-from packing.serve._step import FLEX_OPTIONS
+from packing.serve.protocol import FLEX_KERNEL_OPTIONS
 
 __all__ = ["CallBuffers", "Pools", "forward_call"]
 
@@ -125,7 +125,9 @@ def doc_mask(q_doc: Tensor, kv_doc: Tensor, *, backend: str, document_mask: bool
 
     block = create_block_mask(same_doc, None, None, q_doc.shape[0], kv_doc.shape[0],
                               device=q_doc.device)  # fmt: skip
-    return AttentionMask(**common, block_mask=block, kernel_options=FLEX_OPTIONS.get(backend))
+    return AttentionMask(
+        **common, block_mask=block, kernel_options=FLEX_KERNEL_OPTIONS.get(backend)
+    )
 
 
 def _rotate(x: Tensor, freqs: Tensor) -> Tensor:
