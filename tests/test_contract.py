@@ -41,7 +41,7 @@ PACKAGE = str(Path(__file__).resolve().parents[1] / "packing")
 FACADES = [
     "packing", "packing.data", "packing.attention", "packing.planning", "packing.train",
     "packing.datasets", "packing.encode", "packing.model", "packing.verify", "packing.serve",
-    "packing.server",
+    "packing.serve.protocol", "packing.server",
     "packing.integrations.diffusers",
 ]  # fmt: skip
 # LeRobot's LingBot-VA needs lerobot 0.6.1 and transformers: the oldest venv has them.
@@ -243,6 +243,7 @@ def _base() -> dict[str, Base]:
     import packing.model as M
     import packing.planning as P
     import packing.serve as S
+    import packing.serve.protocol as SP
     import packing.server as SV
     import packing.train as T
     import packing.verify as V
@@ -339,7 +340,28 @@ def _base() -> dict[str, Base]:
         "packing.serve.FlowScheduler.coefficients": lambda: (S.FlowScheduler().coefficients, (4,), {}),
         "packing.serve.EngineConfig": lambda: (
             S.EngineConfig, (), {"shapes": (S.PackShape(frames=2, actions=2, requests=1),)}),
+        # the protocol a served model implements, and its helpers
+        "packing.serve.protocol.Steps": lambda: (SP.Steps, (False,), {}),
+        "packing.serve.protocol.Steps.run": lambda: (
+            SP.Steps(False).run, ("shape", lambda: None, _NoState()), {}),
+        "packing.serve.protocol.quarantine": lambda: (
+            SP.quarantine, (torch.zeros(2, dtype=torch.bool), [(torch.zeros(3, 2), ids)]), {}),
+        "packing.serve.protocol.masks_from_doc_ids": lambda: (
+            SP.masks_from_doc_ids, (ids, ids), {"backend": "sdpa", "inner": None,
+                                                "document_mask": True}),
+        "packing.serve.protocol.check_request_tensor": lambda: (
+            SP.check_request_tensor, ("MyRequest", "frames", torch.zeros(2)), {}),
+        "packing.serve.protocol.check_seed": lambda: (SP.check_seed, ("MyRequest.seed", 7), {}),
+        "packing.serve.protocol.host_copy": lambda: (SP.host_copy, (torch.zeros(2),), {}),
+        "packing.serve.protocol.to_host": lambda: (SP.to_host, (torch.zeros(2),), {}),
     }  # fmt: skip
+
+
+class _NoState:
+    """A step's holder for `Steps.run` whose step changes nothing."""
+
+    def state(self) -> tuple[torch.Tensor, ...]:
+        return ()
 
 
 # Public callables with parameters that get no base call here, each with the reason. Keep
@@ -438,7 +460,14 @@ NOT_CALLED: dict[str, str] = {
     "packing.serve.VideoPack": "built by the video engine",
     "packing.serve.reference_sample": "a scalar reference sampler of the scheduler tests",
     "packing.serve.verify_inference": "runs the inference proof (tests/test_cli.py)",
+    "packing.serve.Engine.from_packs": "needs a model's Packs (tests/test_serve_protocol.py)",
 }
+NOT_CALLED.update({  # the protocol's methods: a model implements them, the engine calls them
+    f"packing.serve.protocol.Packs.{m}": "a protocol a served model implements "
+    "(tests/test_serve_protocol.py)"
+    for m in ("check", "fits", "fresh", "layout", "state", "step", "flags", "result", "member",
+              "joined", "left", "end_session", "sweep", "then")
+})  # fmt: skip
 NOT_CALLED.update(
     {
         "packing.attention.with_tile_rule": "attaches a rule to a mask_mod (tests/test_lingbot_va.py)",
