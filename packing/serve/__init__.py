@@ -15,6 +15,8 @@
 - `verify_inference`, `InferenceReport`: the proof that each request's output packed with
   others equals the same request run alone (``packing verify --inference``).
 
+Serving a model of your own: `packing.serve.protocol` (the engine's per-model protocol,
+`Packs`, for model authors) and ``Engine.from_packs(packs)`` (docs/serving-your-model.md).
 The policy server that puts robots in front of an engine is `packing.server`.
 """
 

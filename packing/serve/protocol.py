@@ -27,8 +27,9 @@ then the ones every user of `packing.serve` knows. The engine calls::
 What an implementation must guarantee:
 
 - Static buffers. Each shape's tensors are allocated once; ``layout`` writes a new
-  composition into them with ``copy_`` (from pinned memory on CUDA, `Steps` explains why), so
-  a step captured in a CUDA graph keeps reading the same tensors and stays right for any
+  composition into them with ``copy_`` (on CUDA ``non_blocking`` from pinned memory: from
+  pageable memory a "non-blocking" copy may first wait for every queued kernel), so a step
+  captured in a CUDA graph keeps reading the same tensors and stays right for any
   composition. Masks are built inside the step from doc ids (`masks_from_doc_ids`).
 - No host sync in ``step``: no ``.item()``, ``.cpu()``, ``nonzero()`` or Python branch on a
   device value. Each request reads its own time and solver coefficients from the tables by
