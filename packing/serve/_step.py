@@ -34,9 +34,9 @@ __all__ = [
     "run_step", "schedule", "velocity_update",
 ]  # fmt: skip
 
-# FlexAttention's kernel options by backend, for every mask a served step builds. Inductor lowers a call with fewer than 128 queries
-# to its decoding kernel (made for a few queries over a long cache: one block of all queries,
-# the keys split across the SMs); a pack of one request's generated tokens (80 at 5B widths)
+# FlexAttention's kernel options by backend, for every mask a served step builds. Inductor
+# lowers a call with fewer than 128 queries to its decoding kernel (made for a few queries over
+# a long cache: one block of all queries, the keys split across the SMs); a pack of one request's generated tokens (80 at 5B widths)
 # has that few, and on an H200 the decoding kernel took 2.6 ms a call where the main kernel
 # takes 0.083 ms (94.8 -> 18.9 ms a step, benchmarks/reports/2026-12-04_served_engine.md).
 FLEX_KERNEL_OPTIONS: dict[str, dict[str, Any] | None] = {
@@ -112,8 +112,8 @@ def masks_from_doc_ids(
 
         doc_J       0 0 1 1 1 -1        text_doc_X   0 0 1 -1
         self        a query attends the keys of its own doc (and ``inner``'s rule in it)
-        cross       a query attends its own doc's text rows; a padding row (-1) gets one
-                    key of its own, so no row is empty and no NaN appears
+        cross       a query attends its own doc's text rows
+        padding     (-1) a row with no key is never empty (no NaN); its output is not used
 
     ``backend`` is resolved already (`packing.attention.resolve_backend`): ``"sdpa"`` (a
     dense mask, CPU) or ``"flex"``/``"flex_flash"`` (a block mask, `FLEX_KERNEL_OPTIONS`).
