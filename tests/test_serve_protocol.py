@@ -18,8 +18,10 @@ goes non-finite (or whose model call raises) fails alone.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -382,6 +384,14 @@ def test_one_requests_fault_fails_only_that_request(faulty):
         good, [requests[i] for i in others], {j: results[i] for j, i in enumerate(others)}
     )
     assert max(errors) <= 1e-6, errors
+
+
+def test_this_model_is_served_through_public_names_only():
+    """Nothing above imports a private module of packing: the protocol is enough."""
+    tree = ast.parse(Path(__file__).read_text())
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    packing = {m for m in modules if m.split(".")[0] == "packing"}
+    assert packing == {"packing.serve", "packing.serve.protocol"}
 
 
 def test_the_engine_refuses_what_the_protocol_does_not_allow():

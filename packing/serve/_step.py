@@ -269,7 +269,8 @@ class Steps:
     def run(self, key: Any, fn: Callable[[], None], holder: Any) -> None:
         """``fn()`` for ``key`` (hashable: a pack shape, ``"prefill"``); ``holder.state()``
         names the tensors ``fn`` changes (a captured graph's warm-up runs ``fn`` twice, then
-        restores them). Under ``cuda_graphs`` ``fn`` runs at capture only: everything it
+        restores them). Under ``cuda_graphs`` the Python of ``fn`` runs only when its key is
+        first met (warm-up and capture); later calls replay the graph, so everything ``fn``
         reads must be in static tensors, written with ``copy_`` between replays."""
         if key not in self.keys:
             if self.sealed:
