@@ -4,8 +4,8 @@
 The model is a per-token MLP velocity over video tokens and action tokens, with one summary
 per request (the mean of its tokens' features plus its task embedding) added to each of its
 tokens: the only way its tokens see each other, and a way a leak across requests would show.
-Its `ToyPacks` owns one set of static buffers per `ToyShape` and takes each request's Euler
-step (the public `FlowScheduler`) at the request's own step. Every request served packed, with
+Its `ToyPacks` owns one set of static buffers per `ToyShape` and takes each request's solver
+update (the public `FlowScheduler`, here its 2nd-order multistep) at the request's own step. Every request served packed, with
 others joining mid-run at other lengths and step counts, must equal the same request run
 alone by a plain loop (`alone`), to 1e-6 in fp32 on the CPU; two broken implementations (rows
 laid out one off, a summary pooled over the whole pack) must not; and a request whose state
