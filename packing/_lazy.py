@@ -11,7 +11,8 @@ place that does it:
 
        lerobot_dataset = require("lerobot.datasets.lerobot_dataset", extra="lerobot")
        # ModuleNotFoundError: this feature needs 'lerobot', which is not installed;
-       # install it with: pip install 'packing[lerobot]'
+       # install it with: pip install -e '.[lerobot]' -c constraints.txt (in packing's
+       # checkout; from a wheel: pip install 'packing-<version>-py3-none-any.whl[lerobot]')
 
    ``extra=None`` marks a core dependency (pyarrow: the LeRobot root reader and `packing
    verify` need only it); missing, it is a broken install, and the hint names the package.
@@ -29,12 +30,26 @@ from functools import cache
 from types import ModuleType
 from typing import Any
 
-__all__ = ["lazy_names", "probe", "require"]
+__all__ = ["install_hint", "lazy_names", "probe", "require"]
+
+# The extras that pull lerobot, which pins torch < 2.12: pip needs constraints.txt to pick
+# versions without backtracking for ever.
+CONSTRAINED = frozenset({"lerobot", "encode", "lingbot"})
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs ``extra``. packing is installed from its checkout or a built
+    wheel, not from an index, where ``packing[extra]`` would name someone else's package."""
+    pin = " -c constraints.txt" if extra in CONSTRAINED else ""
+    return (
+        f"pip install -e '.[{extra}]'{pin} (in packing's checkout; from a wheel: "
+        f"pip install 'packing-<version>-py3-none-any.whl[{extra}]'{pin})"
+    )
 
 
 def require(module: str, *, extra: str | None) -> ModuleType:
-    """Import ``module`` or raise ``ModuleNotFoundError`` naming ``pip install 'packing[extra]'``
-    (``extra=None``: a core dependency, ``pip install <module>``)."""
+    """Import ``module`` or raise ``ModuleNotFoundError`` naming the command that installs
+    ``extra`` (`install_hint`; ``extra=None``: a core dependency, ``pip install <module>``)."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -43,7 +58,7 @@ def require(module: str, *, extra: str | None) -> ModuleType:
         # raised *inside* an installed package (a broken install) must surface unchanged.
         if e.name is not None and e.name.split(".")[0] != top:
             raise
-        fix = f"pip install {top}" if extra is None else f"pip install 'packing[{extra}]'"
+        fix = f"pip install {top}" if extra is None else install_hint(extra)
         raise ModuleNotFoundError(
             f"this feature needs {top!r}, which is not installed; install it with: {fix}",
             name=e.name,

@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 python scripts/make_default_dataset.py
 
-Needs ``pip install 'packing[lerobot]'``. Writes to a temporary directory first, checks the
+Needs the ``lerobot`` extra (README: Install). Writes to a temporary directory first, checks the
 result reads back exactly through lerobot's own reader, then replaces packing/datasets/_embedded.
 """
 

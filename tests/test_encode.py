@@ -29,7 +29,7 @@ except ImportError:
 # newest-torch run has no lerobot, and these tests skip there, saying why.
 needs_lerobot = pytest.mark.skipif(
     LeRobotDataset is None,
-    reason="lerobot is not installed (pip install 'packing[encode]'; it needs torch < 2.12): "
+    reason="lerobot is not installed (pip install -e '.[encode]' -c constraints.txt; it needs torch < 2.12): "
     "CI's torch 2.11 run has it",
 )
 pytestmark = pytest.mark.usefixtures("one_thread")

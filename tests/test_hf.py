@@ -23,7 +23,7 @@ from packing.datasets._arrow import arrow_to_numpy, plan_columns
 from packing.datasets._hf import HFEpisodes, group_rows
 
 datasets = pytest.importorskip(
-    "datasets", reason="datasets is not installed (pip install 'packing[hf]'); CI installs it"
+    "datasets", reason="datasets is not installed (pip install -e '.[hf]'); CI installs it"
 )
 pa = pytest.importorskip("pyarrow")
 

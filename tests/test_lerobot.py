@@ -42,7 +42,7 @@ except ImportError:
     LeRobotDataset = None
 
 NO_LEROBOT = (
-    "lerobot is not installed (pip install 'packing[lerobot]'; it needs torch < 2.12): "
+    "lerobot is not installed (pip install -e '.[lerobot]' -c constraints.txt; it needs torch < 2.12): "
     "CI's torch 2.11 run has it"
 )
 needs_lerobot = pytest.mark.skipif(LeRobotDataset is None, reason=NO_LEROBOT)
@@ -399,7 +399,7 @@ def test_missing_optional_dependency_names_the_extra(monkeypatch: pytest.MonkeyP
     from packing._lazy import require
 
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import of it now fails
-    with pytest.raises(ModuleNotFoundError, match=r"pip install 'packing\[lerobot\]'"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install -e '\.\[lerobot\]' -c constraints"):
         require("pyarrow", extra="lerobot")
 
 

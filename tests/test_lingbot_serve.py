@@ -149,6 +149,37 @@ def test_bad_input_is_one_line_to_that_robot() -> None:
     assert _run_one(engine, _first_chunk("two", 2)).error is None
 
 
+def test_bf16_robot_agrees_with_lerobots_bf16_policy_on_the_same_noise() -> None:
+    """Off the fp32 CPU, LeRobot draws its noise in its own dtype and generator; the reference
+    draws the served noise there (fp32, a CPU generator, then cast), so a bf16 (or CUDA)
+    robot can be held against LeRobot's. Without that, the two chunks are unrelated."""
+    import contextlib
+
+    from packing.integrations.lingbot_va import _serve_reference
+
+    sd = tiny_serving_policy().state_dict()
+
+    def bf16() -> object:
+        p = tiny_policy(**{**TINY, "dtype": "bfloat16"})
+        p.load_state_dict(sd)
+        return p.eval()
+
+    req = _first_chunk("a", 1)
+    req = ChunkRequest(session="a", frames=req.frames, actions=None, prompt=req.prompt,
+                       negative=req.negative, seed=3)  # fmt: skip
+    engine = LingBotVAEngine(bf16(), robots=1, shapes=[LingShape(video=1, action=1)])
+    served = _run_one(engine, req)
+    assert served.error is None
+    _, _, act = ReferenceRobot(bf16(), req.prompt, req.negative).chunk(req.frames, None, 3)
+    assert (served.action - act.float()).abs().max() <= 0.05  # bf16 through 2 layers
+    # the negative control: LeRobot's own bf16 draws are other noise
+    own = contextlib.contextmanager(lambda seed, policy: iter([torch.manual_seed(seed)]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_serve_reference, "_seeded_draws", own)
+        _, _, other = ReferenceRobot(bf16(), req.prompt, req.negative).chunk(req.frames, None, 3)
+    assert (served.action - other.float()).abs().max() > 0.5
+
+
 # -- through the policy server (openpi protocol, in-process) -------------------------------
 def _toy_vae(session: str, frames: dict) -> torch.Tensor:
     """n frames of the first camera -> n latent frames, keyed by their bytes (not by the
@@ -247,6 +278,10 @@ def test_bench_lingbot_serve_smoke(tmp_path) -> None:
     }
     assert {r["robots"] for r in rows} == {1, 2} and len(rows) == 8
     assert all(r["chunks_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
+    # robot 0 of every packed run is the LeRobot arm's robot: the benchmark checks itself
+    agree = [v for sched in payload["agreement"].values() for v in sched.values()]
+    assert len(agree) == 4 and max(agree) <= 1e-5, payload["agreement"]
+    assert set(payload["goals"]) == {r["schedule"] for r in rows}
     assert json.loads(out.read_text())["provenance"]
 
 

@@ -388,7 +388,7 @@ def test_packing_serve_imports_without_the_serve_extra():
         "try:\n    s._wire.encode({})\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "pip install 'packing[serve]'" in out.stdout, out.stderr
+    assert "pip install -e '.[serve]'" in out.stdout, out.stderr
 
 
 def test_a_diffusers_wan_behind_the_server_with_wan_adapter():

@@ -113,3 +113,22 @@ def test_the_first_compile_checks_the_torch_version(monkeypatch: pytest.MonkeyPa
     kernels.get((8, 8))
     kernels.get((8, 8))
     assert len(calls) == 1
+
+
+def test_every_extras_install_hint_is_a_command_that_works_here() -> None:
+    """A missing optional package names the command that installs its extra: from packing's
+    checkout (packing is not on an index, where ``packing[x]`` is someone else's package),
+    with constraints.txt exactly for the extras that pull lerobot (its torch pin makes pip
+    backtrack without them)."""
+    from packing._lazy import CONSTRAINED, install_hint
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    pulls_lerobot = {name for name, deps in extras.items() if any("lerobot" in d for d in deps)}
+    assert pulls_lerobot == set(CONSTRAINED)
+    for name in extras:
+        hint = install_hint(name)
+        assert hint.startswith(f"pip install -e '.[{name}]'"), hint
+        assert ("-c constraints.txt" in hint) == (name in pulls_lerobot), hint
+        assert "'packing[" not in hint

@@ -12,12 +12,21 @@ in both systems alike).
 
 Rows: one robot alone through LeRobot (``predict_action_chunk`` chunk after chunk: its
 chunk time; N robots served one at a time then wait up to N chunk times, derived as such),
-and the packed engine with N = 1, 4, 8, 16 robots in a closed loop (each robot asks for its
-next chunk as soon as it has the last): chunk latency p50/p99 (submit to result) and
-chunks/s over all robots; robots an H200 serves within ``--budget-ms`` p99.
+optionally the same with LeRobot's blocks compiled (``--compiled-baseline``: what a careful
+user adds), and the packed engine with N = 1, 4, 8, 16 robots in a closed loop (each robot
+asks for its next chunk as soon as it has the last): chunk latency p50/p99 (submit to
+result), chunks/s over all robots, peak memory; robots an H200 serves within
+``--budget-ms`` p99; the issue's two goals at 8 robots. Robot 0 of every packed run is the
+alone arms' episode with their seeds, so each run also reports how far its actions are
+from LeRobot's (``agreement``; the noise is drawn alike on any device).
 
-    python benchmarks/serving/bench_lingbot_serve.py                  # one H200 (not run yet)
     python benchmarks/serving/bench_lingbot_serve.py --smoke          # CPU, tiny, seconds
+    # one H200, two calls (each meant to fit a 10-minute call; rows are checkpointed as
+    # they finish; lerobot and transformers travel as wheels):
+    python benchmarks/serving/bench_lingbot_serve.py --schedules own --cuda-graphs \
+        --compiled-baseline --out bench_lingbot_serve_own_h200.json
+    python benchmarks/serving/bench_lingbot_serve.py --schedules short --cuda-graphs \
+        --out bench_lingbot_serve_short_h200.json
 """
 
 from __future__ import annotations
@@ -71,27 +80,41 @@ def _episode(
     return frames, text, torch.zeros(cfg.max_sequence_length, cfg.text_dim)
 
 
-def lerobot_alone(policy: Any, chunks: int, device: str) -> list[float]:
-    """One robot through LeRobot's policy, chunk after chunk: each chunk's milliseconds."""
+def lerobot_alone(
+    policy: Any, chunks: int, device: str, *, compiled: bool
+) -> tuple[list[float], list[torch.Tensor]]:
+    """One robot through LeRobot's policy, chunk after chunk: each chunk's milliseconds and
+    its actions. ``compiled``: each transformer block under ``torch.compile(dynamic=True)``
+    first, what a careful user adds (LeRobot's attention syncs to gather its cache's valid
+    rows, so the blocks break there and the key length varies)."""
     from packing.integrations.lingbot_va._serve_reference import ReferenceRobot
 
+    if compiled:
+        torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
+        for block in policy.transformer.blocks:
+            block.compile(dynamic=True)
     F_ = policy.config.frame_chunk_size
     frames, text, neg = _episode(policy, 0, chunks)
     robot = ReferenceRobot(policy, text.to(device), neg.to(device))
-    out = []
-    for k in range(chunks):
-        fb = frames[:1] if k == 0 else frames[(k - 1) * F_ : k * F_]
-        sync(device)
-        t0 = time.perf_counter()
-        robot.chunk(fb.to(device), None, k)
-        sync(device)
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+    ms, actions = [], []
+    try:
+        for k in range(chunks):
+            fb = frames[:1] if k == 0 else frames[(k - 1) * F_ : k * F_]
+            sync(device)
+            t0 = time.perf_counter()
+            _, _, act = robot.chunk(fb.to(device), None, k)  # (steps, used channels)
+            sync(device)
+            ms.append((time.perf_counter() - t0) * 1e3)
+            actions.append(act.float().cpu())
+    finally:
+        for block in policy.transformer.blocks:  # the next arm runs the same blocks eager
+            block._compiled_call_impl = None
+    return ms, actions
 
 
 def packed(policy: Any, robots: int, chunks: int, warm: int, cuda_graphs: bool) -> dict[str, Any]:
     """``robots`` robots in a closed loop through `LingBotVAEngine`; the first ``warm``
-    chunks of each robot are not timed."""
+    chunks of each robot are not timed. Robot 0's episode and seeds are the alone arms'."""
     from packing.integrations.lingbot_va._serve import LingBotVAEngine
     from packing.integrations.lingbot_va._serve_packs import LingShape
     from packing.integrations.lingbot_va._serve_request import ChunkRequest
@@ -99,9 +122,11 @@ def packed(policy: Any, robots: int, chunks: int, warm: int, cuda_graphs: bool) 
     F_ = policy.config.frame_chunk_size
     engine = LingBotVAEngine(policy, robots=robots, shapes=[LingShape(video=robots, action=robots)],
                              cuda_graphs=cuda_graphs)  # fmt: skip
+    t0 = time.perf_counter()
     warm_stats = engine.warm_up()
+    warm_s = time.perf_counter() - t0
     eps = [_episode(policy, r, chunks + warm) for r in range(robots)]
-    nxt, sent, lat_ms = [0] * robots, {}, []
+    nxt, sent, lat_ms, robot0 = [0] * robots, {}, [], []
     t_start: float | None = None
     done = warm_done = 0
 
@@ -119,6 +144,8 @@ def packed(policy: Any, robots: int, chunks: int, warm: int, cuda_graphs: bool) 
             r, t0 = sent.pop(res.request_id)
             if res.error is not None:
                 raise RuntimeError(f"robot {r}: {res.error}")
+            if r == 0:
+                robot0.append(res.action.float().cpu())
             if nxt[r] >= warm:
                 lat_ms.append((time.perf_counter() - t0) * 1e3)
                 done += 1
@@ -131,12 +158,96 @@ def packed(policy: Any, robots: int, chunks: int, warm: int, cuda_graphs: bool) 
                 submit(r)
     wall = time.perf_counter() - (t_start or time.perf_counter())
     return {"latency_ms": lat_ms, "chunks": done, "wall_s": wall, "warm_up": warm_stats,
-            "stats": engine.stats}  # fmt: skip
+            "warm_up_s": warm_s, "stats": engine.stats, "robot0_actions": robot0}  # fmt: skip
 
 
 def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def alone_rows(label: str, server: str, ms: list[float], robots: list[int]) -> list[dict]:
+    """One robot at a time: one robot's measured chunk times; N robots wait up to N of them
+    (derived, as the server runs one chunk after another)."""
+    t = percentile(ms, 0.5)
+    return [{"schedule": label, "server": server, "robots": n, "p50_ms": t * n,
+             "p99_ms": percentile(ms, 0.99) * n, "chunks_per_s": 1e3 / t, "derived": n > 1}
+            for n in robots]  # fmt: skip
+
+
+def differs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """The largest |difference| of two robots' action chunks, chunk by chunk."""
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=False))
+
+
+def goals(rows: list[dict], label: str) -> dict[str, Any]:
+    """The issue's goals at 8 robots on ``label``'s schedule, from the rows."""
+
+    def row(server: str, n: int) -> dict | None:
+        return next((r for r in rows if r["schedule"] == label and r["server"] == server
+                     and r["robots"] == n), None)  # fmt: skip
+
+    base, fast = row(EAGER, 1), row(PACKED, 8)
+    if base is None or fast is None:
+        return {}
+    ratio = fast["chunks_per_s"] / base["chunks_per_s"]
+    return {"packed_x_lerobot_at_8": ratio, "met_4x": ratio >= 4.0,
+            "packed_p99_ms_at_8": fast["p99_ms"], "lerobot_alone_p99_ms": base["p99_ms"],
+            "met_p99": fast["p99_ms"] <= base["p99_ms"]}  # fmt: skip
+
+
+EAGER, COMPILED, PACKED = (
+    "LeRobot, one robot at a time",
+    "LeRobot blocks compiled, one robot at a time",
+    "packed (LingBotVAEngine)",
+)
+
+
+def run_schedule(args: Any, exec_step: int, rows: list[dict], checks: dict) -> None:
+    """Every arm on one schedule (``exec_step`` -1: LingBot-VA's own), rows appended as they
+    finish (and checkpointed: a run cut at its limit keeps them)."""
+    policy = build_policy(args.smoke, exec_step, args.device)
+    c = policy.config
+    video = f"{c.num_inference_steps}+1" if exec_step == -1 else f"exec_step {exec_step}"
+    label = f"video {video}, action {c.action_num_inference_steps}"
+    n = args.chunks + args.warm
+    ms, alone = lerobot_alone(policy, n, args.device, compiled=False)
+    rows += alone_rows(label, EAGER, ms[args.warm :], args.robots)
+    _checkpoint(args, rows, checks)
+    for robots in args.robots:
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        run = packed(policy, robots, args.chunks, args.warm, args.cuda_graphs)
+        lat = run["latency_ms"]
+        rows.append({"schedule": label, "server": PACKED, "robots": robots,
+                     "p50_ms": percentile(lat, 0.5), "p99_ms": percentile(lat, 0.99),
+                     "chunks_per_s": run["chunks"] / max(run["wall_s"], 1e-9), "derived": False,
+                     "warm_up": run["warm_up"], "warm_up_s": run["warm_up_s"],
+                     "stats": run["stats"], "peak_gib": _peak_gib(args.device)})  # fmt: skip
+        # robot 0 is the alone arms' episode with their seeds: the same chunks, packed
+        checks.setdefault(label, {})[f"robot0_vs_lerobot_at_{robots}"] = differs(
+            run["robot0_actions"], alone
+        )
+        _checkpoint(args, rows, checks)
+    if args.compiled_baseline:
+        t0 = time.perf_counter()
+        ms_c, compiled = lerobot_alone(policy, n, args.device, compiled=True)
+        rows += alone_rows(label, COMPILED, ms_c[args.warm :], args.robots)
+        checks[label]["compiled_vs_eager_lerobot"] = differs(compiled, alone)
+        checks[label]["compiled_arm_s"] = time.perf_counter() - t0
+        _checkpoint(args, rows, checks)
+    del policy
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+
+
+def _checkpoint(args: Any, rows: list[dict], checks: dict) -> None:
+    write_json("bench_lingbot_serve", args, {"rows": rows, "agreement": checks},
+               device=args.device, partial=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -147,43 +258,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warm", type=int, default=2, help="untimed chunks a robot first")
     p.add_argument("--exec-step", type=int, default=5,
                    help="the shortened video_exec_step row (LingBot-VA's config option)")  # fmt: skip
+    p.add_argument("--schedules", choices=["both", "own", "short"], default="both",
+                   help="LingBot-VA's own schedule, the shortened one, or both (two calls)")  # fmt: skip
     p.add_argument("--budget-ms", type=float, default=1000.0, help="p99 control budget")
     p.add_argument("--cuda-graphs", action="store_true", help="capture the packed steps")
+    p.add_argument("--compiled-baseline", action="store_true",
+                   help="also LeRobot's policy with its blocks compiled, one robot at a time")  # fmt: skip
     args = p.parse_args(argv)
     if args.smoke:
         args.quick, args.device = True, "cpu"
         args.robots, args.chunks, args.warm = [1, 2], 2, 1
-    rows = []
-    for exec_step in (-1, args.exec_step):
-        policy = build_policy(args.smoke, exec_step, args.device)
-        c = policy.config
-        video = f"{c.num_inference_steps}+1" if exec_step == -1 else f"exec_step {exec_step}"
-        label = f"video {video}, action {c.action_num_inference_steps}"
-        alone = lerobot_alone(policy, args.chunks + args.warm, args.device)[args.warm :]
-        t = sorted(alone)[len(alone) // 2]
-        for n in args.robots:
-            rows.append({"schedule": label, "server": "LeRobot, one robot at a time", "robots": n,
-                         "p50_ms": t * n, "p99_ms": percentile(alone, 0.99) * n,
-                         "chunks_per_s": 1e3 / t, "derived": n > 1})  # fmt: skip
-        for n in args.robots:
-            run = packed(policy, n, args.chunks, args.warm, args.cuda_graphs)
-            lat = run["latency_ms"]
-            rows.append({"schedule": label, "server": "packed (LingBotVAEngine)", "robots": n,
-                         "p50_ms": percentile(lat, 0.5), "p99_ms": percentile(lat, 0.99),
-                         "chunks_per_s": run["chunks"] / max(run["wall_s"], 1e-9),
-                         "derived": False, "warm_up": run["warm_up"], "stats": run["stats"]})  # fmt: skip
+    if min(args.robots) < 1 or args.chunks < 1 or args.warm < 0:
+        p.error("--robots >= 1, --chunks >= 1 and --warm >= 0")
+    rows: list[dict] = []
+    checks: dict[str, Any] = {}
+    for exec_step in {"both": (-1, args.exec_step), "own": (-1,), "short": (args.exec_step,)}[
+        args.schedules
+    ]:
+        run_schedule(args, exec_step, rows, checks)
     for r in rows:
         base = next(b for b in rows if b["schedule"] == r["schedule"] and b["robots"] == 1
-                    and b["server"].startswith("LeRobot"))  # fmt: skip
+                    and b["server"] == EAGER)  # fmt: skip
         r["x_lerobot"] = r["chunks_per_s"] / base["chunks_per_s"]
     cols = ["schedule", "server", "robots", "p50_ms", "p99_ms", "chunks_per_s", "x_lerobot",
             "derived"]  # fmt: skip
     print(markdown_table(rows, cols))
-    fits = {s: max([r["robots"] for r in rows if r["schedule"] == s and "packed" in r["server"]
-                    and r["p99_ms"] <= args.budget_ms], default=0)
-            for s in {r["schedule"] for r in rows}}  # fmt: skip
+    labels = sorted({r["schedule"] for r in rows})
+    fits = {s: max([r["robots"] for r in rows if r["schedule"] == s and r["server"] == PACKED
+                    and r["p99_ms"] <= args.budget_ms], default=0) for s in labels}  # fmt: skip
     print(f"robots within p99 <= {args.budget_ms:.0f} ms (packed): {fits}")
-    payload = {"rows": rows, "robots_within_budget": fits,
+    print(f"agreement (max |action| difference, robot 0 vs LeRobot alone): {checks}")
+    payload = {"rows": rows, "robots_within_budget": fits, "agreement": checks,
+               "goals": {s: goals(rows, s) for s in labels},
                "note": "derived rows: one robot's measured chunk time times the robots waiting"}  # fmt: skip
     write_json("bench_lingbot_serve", args, payload, device=args.device)
     return payload

@@ -15,7 +15,7 @@
     . . . . . # # # .
     . . . . . . . . #
 
-``save_png`` needs matplotlib, imported only when called (``pip install 'packing[plot]'``).
+``save_png`` needs matplotlib, imported only when called (the ``plot`` extra, README: Install).
 """
 
 from __future__ import annotations

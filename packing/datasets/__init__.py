@@ -2,7 +2,7 @@
 
 - `LeRobotEpisodes`: a LeRobot v3 dataset root (read with pyarrow alone) or a
   ``LeRobotDataset`` instance; `episode_lengths` reads only the metadata.
-- `HFEpisodes`: a Hugging Face ``datasets.Dataset`` of frames (``pip install 'packing[hf]'``).
+- `HFEpisodes`: a Hugging Face ``datasets.Dataset`` of frames (the ``hf`` extra, README: Install).
 - `default_dataset_root`: the small LeRobot dataset shipped in the wheel (`packing verify`'s
   default); `write_default_dataset` writes it again, from its seed.
 """

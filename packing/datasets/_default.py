@@ -47,7 +47,8 @@ def default_dataset_root() -> Path:
         raise FileNotFoundError(
             f"the embedded default dataset is missing at {root} (expected meta/info.json): "
             "the package data was not installed; reinstall packing, or regenerate it with "
-            "python scripts/make_default_dataset.py (needs pip install 'packing[lerobot]')"
+            "python scripts/make_default_dataset.py (needs the lerobot extra: "
+            "pip install -e '.[lerobot]' -c constraints.txt)"
         )
     return root
 

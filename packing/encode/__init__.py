@@ -8,7 +8,7 @@
 - `EncodeConfig` / `EncodeReport`: the job, and what it did. `EncodeError`: bad input.
 - `tiny_vae`: a random-init Wan-2.2-shaped VAE small enough for tests on a CPU.
 
-Needs ``pip install 'packing[encode]'`` (lerobot, diffusers), imported on first use.
+Needs the ``encode`` extra (lerobot, diffusers; README: Install), imported on first use.
 """
 
 from packing.encode._config import EncodeConfig, EncodeReport

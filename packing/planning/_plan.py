@@ -229,7 +229,7 @@ class PackPlan:
         """Save as a Hugging Face ``datasets`` Arrow table (memory-mapped when loaded), one row
         per pack: ``items``, their ``lengths`` and, for split plans, the pieces' ``episode``,
         ``start``, ``stop``, ``loss_start``; the rest of the plan in the dataset description.
-        Needs ``pip install 'packing[hf]'``."""
+        Needs the ``hf`` extra (README: Install)."""
         from packing._lazy import require
 
         datasets = require("datasets", extra="hf")

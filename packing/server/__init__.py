@@ -9,7 +9,7 @@
 
 Importing this folder needs nothing more than `packing.serve`; running a server or a client
 needs the ``serve`` extra (websockets, msgpack), checked in one place when one starts
-(``pip install 'packing[serve]'``).
+(the ``serve`` extra, README: Install).
 """
 
 from packing.server._adapter import DiTAdapter, WanAdapter

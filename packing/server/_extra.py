@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from packing._lazy import install_hint
+
 __all__ = ["serve_extra"]
 
 
@@ -17,5 +19,5 @@ def serve_extra(module: str) -> Any:
     except ImportError as e:
         raise ImportError(
             f"the policy server needs websockets and msgpack ({module} is missing): "
-            "pip install 'packing[serve]'"
+            f"{install_hint('serve')}"
         ) from e

@@ -1,4 +1,4 @@
-"""Train pretrained diffusers video transformers packed: ``pip install 'packing[diffusers]'``.
+"""Train pretrained diffusers video transformers packed: the ``diffusers`` extra (README: Install).
 
     from diffusers import WanTransformer3DModel
     from packing.integrations.diffusers import install

@@ -7,16 +7,43 @@ encoder's output), the latents ``_encode_frames`` returns (the VAE's output for 
 observation or the buffered keyframes) and ``_executed_actions`` (what the robot executed:
 LeRobot sets its own prediction there, a client may send what it really ran). The noise is
 ``torch.manual_seed(seed)`` right before the call, which is what `ChunkRequest.seed` draws.
+Off the fp32 CPU (a CUDA policy draws from the CUDA generator, a bf16 one in bf16) the noise is
+drawn as `ChunkRequest.seed` draws it, fp32 from a CPU generator, then cast and moved: the
+same noise on any device, so a served robot can be compared with LeRobot's there too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = ["ReferenceRobot"]
+
+
+@contextmanager
+def _seeded_draws(seed: int, policy: Any) -> Iterator[None]:
+    """``torch.manual_seed(seed)`` for ``_infer``'s two ``torch.randn`` calls. On an fp32 CPU
+    policy that is all (LeRobot's own draws, untouched); elsewhere its ``torch.randn`` draws
+    fp32 from one CPU generator seeded ``seed`` and casts, as `draw_noise` does."""
+    torch.manual_seed(seed)
+    device = next(policy.parameters()).device
+    if device.type == "cpu" and policy.dtype == torch.float32:
+        yield
+        return
+    g, randn = torch.Generator().manual_seed(seed), torch.randn
+
+    def cpu_randn(*size: Any, device: Any = None, dtype: Any = None, **kw: Any) -> torch.Tensor:
+        return randn(*size, generator=g, **kw).to(device=device, dtype=dtype)
+
+    torch.randn = cpu_randn  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.randn = randn
 
 
 class _NoVAE:
@@ -67,14 +94,14 @@ class ReferenceRobot:
         p._encode_frames = lambda raw: clip
         if self.chunks == 0:
             batch = {k: torch.zeros(1, 3, 1, 1) for k in p.config.obs_cam_keys}
-            torch.manual_seed(seed)
-            out = p.predict_action_chunk(batch)
+            with _seeded_draws(seed, p):
+                out = p.predict_action_chunk(batch)
         else:
             p._obs_buffer = [None]  # non-empty: _compute_kv_cache feeds the latents back
             if executed is not None:  # else LeRobot's own: the chunk it predicted
                 p._executed_actions = executed.permute(2, 0, 1)[None, ..., None].to(p.dtype)
-            torch.manual_seed(seed)
-            out = p.predict_action_chunk(None)
+            with _seeded_draws(seed, p):
+                out = p.predict_action_chunk(None)
         self.chunks += 1
         actions = p._executed_actions[0, ..., 0].permute(1, 2, 0)  # (F, apf, A)
         assert self._latents is not None
