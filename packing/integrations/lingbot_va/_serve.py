@@ -115,8 +115,13 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         self.fb_tok_v = torch.zeros(self.fb_docs * g.L, g.features, device=self.device)
         self.fb_tok_a = torch.zeros(self.fb_docs * g.A, g.action_dim, device=self.device)
         self.fb_t = torch.zeros(self.fb_docs * (g.L + g.A), device=self.device)
-        self.backend = resolve_backend("auto", device=self.device, dtype=self.dtype,
-                                       head_dim=model.attention_head_dim, inner=None)  # fmt: skip
+        self.fb_bad = torch.zeros(self.fb_docs * (g.L + g.A), dtype=torch.bool,
+                                  device=self.device)  # a feedback call's non-finite queries
+        backend = resolve_backend("auto", device=self.device, dtype=self.dtype,
+                                  head_dim=model.attention_head_dim, inner=None)  # fmt: skip
+        # "auto" picks flash-attn-4's varlen kernel for a document-only bf16 mask, which needs
+        # each doc's keys as one run; a doc's pool keys are a region's slots, with holes.
+        self.backend = "flex" if backend == "varlen" else backend
         self.mask_args: dict[str, Any] = dict(tkey_X=self.pools.tkey_X, backend=self.backend,
                               document_mask=self.document_mask)  # fmt: skip
         for cb in [self.fb, *(b.call for b in self.buffers.values())]:
@@ -354,16 +359,17 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
     def _warm_feedback(self) -> None:
         self._run_feedback()
 
-    def _run_feedback(self) -> Tensor | None:
-        """One feedback call; the queries whose keys went non-finite (None: a captured call)."""
-        out: list[Tensor] = []
+    def _run_feedback(self) -> Tensor:
+        """One feedback call; the queries whose keys went non-finite (``fb_bad``: a static
+        buffer, so a replayed graph writes it as the eager call does)."""
 
         def fn() -> None:
-            out.append(forward_call(self.model, self.fb, self.pools, self.fb_tok_v,
-                                    self.fb_tok_a, self.fb_t)[2])  # fmt: skip
+            bad = forward_call(self.model, self.fb, self.pools, self.fb_tok_v, self.fb_tok_a,
+                               self.fb_t)[2]  # fmt: skip
+            self.fb_bad.copy_(bad)
 
         self.steps.run("feedback", fn, _Stateless())
-        return out[-1] if out else None
+        return self.fb_bad
 
     def left(self, m: Any, *, finished: bool) -> None:
         s = self.sessions.get(m.request.session)
