@@ -30,7 +30,7 @@ from einops import rearrange
 from torch import Tensor
 
 from packing._lazy import require
-from packing._validate import check_bool, check_int
+from packing._validate import check_bool, check_choice, check_int
 from packing.attention import resolve_backend
 from packing.integrations.lingbot_va._serve_cache import (
     CallPlan,
@@ -67,11 +67,13 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
     ``robots``: sessions the pool holds at once (each one region per guidance row);
     ``shapes``: the static packs; ``check_history=False`` trusts a session's cache without
     comparing the request's history (the negative control: a changed keyframe is then served
-    from a stale cache); ``document_mask=False`` lets robots see each other (must fail)."""
+    from a stale cache); ``document_mask=False`` lets robots see each other (must fail);
+    ``attention``: ``"auto"`` (dense SDPA on the CPU, FlexAttention on CUDA), ``"sdpa"`` or
+    ``"flex"`` (on the CPU: eager, forward only, the CUDA path's masks checked there)."""
 
     def __init__(self, policy: Any, *, robots: int, shapes: Sequence[LingShape],
                  cuda_graphs: bool = False, check_history: bool = True,
-                 document_mask: bool = True) -> None:  # fmt: skip
+                 document_mask: bool = True, attention: str = "auto") -> None:  # fmt: skip
         cfg, model = policy.config, policy.transformer
         self.policy, self.cfg, self.model = policy, cfg, model
         self.check_history = check_bool("check_history", check_history)
@@ -117,7 +119,8 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         self.fb_t = torch.zeros(self.fb_docs * (g.L + g.A), device=self.device)
         self.fb_bad = torch.zeros(self.fb_docs * (g.L + g.A), dtype=torch.bool,
                                   device=self.device)  # a feedback call's non-finite queries
-        backend = resolve_backend("auto", device=self.device, dtype=self.dtype,
+        attention = check_choice("attention", attention, ("auto", "sdpa", "flex"))
+        backend = resolve_backend(attention, device=self.device, dtype=self.dtype,
                                   head_dim=model.attention_head_dim, inner=None)  # fmt: skip
         # "auto" picks flash-attn-4's varlen kernel for a document-only bf16 mask, which needs
         # each doc's keys as one run; a doc's pool keys are a region's slots, with holes.
