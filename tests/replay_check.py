@@ -19,10 +19,10 @@ Used by tests/test_serve_capture.py on every `Packs`, and by tests/test_gpu.py.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -181,11 +181,9 @@ def _problem(func: Any, args: Any, kwargs: Any) -> str | None:
         idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
         if any(isinstance(t, Tensor) and t.dtype in (torch.bool, torch.uint8) for t in idx):
             return "a boolean-mask index: its shape depends on the values (nonzero inside)"
-    if name == "aten::repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor"):
-        if kwargs.get("output_size") is None and not any(
-            isinstance(a, int) for a in args[2:] if a is not None
-        ):
-            return "repeat_interleave with tensor repeats and no output_size reads them on the host"
+    tensor_repeats = name == "aten::repeat_interleave" and func._overloadname == "Tensor"
+    if tensor_repeats and kwargs.get("output_size") is None:
+        return "repeat_interleave with tensor repeats and no output_size reads them on the host"
     if name in ("aten::_to_copy", "aten::copy_"):
         ts = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
         dev = kwargs.get("device")

@@ -117,8 +117,9 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         self.fb_tok_v = torch.zeros(self.fb_docs * g.L, g.features, device=self.device)
         self.fb_tok_a = torch.zeros(self.fb_docs * g.A, g.action_dim, device=self.device)
         self.fb_t = torch.zeros(self.fb_docs * (g.L + g.A), device=self.device)
-        self.fb_bad = torch.zeros(self.fb_docs * (g.L + g.A), dtype=torch.bool,
-                                  device=self.device)  # a feedback call's non-finite queries
+        self.fb_bad = torch.zeros(
+            self.fb_docs * (g.L + g.A), dtype=torch.bool, device=self.device
+        )  # a feedback call's non-finite queries
         attention = check_choice("attention", attention, ("auto", "sdpa", "flex"))
         backend = resolve_backend(attention, device=self.device, dtype=self.dtype,
                                   head_dim=model.attention_head_dim, inner=None)  # fmt: skip
