@@ -97,6 +97,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         used = torch.zeros(cfg.action_dim, dtype=torch.bool)
         used[list(cfg.used_action_channel_ids)] = True
         self.used = used
+        self.used_ids = torch.tensor(list(cfg.used_action_channel_ids), device=self.device)
         self.shapes = sorted(shapes, key=lambda s: (s.video + s.action, s.video))
         g = self.geo
         big = self.shapes[-1]
@@ -324,7 +325,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         assert hist is not None  # check() filled it in
         # what the session executed: its history, then this chunk (LeRobot's assumption)
         s.executed = [hist[j * F_ : (j + 1) * F_] for j in range(p.index)] + [act.clone()]
-        used = act[..., list(self.cfg.used_action_channel_ids)]
+        used = act.index_select(-1, self.used_ids)  # a device index: no copy from the host
         if p.index == 0:  # frame 0 is the conditioning frame: LeRobot drops its actions
             used = used[1:]
         assert p.latents is not None
