@@ -230,6 +230,29 @@ def test_lingbot_robots_over_the_wire_each_equal_lerobot_alone() -> None:
             np.testing.assert_allclose(replies[i][k], want.numpy(), rtol=0, atol=1e-5)
 
 
+def test_an_ended_episode_frees_the_adapters_frames_and_the_engines_session() -> None:
+    """Over the wire: after ``end_episode`` the adapter keeps no frames of that episode and
+    the engine no session (its cache regions and text slots are free again)."""
+    pytest.importorskip("websockets", reason="needs packing[serve]")
+    from packing.integrations.lingbot_va._serve_adapter import LingBotVAAdapter
+    from packing.server import PolicyClient, PolicyServer, ServerConfig
+
+    policy = tiny_serving_policy()
+    engine = LingBotVAEngine(policy, robots=1, shapes=[LingShape(video=1, action=1)])
+    adapter = LingBotVAAdapter(config=policy.config, encoder=_toy_vae, text_encoder=_toy_text)
+    srv = PolicyServer(engine, adapter, ServerConfig(port=0))
+    with srv.running() as address, PolicyClient(*address, timeout_s=120) as c:
+        c.infer(_observations(0, 1)[0])
+        (first,) = adapter._state
+        assert set(engine.packs.sessions) == {first}
+        c.end_episode()
+        # the next episode's reply comes after the engine loop ended the first (it ends the
+        # sessions it was told of before it steps); robots=1: the pool held only one
+        c.infer(_observations(1, 1)[0])
+        (second,) = adapter._state
+        assert second != first and set(engine.packs.sessions) == {second}
+
+
 def test_bench_lingbot_serve_smoke(tmp_path) -> None:
     import json
     import sys
