@@ -31,7 +31,7 @@ from torch import Tensor
 
 from packing._lazy import require
 from packing._validate import check_bool, check_choice, check_int
-from packing.attention import resolve_backend
+from packing.attention import Backend, resolve_backend
 from packing.integrations.lingbot_va._serve_cache import (
     CallPlan,
     ChunkPlan,
@@ -59,6 +59,9 @@ from packing.serve._packs import Packs, Spans
 from packing.serve._step import Steps
 
 __all__ = ["LingBotVAEngine", "ServedLingBotVA"]
+
+# flash-attn-4's kernels ("varlen", "flex_flash") take no mask rule over a pool's slots
+_ATTENTION: tuple[Backend, ...] = ("auto", "sdpa", "flex")
 
 
 class ServedLingBotVA(Packs[Phase, LingShape]):
@@ -121,8 +124,8 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         self.fb_bad = torch.zeros(
             self.fb_docs * (g.L + g.A), dtype=torch.bool, device=self.device
         )  # a feedback call's non-finite queries
-        attention = check_choice("attention", attention, ("auto", "sdpa", "flex"))
-        backend = resolve_backend(attention, device=self.device, dtype=self.dtype,
+        choice = check_choice("attention", attention, _ATTENTION)
+        backend = resolve_backend(choice, device=self.device, dtype=self.dtype,
                                   head_dim=model.attention_head_dim, inner=None)  # fmt: skip
         # "auto" picks flash-attn-4's varlen kernel for a document-only bf16 mask, which needs
         # each doc's keys as one run; a doc's pool keys are a region's slots, with holes.
