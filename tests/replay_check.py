@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.attention.flex_attention as _flex
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -89,6 +90,18 @@ class Recorder(TorchDispatchMode):
 
     def __post_init__(self) -> None:
         super().__init__()
+
+    # Eager flex_attention compiles a wrapper of its op with dynamo (backend "eager"); traced
+    # under this mode, that compile is cached and later eager calls outside it fail to
+    # recompile. Recorded, flex calls its op directly (the same math), as its debug flag says.
+    def __enter__(self) -> Recorder:
+        self._flex_debug = _flex.__dict__["_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"]
+        _flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = self._flex_debug
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -303,3 +303,8 @@ def test_lingbot_masks_rebuilt_into_the_first_equal_fresh_ones(backend: str,
         outs.append(packed_attention(q, k, k, first[0]))
     assert (outs[0] - outs[1]).abs().max() > 0.1  # the two compositions attend differently
     assert backend == "sdpa" or (blocks > 0).all()  # full blocks and partial ones occurred
+
+
+def test_lingbot_attention_takes_only_what_a_pool_mask_runs_on() -> None:
+    with pytest.raises(ValueError, match=r"attention.*'varlen'.*'auto', 'sdpa', 'flex'"):
+        _lingbot("varlen")
