@@ -437,9 +437,10 @@ def test_cached_engines_one_after_another_over_compiled_blocks(attention: str) -
 # fp32 on the GPU: a pack's attention runs over the pool in another summation order than
 # LeRobot's SDPA over one robot's cache (and 2 + 1 video and 3 action steps compound it), so
 # 1e-4, not the CPU's 1e-5 (fp32's ulp at 1 is 1.2e-7). bf16: LeRobot rounds its latents to
-# bf16 (eps 7.8e-3) at every Euler step, the engine keeps fp32 state: 0.1 absolute on values
-# of a few units, a first bound for the H200 session to confirm or tighten.
-LINGBOT_TOL = {"float32": 1e-4, "bfloat16": 0.1}
+# bf16 (eps 7.8e-3) at every Euler step, the engine keeps fp32 state: on the CPU the proof in
+# bf16 measured 0.083 (latents) and 0.022 (actions) where a planted mistake gives 0.31 in
+# fp32 and 7.3 in bf16; 0.2 is a first bound for the H200 session to confirm or tighten.
+LINGBOT_TOL = {"float32": 1e-4, "bfloat16": 0.2}
 
 
 def _lingbot_ready() -> None:
