@@ -308,3 +308,18 @@ def test_lingbot_masks_rebuilt_into_the_first_equal_fresh_ones(backend: str,
 def test_lingbot_attention_takes_only_what_a_pool_mask_runs_on() -> None:
     with pytest.raises(ValueError, match=r"attention.*'varlen'.*'auto', 'sdpa', 'flex'"):
         _lingbot("varlen")
+
+
+def test_reference_host_noise_is_lerobots_own_draw_on_the_cpu() -> None:
+    """`ReferenceRobot(host_noise=True)` (what the GPU proof runs: the engine's draws) gives
+    on the CPU exactly LeRobot's ``torch.manual_seed(seed)`` draws."""
+    pytest.importorskip("lerobot.policies.lingbot_va")
+    from packing.integrations.lingbot_va._serve_reference import ReferenceRobot
+    from packing.integrations.lingbot_va.testing import tiny_serving_policy, toy_text_embeddings
+
+    text = toy_text_embeddings(16)
+    frame = torch.randn(1, 48, 8, 16, generator=torch.Generator().manual_seed(0))
+    outs = [ReferenceRobot(tiny_serving_policy(), text("a"), text(""), host_noise=h)
+            .chunk(frame, None, seed=7) for h in (False, True)]  # fmt: skip
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
