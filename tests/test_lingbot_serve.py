@@ -153,10 +153,6 @@ def test_bf16_robot_agrees_with_lerobots_bf16_policy_on_the_same_noise() -> None
     """Off the fp32 CPU, LeRobot draws its noise in its own dtype and generator; the reference
     draws the served noise there (fp32, a CPU generator, then cast), so a bf16 (or CUDA)
     robot can be held against LeRobot's. Without that, the two chunks are unrelated."""
-    import contextlib
-
-    from packing.integrations.lingbot_va import _serve_reference
-
     sd = tiny_serving_policy().state_dict()
 
     def bf16() -> object:
@@ -173,10 +169,8 @@ def test_bf16_robot_agrees_with_lerobots_bf16_policy_on_the_same_noise() -> None
     _, _, act = ReferenceRobot(bf16(), req.prompt, req.negative).chunk(req.frames, None, 3)
     assert (served.action - act.float()).abs().max() <= 0.05  # bf16 through 2 layers
     # the negative control: LeRobot's own bf16 draws are other noise
-    own = contextlib.contextmanager(lambda seed, policy: iter([torch.manual_seed(seed)]))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_serve_reference, "_seeded_draws", own)
-        _, _, other = ReferenceRobot(bf16(), req.prompt, req.negative).chunk(req.frames, None, 3)
+    own = ReferenceRobot(bf16(), req.prompt, req.negative, host_noise=False)
+    _, _, other = own.chunk(req.frames, None, 3)
     assert (served.action - other.float()).abs().max() > 0.5
 
 
@@ -259,6 +253,29 @@ def test_lingbot_robots_over_the_wire_each_equal_lerobot_alone() -> None:
         for k in range(3):
             _, _, want = rob.chunk(feed[k], None, 100 * i + k)
             np.testing.assert_allclose(replies[i][k], want.numpy(), rtol=0, atol=1e-5)
+
+
+def test_an_ended_episode_frees_the_adapters_frames_and_the_engines_session() -> None:
+    """Over the wire: after ``end_episode`` the adapter keeps no frames of that episode and
+    the engine no session (its cache regions and text slots are free again)."""
+    pytest.importorskip("websockets", reason="needs packing[serve]")
+    from packing.integrations.lingbot_va._serve_adapter import LingBotVAAdapter
+    from packing.server import PolicyClient, PolicyServer, ServerConfig
+
+    policy = tiny_serving_policy()
+    engine = LingBotVAEngine(policy, robots=1, shapes=[LingShape(video=1, action=1)])
+    adapter = LingBotVAAdapter(config=policy.config, encoder=_toy_vae, text_encoder=_toy_text)
+    srv = PolicyServer(engine, adapter, ServerConfig(port=0))
+    with srv.running() as address, PolicyClient(*address, timeout_s=120) as c:
+        c.infer(_observations(0, 1)[0])
+        (first,) = adapter._state
+        assert set(engine.packs.sessions) == {first}
+        c.end_episode()
+        # the next episode's reply comes after the engine loop ended the first (it ends the
+        # sessions it was told of before it steps); robots=1: the pool held only one
+        c.infer(_observations(1, 1)[0])
+        (second,) = adapter._state
+        assert second != first and set(engine.packs.sessions) == {second}
 
 
 def test_bench_lingbot_serve_smoke(tmp_path) -> None:

@@ -41,7 +41,9 @@ EPISODE = ("start", "end")
 
 
 class Adapter(Protocol):
-    """What the server needs to turn observations into engine requests and back."""
+    """What the server needs to turn observations into engine requests and back. An adapter
+    that keeps state per episode also gives ``end_session(session)``: the server calls it
+    when the episode ends (``"episode": "end"`` or ``"start"``, or the robot disconnects)."""
 
     def request(self, observation: dict[str, Any], session: str) -> Any: ...
 

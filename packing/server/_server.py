@@ -64,6 +64,7 @@ class _Robot:
 
     id: int
     loop: EngineLoop
+    adapter: Any = None  # told too, if it keeps a session's state (``end_session``)
     episode: int = 0
     used: bool = False  # the current session has had a request (so there is one to end)
 
@@ -72,9 +73,16 @@ class _Robot:
         return f"{self.id}/{self.episode}"
 
     def next_episode(self) -> None:
-        """End the current session if it had a request (the next request starts a new one)."""
+        """End the current session if it had a request (the next request starts a new one):
+        the engine frees its cache, the adapter what it keeps for the episode."""
         if self.used:
             self.loop.end_session(self.session)
+            end = getattr(self.adapter, "end_session", None)
+            if end is not None:
+                try:
+                    end(self.session)
+                except Exception:  # the adapter's own fault: logged, the robot goes on
+                    log.exception("robot %d: adapter.end_session failed", self.id)
             self.episode, self.used = self.episode + 1, False
 
 
@@ -306,7 +314,7 @@ class PolicyServer:
         self._open += 1
         loop = min(self.loops, key=lambda e: (e.connections, e.outstanding))
         loop.connections += 1
-        robot = _Robot(next(self._ids), loop)
+        robot = _Robot(next(self._ids), loop, self.adapter)
         log.info("robot %d connected from %s (%s)", robot.id, ws.remote_address, loop.name)
         closed = asyncio.ensure_future(ws.wait_closed())
         try:

@@ -30,8 +30,8 @@ from einops import rearrange
 from torch import Tensor
 
 from packing._lazy import require
-from packing._validate import check_bool, check_int
-from packing.attention import resolve_backend
+from packing._validate import check_bool, check_choice, check_int
+from packing.attention import Backend, resolve_backend
 from packing.integrations.lingbot_va._serve_cache import (
     CallPlan,
     ChunkPlan,
@@ -59,6 +59,9 @@ from packing.serve.protocol import Packs, Spans, Steps
 
 __all__ = ["LingBotVAEngine", "ServedLingBotVA"]
 
+# flash-attn-4's kernels ("varlen", "flex_flash") take no mask rule over a pool's slots
+_ATTENTION: tuple[Backend, ...] = ("auto", "sdpa", "flex")
+
 
 class ServedLingBotVA(Packs[Phase, LingShape]):
     """LeRobot's ``LingBotVAPolicy`` behind the engine's per-model protocol.
@@ -66,11 +69,13 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
     ``robots``: sessions the pool holds at once (each one region per guidance row);
     ``shapes``: the static packs; ``check_history=False`` trusts a session's cache without
     comparing the request's history (the negative control: a changed keyframe is then served
-    from a stale cache); ``document_mask=False`` lets robots see each other (must fail)."""
+    from a stale cache); ``document_mask=False`` lets robots see each other (must fail);
+    ``attention``: ``"auto"`` (dense SDPA on the CPU, FlexAttention on CUDA), ``"sdpa"`` or
+    ``"flex"`` (on the CPU: eager, forward only, the CUDA path's masks checked there)."""
 
     def __init__(self, policy: Any, *, robots: int, shapes: Sequence[LingShape],
                  cuda_graphs: bool = False, check_history: bool = True,
-                 document_mask: bool = True) -> None:  # fmt: skip
+                 document_mask: bool = True, attention: str = "auto") -> None:  # fmt: skip
         cfg, model = policy.config, policy.transformer
         self.policy, self.cfg, self.model = policy, cfg, model
         self.check_history = check_bool("check_history", check_history)
@@ -94,6 +99,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         used = torch.zeros(cfg.action_dim, dtype=torch.bool)
         used[list(cfg.used_action_channel_ids)] = True
         self.used = used
+        self.used_ids = torch.tensor(list(cfg.used_action_channel_ids), device=self.device)
         self.shapes = sorted(shapes, key=lambda s: (s.video + s.action, s.video))
         g = self.geo
         big = self.shapes[-1]
@@ -114,8 +120,15 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         self.fb_tok_v = torch.zeros(self.fb_docs * g.L, g.features, device=self.device)
         self.fb_tok_a = torch.zeros(self.fb_docs * g.A, g.action_dim, device=self.device)
         self.fb_t = torch.zeros(self.fb_docs * (g.L + g.A), device=self.device)
-        self.backend = resolve_backend("auto", device=self.device, dtype=self.dtype,
-                                       head_dim=model.attention_head_dim, inner=None)  # fmt: skip
+        self.fb_bad = torch.zeros(
+            self.fb_docs * (g.L + g.A), dtype=torch.bool, device=self.device
+        )  # a feedback call's non-finite queries
+        choice = check_choice("attention", attention, _ATTENTION)
+        backend = resolve_backend(choice, device=self.device, dtype=self.dtype,
+                                  head_dim=model.attention_head_dim, inner=None)  # fmt: skip
+        # "auto" picks flash-attn-4's varlen kernel for a document-only bf16 mask, which needs
+        # each doc's keys as one run; a doc's pool keys are a region's slots, with holes.
+        self.backend = "flex" if backend == "varlen" else backend
         self.mask_args: dict[str, Any] = dict(tkey_X=self.pools.tkey_X, backend=self.backend,
                               document_mask=self.document_mask)  # fmt: skip
         for cb in [self.fb, *(b.call for b in self.buffers.values())]:
@@ -314,7 +327,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         assert hist is not None  # check() filled it in
         # what the session executed: its history, then this chunk (LeRobot's assumption)
         s.executed = [hist[j * F_ : (j + 1) * F_] for j in range(p.index)] + [act.clone()]
-        used = act[..., list(self.cfg.used_action_channel_ids)]
+        used = act.index_select(-1, self.used_ids)  # a device index: no copy from the host
         if p.index == 0:  # frame 0 is the conditioning frame: LeRobot drops its actions
             used = used[1:]
         assert p.latents is not None
@@ -353,16 +366,17 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
     def _warm_feedback(self) -> None:
         self._run_feedback()
 
-    def _run_feedback(self) -> Tensor | None:
-        """One feedback call; the queries whose keys went non-finite (None: a captured call)."""
-        out: list[Tensor] = []
+    def _run_feedback(self) -> Tensor:
+        """One feedback call; the queries whose keys went non-finite (``fb_bad``: a static
+        buffer, so a replayed graph writes it as the eager call does)."""
 
         def fn() -> None:
-            out.append(forward_call(self.model, self.fb, self.pools, self.fb_tok_v,
-                                    self.fb_tok_a, self.fb_t)[2])  # fmt: skip
+            bad = forward_call(self.model, self.fb, self.pools, self.fb_tok_v, self.fb_tok_a,
+                               self.fb_t)[2]  # fmt: skip
+            self.fb_bad.copy_(bad)
 
         self.steps.run("feedback", fn, _Stateless())
-        return out[-1] if out else None
+        return self.fb_bad
 
     def left(self, m: Any, *, finished: bool) -> None:
         s = self.sessions.get(m.request.session)

@@ -57,7 +57,8 @@ class LingBotVAAdapter:
     ``encoder(session, {camera: frames})`` returns the frames' latents ``(n, C, H, W)``
     (the session lets a streaming VAE keep its causal cache per episode);
     ``text_encoder(prompt)`` the prompt's embeddings ``(tokens, text_dim)``, unpadded.
-    ``episodes``: how many episodes' frames are kept (the oldest are dropped)."""
+    An episode's frames are kept until it ends (`end_session`, which the server calls);
+    ``episodes``: how many are kept at most, for robots that never say (the oldest go)."""
 
     config: Any
     encoder: Encoder
@@ -119,6 +120,12 @@ class LingBotVAAdapter:
             while len(self._state) > self.episodes:
                 self._state.popitem(last=False)
         return req
+
+    def end_session(self, session: str) -> None:
+        """The episode ``session`` ended: its frames are dropped (the server's call; the
+        engine's session, its KV cache, is freed by the engine's own ``end_session``)."""
+        with self._lock:
+            self._state.pop(session, None)
 
     def _embed(self, prompt: str) -> Tensor:
         """The text encoder's output padded to ``max_sequence_length`` rows, as LeRobot's."""

@@ -150,7 +150,7 @@ def feedback_rounds(packs: Any, members: list[Any]) -> None:
         for call in (lat, act):
             packs.fb.load(call.host(), **packs.mask_args)
             bad = packs._run_feedback()
-            if bad is not None and bool(bad.any()):  # admission work: a sync is fine here
+            if bool(bad.any()):  # admission work, not a step: it waits for the call (a sync)
                 docs = set(call.doc_Q[bad.cpu()].tolist()) - {-1}
                 raise FloatingPointError(
                     f"the feedback of docs {sorted(docs)} went non-finite inside the model"

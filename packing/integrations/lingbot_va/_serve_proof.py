@@ -56,10 +56,11 @@ class ServingReport:
     mixed_steps: bool  # a pack held robots at different steps
     evicted: int  # cache slots evicted (LeRobot's window reached)
     errors: dict[str, str]
+    tolerance: float = 1e-5  # fp32 on the CPU; the caller's on another device or dtype
 
     @property
     def ok(self) -> bool:
-        return not self.errors and max(self.latents, self.actions) <= 1e-5
+        return not self.errors and max(self.latents, self.actions) <= self.tolerance
 
 
 def _robots(policy: Any, text: Any) -> list[_Robot]:
@@ -95,20 +96,34 @@ def _seed(name: str, k: int) -> int:
     return 1000 * k + int(name.removeprefix("robot"))
 
 
-def prove_serving(ablation: str | None = None, policy: Any = None) -> ServingReport:
-    """Serve the robots, compare each with LeRobot alone (module docstring)."""
+def prove_serving(
+    ablation: str | None = None,
+    policy: Any = None,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    cuda_graphs: bool = False,
+    tolerance: float = 1e-5,
+) -> ServingReport:
+    """Serve the robots, compare each with LeRobot alone (module docstring), both on
+    ``device`` in ``dtype`` (the tiny policy's ``config.dtype``); ``cuda_graphs``: the
+    engine warms up and replays every step and feedback pass from a CUDA graph."""
     from packing.integrations.lingbot_va.testing import toy_text_embeddings
 
     if ablation is not None and ablation not in ABLATIONS:
         raise ValueError(f"ablation={ablation!r}; use one of {ABLATIONS} or None")
-    policy = tiny_serving_policy() if policy is None else policy
+    if policy is None:
+        policy = tiny_serving_policy(device=device, dtype=dtype).to(device)
     cfg, F_ = policy.config, policy.config.frame_chunk_size
     text = toy_text_embeddings(int(cfg.text_dim))
     negative = text("")
     engine = LingBotVAEngine(policy, robots=4, shapes=[LingShape(video=2, action=2),
                                                        LingShape(video=4, action=4)],
                              check_history=ablation != "no_history_check",
-                             document_mask=ablation != "no_document_mask")  # fmt: skip
+                             document_mask=ablation != "no_document_mask",
+                             cuda_graphs=cuda_graphs)  # fmt: skip
+    if cuda_graphs:
+        engine.warm_up()  # as the server does: every graph captured before a robot joins
     robots = _robots(policy, text)
     ids: dict[int, _Robot] = {}
     errors: dict[str, str] = {}
@@ -135,10 +150,11 @@ def prove_serving(ablation: str | None = None, policy: Any = None) -> ServingRep
         packs: Any = engine.packs
         served = packs.executed(r.name, r.chunks) if not errors else None
         for k, (ref_lat, ref_act) in _reference(policy, r, F_, negative, served).items():
-            lat = max(lat, (r.out[k][0].cpu() - ref_lat).abs().max().item())
-            act = max(act, (r.out[k][1].cpu() - ref_act).abs().max().item())
+            lat = max(lat, (r.out[k][0].cpu() - ref_lat.cpu()).abs().max().item())
+            act = max(act, (r.out[k][1].cpu() - ref_act.cpu()).abs().max().item())
             n += 1
-    return ServingReport(lat, act, n, max_pack, mixed, engine.stats["evicted_slots"], errors)
+    return ServingReport(lat, act, n, max_pack, mixed, engine.stats["evicted_slots"], errors,
+                         tolerance)  # fmt: skip
 
 
 def _reference(
@@ -155,9 +171,10 @@ def _reference(
     for chunks, executed in runs:
         last = chunks[-1]
         req = _request(_Robot(**{**r.__dict__, "next": last}), F_, negative)
-        ref_policy = tiny_policy(**TINY)
+        device = next(policy.parameters()).device
+        ref_policy = tiny_policy(**{**TINY, "device": str(device), "dtype": policy.config.dtype})
         ref_policy.load_state_dict(policy.state_dict())
-        robot = ReferenceRobot(ref_policy, r.prompt, negative)
+        robot = ReferenceRobot(ref_policy.to(device), r.prompt, negative)  # draws as served
         for k in range(last + 1):
             fb = req.frames[:1] if k == 0 else req.frames[(k - 1) * F_ : k * F_]
             given = None if executed is None or k == 0 or (k - 1) * F_ >= executed.shape[0] else (

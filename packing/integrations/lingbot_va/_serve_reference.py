@@ -6,44 +6,24 @@ loaded: the prompt embeddings (``_prompt_embeds``, ``_negative_prompt_embeds``: 
 encoder's output), the latents ``_encode_frames`` returns (the VAE's output for the
 observation or the buffered keyframes) and ``_executed_actions`` (what the robot executed:
 LeRobot sets its own prediction there, a client may send what it really ran). The noise is
-``torch.manual_seed(seed)`` right before the call, which is what `ChunkRequest.seed` draws.
-Off the fp32 CPU (a CUDA policy draws from the CUDA generator, a bf16 one in bf16) the noise is
-drawn as `ChunkRequest.seed` draws it, fp32 from a CPU generator, then cast and moved: the
-same noise on any device, so a served robot can be compared with LeRobot's there too.
+``torch.manual_seed(seed)`` right before the call, which is what `ChunkRequest.seed` draws
+on an fp32 CPU policy; elsewhere LeRobot draws from that device's generator, in its dtype,
+so ``host_noise=True`` (the default there) makes its two ``torch.randn`` draws the engine's:
+a CPU generator seeded with ``seed``, fp32, then cast and moved
+(`packing.integrations.lingbot_va._serve_request.draw_noise`): the same noise on any
+device, so a served robot can be held against LeRobot's there too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = ["ReferenceRobot"]
-
-
-@contextmanager
-def _seeded_draws(seed: int, policy: Any) -> Iterator[None]:
-    """``torch.manual_seed(seed)`` for ``_infer``'s two ``torch.randn`` calls. On an fp32 CPU
-    policy that is all (LeRobot's own draws, untouched); elsewhere its ``torch.randn`` draws
-    fp32 from one CPU generator seeded ``seed`` and casts, as `draw_noise` does."""
-    torch.manual_seed(seed)
-    device = next(policy.parameters()).device
-    if device.type == "cpu" and policy.dtype == torch.float32:
-        yield
-        return
-    g, randn = torch.Generator().manual_seed(seed), torch.randn
-
-    def cpu_randn(*size: Any, device: Any = None, dtype: Any = None, **kw: Any) -> torch.Tensor:
-        return randn(*size, generator=g, **kw).to(device=device, dtype=dtype)
-
-    torch.randn = cpu_randn  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.randn = randn
 
 
 class _NoVAE:
@@ -58,20 +38,26 @@ class ReferenceRobot:
     """One robot's episode through LeRobot's policy (which keeps one robot's cache: make one
     policy per robot, or run robots one after another)."""
 
-    def __init__(self, policy: Any, prompt: Tensor, negative: Tensor | None) -> None:
+    def __init__(self, policy: Any, prompt: Tensor, negative: Tensor | None, *,
+                 host_noise: bool | None = None) -> None:  # fmt: skip
         self.policy = policy
+        self.device = next(policy.parameters()).device
+        own = self.device.type == "cpu" and policy.dtype == torch.float32  # draw_noise's draws
+        self.host_noise = not own if host_noise is None else host_noise
         policy._frozen = {"streaming_vae": _NoVAE()}
         policy.reset()
-        policy._prompt_embeds = prompt[None].to(policy.dtype)
+        policy._prompt_embeds = prompt[None].to(self.device, policy.dtype)
         policy._negative_prompt_embeds = (
-            None if negative is None else negative[None].to(policy.dtype)
+            None if negative is None else negative[None].to(self.device, policy.dtype)
         )
         self.chunks = 0
         self._latents: Tensor | None = None
+        self._seed = 0
         infer = type(policy)._infer
 
         def recorded(*args: Any, **kw: Any) -> Any:
-            actions, latents = infer(policy, *args, **kw)
+            with _host_noise(self._seed) if self.host_noise else nullcontext():
+                actions, latents = infer(policy, *args, **kw)
             self._latents = latents
             return actions, latents
 
@@ -90,19 +76,38 @@ class ReferenceRobot:
         p = self.policy
         if self.chunks == 1:  # LeRobot prepends its own conditioning latent to chunk 0's
             feedback = feedback[1:]
-        clip = feedback.permute(1, 0, 2, 3)[None].to(p.dtype)  # (1, C, F, H, W)
+        self._seed = seed
+        clip = feedback.permute(1, 0, 2, 3)[None].to(self.device, p.dtype)  # (1, C, F, H, W)
         p._encode_frames = lambda raw: clip
         if self.chunks == 0:
             batch = {k: torch.zeros(1, 3, 1, 1) for k in p.config.obs_cam_keys}
-            with _seeded_draws(seed, p):
-                out = p.predict_action_chunk(batch)
+            torch.manual_seed(seed)
+            out = p.predict_action_chunk(batch)
         else:
             p._obs_buffer = [None]  # non-empty: _compute_kv_cache feeds the latents back
             if executed is not None:  # else LeRobot's own: the chunk it predicted
-                p._executed_actions = executed.permute(2, 0, 1)[None, ..., None].to(p.dtype)
-            with _seeded_draws(seed, p):
-                out = p.predict_action_chunk(None)
+                p._executed_actions = executed.permute(2, 0, 1)[None, ..., None].to(
+                    self.device, p.dtype
+                )
+            torch.manual_seed(seed)
+            out = p.predict_action_chunk(None)
         self.chunks += 1
         actions = p._executed_actions[0, ..., 0].permute(1, 2, 0)  # (F, apf, A)
         assert self._latents is not None
         return self._latents[0].permute(1, 0, 2, 3).float(), actions.float(), out[0]
+
+
+@contextmanager
+def _host_noise(seed: int) -> Iterator[None]:
+    """Within: ``torch.randn(*size, device=, dtype=)`` draws from one CPU generator seeded
+    with ``seed`` (in fp32, then moved and cast): `draw_noise`'s draws, in the same order."""
+    g, randn = torch.Generator().manual_seed(seed), torch.randn
+
+    def drawn(*size: Any, device: Any = None, dtype: Any = None, **kw: Any) -> Tensor:
+        return randn(*size, generator=g, **kw).to(device=device, dtype=dtype)
+
+    torch.randn = drawn  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.randn = randn

@@ -18,6 +18,7 @@ shapes, a call can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -92,15 +93,25 @@ class CallBuffers:
             return
         for old, fresh in zip(self.masks, new, strict=True):
             for name in ("dense_TT", "keep_T"):
-                if getattr(old, name) is not None:
-                    getattr(old, name).copy_(getattr(fresh, name))
+                _copy_into(getattr(old, name), getattr(fresh, name), name)
             if old.block_mask is not None:
                 for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
                              "full_kv_indices", "q_num_blocks", "q_indices",
                              "full_q_num_blocks", "full_q_indices"):  # fmt: skip
-                    t = getattr(old.block_mask, name, None)
-                    if t is not None:
-                        t.copy_(getattr(fresh.block_mask, name))
+                    _copy_into(getattr(old.block_mask, name, None),
+                               getattr(fresh.block_mask, name, None), name)  # fmt: skip
+
+
+def _copy_into(old: Tensor | None, fresh: Tensor | None, name: str) -> None:
+    """``old.copy_(fresh)``, refusing what a copy would get wrong: a tensor the old mask
+    lacks (its blocks would be ignored) or one of another shape (``create_block_mask``
+    gives ``(1, 1, Q blocks, K blocks)`` for any composition; this guards that)."""
+    if old is None and fresh is None:
+        return
+    if old is None or fresh is None or old.shape != fresh.shape:
+        got = [None if t is None else tuple(t.shape) for t in (old, fresh)]
+        raise AssertionError(f"the mask's {name} was {got[0]}, the new composition's {got[1]}")
+    old.copy_(fresh)
 
 
 def doc_mask(q_doc: Tensor, kv_doc: Tensor, *, backend: str, document_mask: bool) -> AttentionMask:
@@ -109,19 +120,24 @@ def doc_mask(q_doc: Tensor, kv_doc: Tensor, *, backend: str, document_mask: bool
     docs are in no order, so the mask is built from the pairs: dense on the CPU, through
     FlexAttention's ``create_block_mask`` on CUDA. ``document_mask=False``: every real query
     attends every real key (the negative control)."""
-    if not document_mask:
-        q_doc, kv_doc = torch.where(q_doc >= 0, 0, -1), torch.where(kv_doc >= 0, 0, -1)
     common: dict[str, Any] = dict(backend=backend, kernel=backend, reason="lingbot_va serve",
                                   q_len=q_doc.shape[0], kv_len=kv_doc.shape[0], inner=None,
                                   cross=True)  # fmt: skip
+
+    # The rule reads ``q_doc`` and ``kv_doc`` themselves, never tensors derived from them:
+    # `CallBuffers.load` copies a new composition into them and keeps the first mask, whose
+    # rule the kernel evaluates on partial blocks (a tensor derived here would go stale).
+    def same_doc(b: Any, h: Any, q: Tensor, k: Tensor) -> Tensor:
+        if not document_mask:
+            return (q_doc[q] >= 0) & (kv_doc[k] >= 0)
+        return (q_doc[q] == kv_doc[k]) & (q_doc[q] >= 0)
+
     if backend == "sdpa":
-        allowed = (q_doc[:, None] == kv_doc[None, :]) & (q_doc >= 0)[:, None]
+        allowed = same_doc(None, None, torch.arange(q_doc.shape[0], device=q_doc.device)[:, None],
+                           torch.arange(kv_doc.shape[0], device=q_doc.device)[None, :])  # fmt: skip
         has_key = allowed.any(dim=1)
         return AttentionMask(**common, dense_TT=allowed | ~has_key[:, None], keep_T=has_key)
     from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_doc(b: Any, h: Any, q: Tensor, k: Tensor) -> Tensor:
-        return (q_doc[q] == kv_doc[k]) & (q_doc[q] >= 0)
 
     block = create_block_mask(same_doc, None, None, q_doc.shape[0], kv_doc.shape[0],
                               device=q_doc.device)  # fmt: skip
@@ -193,7 +209,7 @@ def forward_call(
     sst = model.scale_shift_table[None] + temb[:, :, None, ...]
     shift, scale = (t.squeeze(1) for t in rearrange(sst, "b l n c -> b n l c").chunk(2, dim=1))
     h = (model.norm_out(h.float()) * (1.0 + scale) + shift).type_as(h)
-    n = int(torch.tensor(model.patch_size).prod())
+    n = math.prod(model.patch_size)  # a Python int: no tensor made (or read) in the call
     out_v = model.proj_out(h[0, : cb.Qv])  # features (n, c): LeRobot's "b l (n c)"
     out_v = out_v.unflatten(1, (n, -1)).transpose(1, 2).flatten(1)  # -> (c, n): the input's
     out_a = model.action_proj_out(h[0, cb.Qv :])
