@@ -192,3 +192,20 @@ def best_fit_decreasing_reference(
         docs[best] += 1
         bin_N[i] = best
     return bin_N
+
+
+class MixModel:
+    """A toy `packing.serve.VideoModel`: each frame's velocity mixes the frames and text rows
+    of its own request through 0/1 weights (``mask @ x``), as attention does: finite values
+    never cross requests, but an inf of another request gives ``0 * inf = NaN``, exactly as a
+    masked-out key does in attention."""
+
+    frame_shape, grid, text_dim, device = (2, 2, 2), (1, 2), 3, torch.device("cpu")
+
+    def velocity(self, x_SCHW, t_T, text_XD, pack):  # type: ignore[no-untyped-def]
+        tpf = pack.doc_T.shape[0] // x_SCHW.shape[0]
+        doc_S, t_S = pack.doc_T[::tpf], t_T[::tpf]
+        same = ((doc_S[:, None] == doc_S[None, :]) & (doc_S[:, None] >= 0)).float()
+        mixed = (same @ x_SCHW.reshape(x_SCHW.shape[0], -1)).reshape(x_SCHW.shape)
+        words = (doc_S[:, None] == pack.text_doc_X[None, :]).float() @ text_XD
+        return 0.1 * mixed - x_SCHW * t_S[:, None, None, None] + words.sum(1)[:, None, None, None]

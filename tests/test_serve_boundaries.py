@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import MixModel
 
 import packing.serve._request as request_module
 import packing.serve._video_request as video_request_module
@@ -26,7 +27,6 @@ from packing.serve import (
     PackShape,
     Request,
     VideoEngine,
-    VideoPack,
     VideoRequest,
     VideoShape,
 )
@@ -55,23 +55,7 @@ def _req(i: int, **kw: Any) -> Request:
                    task=kw.pop("task", f"robot {i}"), **kw)  # fmt: skip
 
 
-# -- a toy VideoModel that keeps requests apart as attention does: a NaN or inf still leaks --
-class MixModel:
-    """Each frame's velocity mixes the frames and text rows of its own request through 0/1
-    weights (``mask @ x``), as attention does: finite values never cross requests, but an inf
-    of another request gives ``0 * inf = NaN``, exactly as a masked-out key does in attention."""
-
-    frame_shape, grid, text_dim, device = (2, 2, 2), (1, 2), 3, torch.device("cpu")
-
-    def velocity(self, x_SCHW, t_T, text_XD, pack: VideoPack):
-        tpf = pack.doc_T.shape[0] // x_SCHW.shape[0]
-        doc_S, t_S = pack.doc_T[::tpf], t_T[::tpf]
-        same = ((doc_S[:, None] == doc_S[None, :]) & (doc_S[:, None] >= 0)).float()
-        mixed = (same @ x_SCHW.reshape(x_SCHW.shape[0], -1)).reshape(x_SCHW.shape)
-        words = (doc_S[:, None] == pack.text_doc_X[None, :]).float() @ text_XD
-        return 0.1 * mixed - x_SCHW * t_S[:, None, None, None] + words.sum(1)[:, None, None, None]
-
-
+# -- a toy VideoModel (reference.MixModel): a NaN or inf still leaks, as in attention ------
 def _video_engine() -> VideoEngine:
     return VideoEngine(MixModel(), [VideoShape(frames=12, text=12, requests=4)], max_steps=4)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference import MixModel
 from replay_check import host_syncs, record, recording, replay_mismatch
 
 from packing.model import DiT, DiTConfig
@@ -131,24 +132,10 @@ def test_the_cpu_only_host_checks_are_skipped_on_other_devices() -> None:
 
 
 # -- a VideoModel (VideoPacks) ---------------------------------------------------------------
-class _Mix:
-    """A toy `VideoModel`: each frame mixes its own request's frames and text rows."""
-
-    frame_shape, grid, text_dim, device = (2, 2, 2), (1, 2), 3, torch.device("cpu")
-
-    def velocity(self, x_SCHW: Any, t_T: Any, text_XD: Any, pack: Any) -> Any:
-        tpf = pack.doc_T.shape[0] // x_SCHW.shape[0]
-        doc_S, t_S = pack.doc_T[::tpf], t_T[::tpf]
-        same = ((doc_S[:, None] == doc_S[None, :]) & (doc_S[:, None] >= 0)).float()
-        mixed = (same @ x_SCHW.reshape(x_SCHW.shape[0], -1)).reshape(x_SCHW.shape)
-        words = (doc_S[:, None] == pack.text_doc_X[None, :]).float() @ text_XD
-        return 0.1 * mixed - x_SCHW * t_S[:, None, None, None] + words.sum(1)[:, None, None, None]
-
-
 def test_video_steps_are_replayable_across_compositions() -> None:
     from packing.serve import VideoEngine, VideoRequest, VideoShape
 
-    engine = VideoEngine(_Mix(), [VideoShape(frames=12, text=12, requests=4)], max_steps=4)
+    engine = VideoEngine(MixModel(), [VideoShape(frames=12, text=12, requests=4)], max_steps=4)
     key = lambda s: (s, frozenset(r for r, _ in engine.last_pack))  # noqa: E731
     with recording(engine.packs, "step", key) as calls:
         for i in range(6):
