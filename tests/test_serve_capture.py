@@ -261,6 +261,7 @@ def test_lingbot_masks_rebuilt_into_the_first_equal_fresh_ones(backend: str,
     """`CallBuffers.load` copies each new composition's masks into the first one's tensors
     (a captured graph reads those): after empty -> A -> B, the first mask object attends as
     B's own fresh mask does, and as the rule by hand (FlexAttention eager on the CPU)."""
+    pytest.importorskip("lerobot.policies.lingbot_va")  # the package needs it at import
     from packing.attention import packed_attention
     from packing.integrations.lingbot_va._serve_step import CallBuffers, doc_mask
 
