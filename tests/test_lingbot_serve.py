@@ -278,6 +278,73 @@ def test_an_ended_episode_frees_the_adapters_frames_and_the_engines_session() ->
         assert second != first and set(engine.packs.sessions) == {second}
 
 
+def test_a_chunk_that_failed_is_served_when_the_robot_asks_again() -> None:
+    """Over the wire: robot 0's second chunk fails in the engine (a planted fault); the robot
+    sends the same observation again, as a failed or busy reply invites, and is served; every
+    chunk it gets equals LeRobot's for that robot alone, the failed attempt leaving no trace
+    in the adapter's episode or the engine's session."""
+    pytest.importorskip("websockets", reason="needs packing[serve]")
+    import numpy as np
+
+    from packing.integrations.lingbot_va._serve_adapter import LingBotVAAdapter
+    from packing.server import PolicyClient, PolicyServer, ServerConfig, ServerError
+
+    policy = tiny_serving_policy()
+    engine = LingBotVAEngine(policy, robots=1, shapes=[LingShape(video=1, action=1)])
+    adapter = LingBotVAAdapter(config=policy.config, encoder=_toy_vae, text_encoder=_toy_text)
+    armed = [False]
+
+    def fault(module, inputs, out):  # type: ignore[no-untyped-def]
+        if armed[0]:
+            raise RuntimeError("planted: this call fails once")
+        return out
+
+    hook = policy.transformer.patch_embedding_mlp.register_forward_hook(fault)
+    obs, replies = _observations(0, 3), []
+    srv = PolicyServer(engine, adapter, ServerConfig(port=0))
+    with srv.running() as address, PolicyClient(*address, timeout_s=120) as c:
+        replies.append(c.infer(obs[0])["actions"])
+        armed[0] = True
+        with pytest.raises(ServerError, match="planted"):
+            c.infer(obs[1])
+        armed[0] = False
+        replies += [c.infer(obs[1])["actions"], c.infer(obs[2])["actions"]]
+    hook.remove()
+    ref = tiny_policy(**TINY)
+    ref.load_state_dict(policy.state_dict())
+    prompt = torch.cat([_toy_text("task 0"), torch.zeros(512 - 5, 16)])
+    negative = torch.cat([_toy_text(""), torch.zeros(512 - 3, 16)])
+    rob = ReferenceRobot(ref, prompt, negative)
+    lat = [_toy_vae("", {"c": o["observation.images.image"]}) for o in obs]
+    for k, feed in enumerate([lat[0], torch.cat(lat[:2]), lat[2]]):
+        _, _, want = rob.chunk(feed, None, k)
+        np.testing.assert_allclose(replies[k], want.numpy(), rtol=0, atol=1e-5)
+
+
+def test_an_unserved_chunk_leaves_the_adapters_episode_as_it_was() -> None:
+    """What the server calls when a request is not served (busy, failed, past its deadline):
+    the same observation then builds the same request; an unserved first chunk leaves no
+    episode (a new task is no change of task); a served one is not undone."""
+    from packing.integrations.lingbot_va._serve_adapter import LingBotVAAdapter
+
+    policy = tiny_serving_policy()
+    adapter = LingBotVAAdapter(config=policy.config, encoder=_toy_vae, text_encoder=_toy_text)
+    obs = _observations(0, 2)
+    adapter.request({**obs[0], "task": "other"}, "s")
+    adapter.unserved("s")
+    assert "s" not in adapter._state
+    first = adapter.request(obs[0], "s")
+    again = [adapter.request(obs[1], "s")]
+    adapter.unserved("s")
+    again.append(adapter.request(obs[1], "s"))
+    assert torch.equal(again[0].frames, again[1].frames) and again[0].seed == again[1].seed
+    assert again[1].frames.shape[0] == first.frames.shape[0] + 1
+    adapter.unserved("s")
+    adapter.unserved("s")  # once: the chunk before it was served
+    assert adapter._state["s"].chunks == 1
+    adapter.unserved("never asked")  # nothing to undo
+
+
 def test_bench_lingbot_serve_smoke(tmp_path) -> None:
     import json
     import sys

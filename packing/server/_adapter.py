@@ -43,7 +43,10 @@ EPISODE = ("start", "end")
 class Adapter(Protocol):
     """What the server needs to turn observations into engine requests and back. An adapter
     that keeps state per episode also gives ``end_session(session)``: the server calls it
-    when the episode ends (``"episode": "end"`` or ``"start"``, or the robot disconnects)."""
+    when the episode ends (``"episode": "end"`` or ``"start"``, or the robot disconnects);
+    and ``unserved(session)``: the server calls it when the request ``request`` last built
+    for ``session`` was not served (busy, failed in the engine, past its deadline), so what
+    ``request`` recorded for it is undone and the robot can send the observation again."""
 
     def request(self, observation: dict[str, Any], session: str) -> Any: ...
 

@@ -85,6 +85,16 @@ class _Robot:
                     log.exception("robot %d: adapter.end_session failed", self.id)
             self.episode, self.used = self.episode + 1, False
 
+    def unserved(self) -> None:
+        """The request just built for this robot was not served: the adapter undoes what it
+        recorded for it (``adapter.unserved``, if it keeps state), so the robot may retry."""
+        undo = getattr(self.adapter, "unserved", None)
+        if undo is not None:
+            try:
+                undo(self.session)
+            except Exception:  # the adapter's own fault: logged, the robot goes on
+                log.exception("robot %d: adapter.unserved failed", self.id)
+
 
 class PolicyServer:
     """``PolicyServer(engine_or_engines, adapter=None, config=ServerConfig())``.
@@ -363,6 +373,7 @@ class PolicyServer:
         job = Job(request, asyncio.get_running_loop().create_future(), asyncio.get_running_loop(),
                   received=received, deadline=received + self.config.deadline_s)  # fmt: skip
         if not robot.loop.offer(job):
+            robot.unserved()
             return (f"busy: {robot.loop.max_queue} requests are already queued "
                     f"(max_queue={robot.loop.max_queue}); retry shortly")  # fmt: skip
         # the engine loop answers or expires it; the backstop covers a model call that hangs
@@ -371,9 +382,11 @@ class PolicyServer:
                                      return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
         if job.future not in done:
             robot.loop.cancel(job)
+            robot.unserved()
             return None if closed in done else "deadline: no result (the model call hangs)"
         outcome: Outcome = job.future.result()
         if outcome.error is not None:
+            robot.unserved()
             return outcome.error
         try:
             reply = await asyncio.to_thread(self.adapter.reply, outcome.result)

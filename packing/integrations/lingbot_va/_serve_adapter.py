@@ -17,7 +17,9 @@ once per prompt (cached). The adapter keeps each episode's latent frames; the en
 session keeps the executed actions (the chunks it served, LeRobot's assumption) and the KV
 cache. Bad input is one line to that robot: a missing camera, a prompt longer than
 ``max_sequence_length`` tokens, a keyframe count that is not a whole chunk (an episode
-restarted mid-chunk), a task changed mid-episode.
+restarted mid-chunk), a task changed mid-episode. A chunk that is not served (busy, failed in
+the engine, past its deadline) leaves the episode as it was: the robot sends the same
+observation again.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class _Episode:
     task: str
     frames: list[Tensor] = field(default_factory=list)  # latent frames so far
     chunks: int = 0  # chunks asked for
+    before: tuple[list[Tensor], int] | None = None  # (frames, chunks) before the last request
 
 
 @dataclass(kw_only=True)
@@ -114,12 +117,26 @@ class LingBotVAAdapter:
         req = ChunkRequest(session=session, frames=history, actions=None, prompt=prompt,
                            negative=negative, seed=seed)  # fmt: skip
         with self._lock:
+            ep.before = (ep.frames, ep.chunks)
             ep.frames, ep.chunks = [history], k + 1
             self._state[session] = ep
             self._state.move_to_end(session)
             while len(self._state) > self.episodes:
                 self._state.popitem(last=False)
         return req
+
+    def unserved(self, session: str) -> None:
+        """The chunk last asked for in ``session`` was not served (the server's call: busy, it
+        failed in the engine, its deadline passed): the episode is as before that request, so
+        the robot sends the same observation again (the engine rolled its session back too)."""
+        with self._lock:
+            ep = self._state.get(session)
+            if ep is None or ep.before is None:
+                return
+            ep.frames, ep.chunks = ep.before
+            ep.before = None
+            if ep.chunks == 0:  # nothing of the episode was served: it starts afresh
+                del self._state[session]
 
     def end_session(self, session: str) -> None:
         """The episode ``session`` ended: its frames are dropped (the server's call; the
