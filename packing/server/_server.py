@@ -77,23 +77,22 @@ class _Robot:
         the engine frees its cache, the adapter what it keeps for the episode."""
         if self.used:
             self.loop.end_session(self.session)
-            end = getattr(self.adapter, "end_session", None)
-            if end is not None:
-                try:
-                    end(self.session)
-                except Exception:  # the adapter's own fault: logged, the robot goes on
-                    log.exception("robot %d: adapter.end_session failed", self.id)
+            self._tell_adapter("end_session")
             self.episode, self.used = self.episode + 1, False
 
     def unserved(self) -> None:
         """The request just built for this robot was not served: the adapter undoes what it
         recorded for it (``adapter.unserved``, if it keeps state), so the robot may retry."""
-        undo = getattr(self.adapter, "unserved", None)
-        if undo is not None:
+        self._tell_adapter("unserved")
+
+    def _tell_adapter(self, hook: str) -> None:
+        """``adapter.<hook>(session)``, if the adapter keeps state per episode and so has it."""
+        call = getattr(self.adapter, hook, None)
+        if call is not None:
             try:
-                undo(self.session)
+                call(self.session)
             except Exception:  # the adapter's own fault: logged, the robot goes on
-                log.exception("robot %d: adapter.unserved failed", self.id)
+                log.exception("robot %d: adapter.%s failed", self.id, hook)
 
 
 class PolicyServer:
