@@ -176,22 +176,20 @@ def test_full_queue_answers_busy_at_once_and_never_waits():
         first = threading.Thread(target=lambda: one(address, observation(1)))
         first.start()
         wait_until(lambda: e.waiting + e.active == 1)
-        t0 = time.monotonic()
+        # the gate holds the first request until after this reply: a server that waited for
+        # room in the queue would not answer before the client's time limit
         with pytest.raises(ServerError, match="busy"):
             one(address, observation(2))
-        assert time.monotonic() - t0 < 5.0
         e.gate.set()
         first.join(T)
 
 
 def test_a_request_past_its_deadline_is_cancelled_and_says_so():
     e = SlowEngine(*_engine_args())
-    e.delay_s = 0.05
+    e.delay_s = 0.25
     with server(e, deadline_s=0.3).running() as address:
-        t0 = time.monotonic()
         with pytest.raises(ServerError, match="deadline"):
-            one(address, observation(1, steps=40))  # 40 x 50 ms > 0.3 s
-        assert time.monotonic() - t0 < 3.0
+            one(address, observation(1, steps=40))  # 40 x 250 ms: 10 s, the deadline 0.3 s
         wait_until(lambda: e.active + e.waiting == 0)  # cancelled in the engine too
         reply = one(address, observation(2, steps=2))  # still serving
     assert reply["actions"].shape == (4, 6)
@@ -234,9 +232,8 @@ def test_disconnect_mid_frame_slow_clients_and_raw_garbage():
         slow.sendall(b"\x82")  # one byte; the rest never comes
         junk = socket.create_connection(address, timeout=T)
         junk.sendall(b"\x00\xffnot http at all\r\n\r\n")
-        t0 = time.monotonic()
+        # held up by the slow one, this would wait for slow.close() below: past its time limit
         reply = one(address, observation(9))
-        assert time.monotonic() - t0 < 10.0  # not held up by the slow one
         assert_alone(observation(9), reply)
         slow.close()
         junk.close()
