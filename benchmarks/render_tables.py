@@ -193,6 +193,20 @@ TABLES: dict[str, Table] = {
             goal_rows,
         ),
         Table(
+            "pool_mask_cpu",
+            ("pool_block_mask_cpu.json",),
+            (
+                "robots",
+                "queries x pool rows",
+                "create_block_mask ms",
+                "make_pool_block_mask ms",
+                "faster",
+                "same tiles",
+                "from",
+            ),
+            rows.pool_mask_rows,
+        ),
+        Table(
             "step_profile",
             ("step_seed_h200.json", "step_short_h200.json"),
             ("regime", "packed step, CUDA kernel ms", "GEMM", "attention", "elementwise", "from"),

@@ -500,3 +500,14 @@ def lingbot_goal(
 def lingbot_share_goal(doc: Doc) -> tuple[str, bool]:
     r = next(r for r in doc["rows"] if r["arm"] == "packed[lingbot_va]" and "error" not in r)
     return f"{pct(r['packing share'], 2)} of a 30-block step", r["packing share"] <= 0.05
+
+
+def pool_mask_rows(docs: Docs) -> list[Row]:
+    """bench_pool_block_mask.py: one row per robot count."""
+    name = "pool_block_mask_cpu.json"
+    return [
+        (count(r["robots"]), f"{r['queries']:,} x {r['pool rows']:,}", ms(r["create_block_mask ms"]),
+         ms(r["make_pool_block_mask ms"]), ratio(r["speedup"]), "yes" if r["same tiles"] else "NO",
+         name)
+        for r in docs[name]["rows"]
+    ]  # fmt: skip

@@ -21,6 +21,7 @@ SCRIPTS = [
     ("data/bench_collate.py", []),
     ("data/bench_collate_worker.py", []),
     ("attention/bench_block_mask.py", []),
+    ("attention/bench_pool_block_mask.py", []),
     ("attention/bench_attention.py", ["--regimes", "seed"]),
     (
         "step/bench_step.py",

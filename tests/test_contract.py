@@ -274,6 +274,7 @@ def _base() -> dict[str, Base]:
         "packing.PackedBatch.layout": lambda: (_batch().layout, ("x",), {}),
         # attention
         "packing.make_block_mask": lambda: (A.make_block_mask, (ids,), {}),
+        "packing.attention.make_pool_block_mask": lambda: (A.make_pool_block_mask, (ids, ids), {}),
         "packing.document_mask_mod": lambda: (A.document_mask_mod, (ids,), {}),
         "packing.attention.dense_mask": lambda: (A.dense_mask, (ids,), {}),
         "packing.frame_causal": lambda: (A.frame_causal, (2,), {}),

@@ -7,6 +7,8 @@
   no host sync; ``mask_mod=`` ANDs an extra rule on per-token attributes (a model's own
   mask, e.g. LingBot-VA's), sync-free when it carries a `with_tile_rule` (`TileRule`) (``compile=`` "cuda_graph" for the fastest build on a GPU;
   ``BLOCK_MASK_GRAPHS.reset()`` frees the graphs it keeps, one per shape).
+- `make_pool_block_mask(q_doc_ids, kv_doc_ids)`: the same for a K/V pool, whose documents are
+  in any order and with holes (a served robot's cache region), from per-tile doc counts.
 - `packed_attention(q, k, v, mask)` over `prepare_attention(...)`'s `AttentionMask`:
   ``backend`` "flex", "flex_flash", "varlen" (FA4), "sdpa" or "auto";
   `resolve_backend` says which one "auto" (or a request) runs as on a device.
@@ -35,6 +37,7 @@ from packing.attention._packed import (
     prepare_attention,
     resolve_backend,
 )
+from packing.attention._pool import make_pool_block_mask
 from packing.attention._render import ascii_blocks, ascii_mask, save_png
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "fa4_available",
     "frame_causal",
     "make_block_mask",
+    "make_pool_block_mask",
     "packed_attention",
     "prepare_attention",
     "resolve_backend",

@@ -25,7 +25,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from packing.attention import AttentionMask, packed_attention
+from packing.attention import AttentionMask, make_pool_block_mask, packed_attention
 from packing.serve.protocol import FLEX_KERNEL_OPTIONS
 
 __all__ = ["CallBuffers", "Pools", "forward_call"]
@@ -77,17 +77,29 @@ class CallBuffers:
         self.freqs_Q = torch.zeros(Q, half_dim, 2, device=dev)  # RoPE (real view of complex)
 
         self.masks: tuple[AttentionMask, AttentionMask] | None = None
+        # the ids' host copies (the masks' tiles are counted there) and the text rows'
+        self.host_ids = {n: getattr(self, n).cpu() for n in ("doc_Q", "tdoc_Q", "kdoc_P")}
+        self._tkey: Tensor | None = None
+        self._tkey_host = torch.zeros(0, dtype=torch.int64)
 
     def load(self, host: dict[str, Tensor], tkey_X: Tensor, *, backend: str,
              document_mask: bool) -> None:  # fmt: skip
         """A new composition: its index tensors, then its two masks, built once here (a
         composition's masks do not change from step to step) into the same tensors, so a
-        step captured in a CUDA graph reads the new ones."""
+        step captured in a CUDA graph reads the new ones. The masks' tiles come from the
+        host's copy of the ids (no device work, no sync)."""
         for name, src in host.items():
             dst = getattr(self, name)
             dst.copy_(src.pin_memory() if dst.device.type == "cuda" else src, non_blocking=True)
-        new = (doc_mask(self.doc_Q, self.kdoc_P, backend=backend, document_mask=document_mask),
-               doc_mask(self.tdoc_Q, tkey_X, backend=backend, document_mask=document_mask))  # fmt: skip
+            if name in self.host_ids:
+                self.host_ids[name] = src
+        if self._tkey is not tkey_X:  # the pool's static text rows: read back once
+            self._tkey, self._tkey_host = tkey_X, tkey_X.cpu()
+        ids = self.host_ids
+        new = (doc_mask(self.doc_Q, self.kdoc_P, backend=backend, document_mask=document_mask,
+                        host=(ids["doc_Q"], ids["kdoc_P"])),
+               doc_mask(self.tdoc_Q, tkey_X, backend=backend, document_mask=document_mask,
+                        host=(ids["tdoc_Q"], self._tkey_host)))  # fmt: skip
         if self.masks is None:
             self.masks = new
             return
@@ -104,7 +116,7 @@ class CallBuffers:
 
 def _copy_into(old: Tensor | None, fresh: Tensor | None, name: str) -> None:
     """``old.copy_(fresh)``, refusing what a copy would get wrong: a tensor the old mask
-    lacks (its blocks would be ignored) or one of another shape (``create_block_mask``
+    lacks (its blocks would be ignored) or one of another shape (`make_pool_block_mask`
     gives ``(1, 1, Q blocks, K blocks)`` for any composition; this guards that)."""
     if old is None and fresh is None:
         return
@@ -114,12 +126,13 @@ def _copy_into(old: Tensor | None, fresh: Tensor | None, name: str) -> None:
     old.copy_(fresh)
 
 
-def doc_mask(q_doc: Tensor, kv_doc: Tensor, *, backend: str, document_mask: bool) -> AttentionMask:
+def doc_mask(q_doc: Tensor, kv_doc: Tensor, *, backend: str, document_mask: bool,
+             host: tuple[Tensor, Tensor] | None = None) -> AttentionMask:  # fmt: skip
     """Query ``q`` attends key ``k`` when ``q_doc[q] == kv_doc[k] >= 0``. Unlike the packed
     training masks, a doc's keys are not one run (a region's valid slots, with holes) and the
-    docs are in no order, so the mask is built from the pairs: dense on the CPU, through
-    FlexAttention's ``create_block_mask`` on CUDA. ``document_mask=False``: every real query
-    attends every real key (the negative control)."""
+    docs are in no order: dense on the CPU, on CUDA FlexAttention's tiles counted per doc
+    (`make_pool_block_mask`) from ``host``, the ids' host copy (default: read back).
+    ``document_mask=False``: every real query attends every real key (the negative control)."""
     common: dict[str, Any] = dict(backend=backend, kernel=backend, reason="lingbot_va serve",
                                   q_len=q_doc.shape[0], kv_len=kv_doc.shape[0], inner=None,
                                   cross=True)  # fmt: skip
@@ -137,10 +150,10 @@ def doc_mask(q_doc: Tensor, kv_doc: Tensor, *, backend: str, document_mask: bool
                            torch.arange(kv_doc.shape[0], device=q_doc.device)[None, :])  # fmt: skip
         has_key = allowed.any(dim=1)
         return AttentionMask(**common, dense_TT=allowed | ~has_key[:, None], keep_T=has_key)
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    block = create_block_mask(same_doc, None, None, q_doc.shape[0], kv_doc.shape[0],
-                              device=q_doc.device)  # fmt: skip
+    q_ids, kv_ids = host if host is not None else (q_doc.cpu(), kv_doc.cpu())
+    if not document_mask:  # the tiles of "both real": every real id one document
+        q_ids, kv_ids = (torch.where(t >= 0, 0, -1) for t in (q_ids, kv_ids))
+    block = make_pool_block_mask(q_ids, kv_ids, device=q_doc.device, mask_mod=same_doc)
     return AttentionMask(
         **common, block_mask=block, kernel_options=FLEX_KERNEL_OPTIONS.get(backend)
     )
