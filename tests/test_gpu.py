@@ -175,6 +175,38 @@ def test_flex_does_not_recompile_when_the_layout_changes_at_a_fixed_length() -> 
     assert counters["stats"]["unique_graphs"] == before
 
 
+def test_pool_block_mask_from_host_ids_never_waits_for_the_device_and_attends_right() -> None:
+    """make_pool_block_mask(host ids, device='cuda'): no host sync while a kernel runs (the
+    tables go through pinned memory), the tables those of create_block_mask on the GPU, and
+    compiled flex over it equals the rule by hand."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from packing.attention import make_pool_block_mask
+
+    g = torch.Generator().manual_seed(0)
+    q_doc = torch.arange(6).repeat_interleave(128)
+    kv_doc = torch.randint(-1, 6, (4096 // 64,), generator=g).repeat_interleave(64)
+    torch.cuda._sleep(10**6)  # a queued kernel: a sync would wait for it
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        bm = make_pool_block_mask(q_doc, kv_doc, device=DEV)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    q_dev, kv_dev = q_doc.to(DEV), kv_doc.to(DEV)
+
+    def same_doc(b: Any, h: Any, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        return (q_dev[i] == kv_dev[j]) & (q_dev[i] >= 0)
+
+    want = create_block_mask(same_doc, None, None, q_doc.shape[0], kv_doc.shape[0], device=DEV)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(bm, name), getattr(want, name)), name
+    q, k, v = (torch.randn(1, H, n, D, device=DEV) for n in (768, 4096, 4096))
+    out = torch.compile(flex_attention)(q, k, v, block_mask=bm)
+    allowed = (q_dev[:, None] == kv_dev[None, :]) & (q_dev[:, None] >= 0)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("inner", [None, causal()], ids=["document", "causal"])
 def test_cuda_graph_block_mask_equals_eager_without_syncs_or_aliasing(
     inner: InnerMask | None,

@@ -64,10 +64,10 @@ def make_pool_block_mask(
     any_RC, all_RC = pool_tiles(q_ids, kv_ids, bq, bkv)
     tables = tables_from_flags(any_RC, all_RC)
     if mask_mod is None:
-        mask_mod = _pool_document(q_ids.to(dev), kv_ids.to(dev))
+        mask_mod = _pool_document(_to(q_ids, dev), _to(kv_ids, dev))
     return BlockMask(
         seq_lengths=(q_ids.shape[0], kv_ids.shape[0]),
-        **{k: t.to(dev) for k, t in tables._asdict().items()},
+        **{k: _to(t, dev) for k, t in tables._asdict().items()},
         BLOCK_SIZE=(bq, bkv),
         mask_mod=mask_mod,
     )
@@ -94,6 +94,14 @@ def _doc_counts(doc_T: Tensor, block: int, docs: int) -> Tensor:
     at = tile_T * docs + torch.where(counted, doc_T.to(torch.int64), 0)
     counts = torch.zeros(ceil_div(T, block) * docs, dtype=torch.int64, device=doc_T.device)
     return counts.index_add_(0, at, counted.to(torch.int64)).view(-1, docs)
+
+
+def _to(t: Tensor, dev: torch.device) -> Tensor:
+    """``t`` on ``dev``; from the host to a GPU through pinned memory, without a sync (a
+    plain ``.to`` from pageable memory waits for the stream: every earlier kernel)."""
+    if t.device == dev or t.device.type != "cpu" or dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
 
 
 def _pool_document(q_doc: Tensor, kv_doc: Tensor) -> MaskMod:
