@@ -12,6 +12,11 @@
 #                                      #   (WAN_LIMIT 480 s; carry .whl/diffusers)
 #   bash benchmarks/gpu.sh cache       # benchmarks/serving/bench_cache.py at 5B widths, 30 blocks (220 s)
 #   bash benchmarks/gpu.sh encode      # benchmarks/data/bench_encode.py, when present (300 s)
+#   bash benchmarks/gpu.sh lingtests   # LingBot-VA served, one call a stage, each carrying
+#   bash benchmarks/gpu.sh lingserve   #   .whl/lingserve and .whl/lingbench: its CUDA tests and
+#   bash benchmarks/gpu.sh lingserve_short  # the pool mask build (210 s); LingBot-VA's own
+#                                      #   schedule vs LeRobot eager and compiled (560 s); the
+#                                      #   shortened video_exec_step schedule (560 s)
 #   bash benchmarks/gpu.sh attention | blockmask | fillprobe | tests | verify | budget
 #   NPROC=2 REGIME=seed bash benchmarks/gpu.sh fsdp     # two GPUs (nvidia-h200-x2; FSDP_ARGS)
 #   bash benchmarks/gpu.sh fa4         # only stage the carried FA4 wheel half
@@ -60,6 +65,11 @@ stage_wheels() {
       echo "FA4: one half staged in /tmp/whl; the next call on this warm machine carries the other"
     fi
   fi
+  if [ -d "$WHL/lingserve" ] && [ -d "$WHL/lingbench" ] && [ ! -d /tmp/site_ling/lerobot ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_ling \
+      "$WHL"/lingserve/*.whl "$WHL"/lingbench/*.whl \
+      && echo "lerobot and transformers installed to /tmp/site_ling" || echo "lingbot install FAILED"
+  fi
   if [ -d "$WHL/diffusers" ] && [ ! -d /tmp/site_diffusers/diffusers ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_diffusers \
       "$WHL"/diffusers/*.whl && echo "diffusers installed to /tmp/site_diffusers" \
@@ -68,7 +78,7 @@ stage_wheels() {
 }
 if [ "$DRY" != 1 ] && [ "$QUICK" != 1 ]; then stage_wheels; fi
 PY=${PYTHON:-python3}
-export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site_diffusers${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site_ling:/tmp/site_diffusers${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 # -- what ran: the copy's git state and the hash of its files ---------------------------------
@@ -150,6 +160,29 @@ for STAGE in "$@"; do
       --out "$R/attention.json"
     ;;
   blockmask) t 330 $PY $B/attention/bench_block_mask.py --out "$R/block_mask.json" ;;
+  lingtests | lingserve | lingserve_short)
+    # issue 42 on one H200: 5B widths, 30 blocks, bf16; the rows are checkpointed as they finish
+    if [ "$DRY" != 1 ] && ! $PY -c "import lerobot.policies.lingbot_va" 2>/dev/null; then
+      echo "lerobot's LingBot-VA not importable: carry .whl/lingserve and .whl/lingbench"; continue
+    fi
+    case $STAGE in
+    lingtests)
+      if [ "$DRY" = 1 ]; then echo "=== pytest tests/test_gpu.py -k 'lingbot or pool_block_mask'"
+      elif [ "$QUICK" != 1 ]; then
+        timeout "${LINGTEST_LIMIT:-150}" $PY -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider \
+          -k "lingbot or pool_block_mask" 2>&1 | tee "$R/gpu_tests_lingbot.txt" \
+          | grep -E "passed|failed|error|PASSED|FAILED|SKIPPED" | tail -30
+      fi
+      t 60 $PY $B/attention/bench_pool_block_mask.py --out "$R/pool_block_mask_h200.json" ;;
+    lingserve)
+      t "${LINGSERVE_LIMIT:-560}" $PY $B/serving/bench_lingbot_serve.py --schedules own \
+        --cuda-graphs --compiled-baseline --out "$R/bench_lingbot_serve_own_h200.json" \
+        ${LINGSERVE_ARGS:-} ;;
+    lingserve_short)
+      t "${LINGSERVE_LIMIT:-560}" $PY $B/serving/bench_lingbot_serve.py --schedules short \
+        --cuda-graphs --out "$R/bench_lingbot_serve_short_h200.json" ${LINGSERVE_ARGS:-} ;;
+    esac
+    ;;
   fillprobe) t 300 $PY $B/attention/probe_fill.py --out "$R/probe_fill.json" ;;
   tests)
     # -rA lists every test's outcome; the summary line counts the ones that ran

@@ -79,3 +79,23 @@ def test_quick_run_of_the_three_stages_writes_traceable_json(tmp_path: Path) -> 
         doc = json.loads(path.read_text())
         assert pv.missing(doc) == [], path
         assert doc["rows"] and not [r for r in doc["rows"] if r.get("error")], path
+
+
+def test_lingbot_served_stages_run_the_tests_then_the_benchmark_in_three_calls(
+    tmp_path: Path,
+) -> None:
+    """Issue 42's H200 run: the CUDA tests and the pool mask build in one call, each schedule
+    in its own call (a 10-minute limit each), the own one with the compiled LeRobot too."""
+    proc = gpu_sh(tmp_path, "lingtests", "lingserve", "lingserve_short", DRY="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "=== pytest tests/test_gpu.py -k 'lingbot or pool_block_mask'" in proc.stdout
+    got = commands(proc.stdout, tmp_path)
+    assert [c.split()[1] for c in got] == [
+        "benchmarks/attention/bench_pool_block_mask.py",
+        "benchmarks/serving/bench_lingbot_serve.py",
+        "benchmarks/serving/bench_lingbot_serve.py",
+    ]
+    assert "--schedules own --cuda-graphs --compiled-baseline" in got[1]
+    assert "--schedules short --cuda-graphs" in got[2]
+    limits = [int(m) for m in re.findall(r"\(limit (\d+)s\)", proc.stdout)]
+    assert max(limits) < 600  # each stage fits one device call

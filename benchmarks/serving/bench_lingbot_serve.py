@@ -252,7 +252,8 @@ def _checkpoint(args: Any, rows: list[dict], checks: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny LeRobot policy, seconds")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, tiny LeRobot policy, seconds (--quick too; CUDA graphs off)")  # fmt: skip
     p.add_argument("--robots", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--chunks", type=int, default=8, help="timed chunks a robot")
     p.add_argument("--warm", type=int, default=2, help="untimed chunks a robot first")
@@ -265,8 +266,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--compiled-baseline", action="store_true",
                    help="also LeRobot's policy with its blocks compiled, one robot at a time")  # fmt: skip
     args = p.parse_args(argv)
-    if args.smoke:
-        args.quick, args.device = True, "cpu"
+    if args.smoke or args.quick:  # --quick (benchmarks/gpu.sh QUICK=1) is the smoke run
+        if args.cuda_graphs:
+            print("--smoke runs on the CPU: --cuda-graphs is dropped")
+        args.smoke, args.quick, args.device, args.cuda_graphs = True, True, "cpu", False
         args.robots, args.chunks, args.warm = [1, 2], 2, 1
     if min(args.robots) < 1 or args.chunks < 1 or args.warm < 0:
         p.error("--robots >= 1, --chunks >= 1 and --warm >= 0")
