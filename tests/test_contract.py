@@ -485,8 +485,9 @@ NOT_CALLED.update({  # LingBot-VA served: each needs a LeRobot policy (tests/tes
     f"packing.integrations.lingbot_va.{n}": "needs a LeRobot policy (tests/test_lingbot_serve.py)"
     for n in [
         "LingBotVAEngine", "LingBotVAAdapter", "LingBotVAAdapter.request", "LingBotVAAdapter.reply",
-        "LingBotVAAdapter.end_session", "LingBotVAAdapter.unserved",
-        "ServedLingBotVA", *(f"ServedLingBotVA.{m}" for m in (
+        "LingBotVAAdapter.end_session", "LingBotVAAdapter.unserved", "LingBotVAAdapter.from_policy",
+        "PolicyEncoders", "PolicyEncoders.text", "PolicyEncoders.unserved",
+        "PolicyEncoders.end_session", "ServedLingBotVA", *(f"ServedLingBotVA.{m}" for m in (
             "check", "executed", "fits", "member", "fresh", "layout", "state", "step", "flags",
             "result", "then", "joined", "left", "sweep", "end_session")),
     ]

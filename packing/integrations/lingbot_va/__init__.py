@@ -25,7 +25,9 @@ Serve it to many robots at once (docs/lingbot-va.md, "Serving"):
 
 - `LingBotVAEngine` (the engine over `ServedLingBotVA`, the per-model Packs), `LingShape`
   (its static packs), `ChunkRequest` (a robot's next chunk: its episode so far);
-- `LingBotVAAdapter`: a LeRobot LingBot-VA client's observation through ``packing serve``;
+- `LingBotVAAdapter`: a LeRobot LingBot-VA client's observation through ``packing serve``
+  (``LingBotVAAdapter.from_policy(policy)``: the policy's own VAE and UMT5, a VAE cache per
+  episode: `PolicyEncoders`);
 - `prove_serving` -> `ServingReport`: served == LeRobot's ``predict_action_chunk`` per robot
   alone (``packing verify --inference --model lingbot_va``).
 
@@ -52,6 +54,7 @@ from packing.integrations.lingbot_va._serve import (  # noqa: E402
     ServedLingBotVA,
 )
 from packing.integrations.lingbot_va._serve_adapter import LingBotVAAdapter  # noqa: E402
+from packing.integrations.lingbot_va._serve_encoders import PolicyEncoders  # noqa: E402
 from packing.integrations.lingbot_va._serve_packs import LingShape  # noqa: E402
 from packing.integrations.lingbot_va._serve_proof import (  # noqa: E402
     ServingReport,
@@ -72,6 +75,7 @@ __all__ = [
     "LingBotVAEngine",
     "LingShape",
     "PackedLingBotVA",
+    "PolicyEncoders",
     "ServedLingBotVA",
     "ServingReport",
     "chunk_window",

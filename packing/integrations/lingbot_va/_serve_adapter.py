@@ -58,8 +58,11 @@ class LingBotVAAdapter:
     """``LingBotVAAdapter(config=policy.config, encoder=vae, text_encoder=umt5)``.
 
     ``encoder(session, {camera: frames})`` returns the frames' latents ``(n, C, H, W)``
-    (the session lets a streaming VAE keep its causal cache per episode);
-    ``text_encoder(prompt)`` the prompt's embeddings ``(tokens, text_dim)``, unpadded.
+    (the session lets a streaming VAE keep its causal cache per episode; its optional
+    ``unserved(session)`` and ``end_session(session)`` are called when a chunk was not
+    served and when the episode ends); ``text_encoder(prompt)`` the prompt's embeddings
+    ``(tokens, text_dim)``, unpadded. ``LingBotVAAdapter.from_policy(policy)`` builds both
+    from the policy's own VAE and UMT5 (`PolicyEncoders`).
     An episode's frames are kept until it ends (`end_session`, which the server calls);
     ``episodes``: how many are kept at most, for robots that never say (the oldest go)."""
 
@@ -75,6 +78,18 @@ class LingBotVAAdapter:
     def __post_init__(self) -> None:
         check_int("LingBotVAAdapter.seed", self.seed, min=0, max=SEED_MAX)
         check_int("LingBotVAAdapter.episodes", self.episodes, min=1)
+
+    @classmethod
+    def from_policy(cls, policy: Any, *, seed: int = 0, episodes: int = 4096) -> LingBotVAAdapter:
+        """The adapter over the policy's own frozen VAE and UMT5 (loaded from
+        ``config.wan_pretrained_path`` if they are not yet), each episode with its own
+        streaming VAE cache (`PolicyEncoders`): a robot's frames encode as they would in a
+        LeRobot policy serving that robot alone."""
+        from packing.integrations.lingbot_va._serve_encoders import PolicyEncoders
+
+        encoders = PolicyEncoders(policy, episodes=episodes)
+        return cls(config=policy.config, encoder=encoders, text_encoder=encoders.text,
+                   seed=seed, episodes=episodes)  # fmt: skip
 
     def request(self, observation: dict[str, Any], session: str) -> ChunkRequest:
         cams = list(self.config.obs_cam_keys)
@@ -101,6 +116,14 @@ class LingBotVAAdapter:
             )
         prompt, negative = self._embed(task), self._embed("")
         latents = self.encoder(session, frames)
+        try:
+            return self._request(session, ep, task, latents, prompt, negative, observation)
+        except Exception:  # refused after encoding: the encoder's episode goes back too
+            _tell(self.encoder, "unserved", session)
+            raise
+
+    def _request(self, session: str, ep: _Episode | None, task: str, latents: Tensor,
+                 prompt: Tensor, negative: Tensor, observation: dict[str, Any]) -> ChunkRequest:  # fmt: skip
         k = 0 if ep is None else ep.chunks
         F_ = int(self.config.frame_chunk_size)
         want = 1 if k == 0 else F_ - 1 if k == 1 else F_
@@ -131,18 +154,19 @@ class LingBotVAAdapter:
         the robot sends the same observation again (the engine rolled its session back too)."""
         with self._lock:
             ep = self._state.get(session)
-            if ep is None or ep.before is None:
-                return
-            ep.frames, ep.chunks = ep.before
-            ep.before = None
-            if ep.chunks == 0:  # nothing of the episode was served: it starts afresh
-                del self._state[session]
+            if ep is not None and ep.before is not None:
+                ep.frames, ep.chunks = ep.before
+                ep.before = None
+                if ep.chunks == 0:  # nothing of the episode was served: it starts afresh
+                    del self._state[session]
+        _tell(self.encoder, "unserved", session)  # a streaming VAE's cache goes back too
 
     def end_session(self, session: str) -> None:
         """The episode ``session`` ended: its frames are dropped (the server's call; the
         engine's session, its KV cache, is freed by the engine's own ``end_session``)."""
         with self._lock:
             self._state.pop(session, None)
+        _tell(self.encoder, "end_session", session)
 
     def _embed(self, prompt: str) -> Tensor:
         """The text encoder's output padded to ``max_sequence_length`` rows, as LeRobot's."""
@@ -163,6 +187,13 @@ class LingBotVAAdapter:
 
     def reply(self, result: Result) -> dict[str, Any]:
         return {"actions": to_host(result.action.detach()).float().numpy()}
+
+
+def _tell(encoder: Any, hook: str, session: str) -> None:
+    """The encoder's optional per-episode hook (`PolicyEncoders` keeps a VAE cache each)."""
+    fn = getattr(encoder, hook, None)
+    if callable(fn):
+        fn(session)
 
 
 def _frames(key: str, value: Any) -> np.ndarray:

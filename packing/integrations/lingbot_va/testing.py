@@ -2,7 +2,8 @@
 
 Nothing is downloaded: ``tiny_policy`` builds ``LingBotVAPolicy(LingBotVAConfig(...))`` with
 LeRobot's code at a few thousand parameters (the VAE and text encoder are never loaded: the
-packed path and the reference take latents and text embeddings). ``packing verify --model
+packed path and the reference take latents and text embeddings; ``tiny_frozen_modules`` gives
+a policy toy ones of LeRobot's own kinds, for the serving adapter's encoders). ``packing verify --model
 packing.integrations.lingbot_va.testing:tiny_lingbot_va`` trains one packed against LeRobot's
 own ``training_loss_from_streams``, one episode at a time (`PackedLingBotVA.reference`).
 
@@ -26,6 +27,7 @@ from packing.integrations.lingbot_va._packed import PackedLingBotVA
 
 __all__ = [
     "ABLATIONS",
+    "tiny_frozen_modules",
     "tiny_lingbot_va",
     "tiny_policy",
     "tiny_serving_policy",
@@ -102,3 +104,42 @@ def tiny_serving_policy(**overrides: Any) -> Any:
     lingbot_va`` serves."""
     torch.manual_seed(0)
     return tiny_policy(**{**SERVING_TINY, **overrides})
+
+
+def tiny_frozen_modules(policy: Any) -> Any:
+    """Give ``policy`` toy frozen modules of LeRobot's own kinds, random-init and offline,
+    where ``_ensure_frozen_modules`` would download the real ones: diffusers' Wan 2.2 VAE
+    (48 latent channels, 16x spatial), a one-layer UMT5 encoder of the policy's ``text_dim``
+    and a word-level tokenizer that appends ``</s>``, as T5's does. Returns the policy."""
+    diffusers = require("diffusers", extra="lingbot")
+    transformers = require("transformers", extra="lingbot")
+    tokenizers = require("tokenizers", extra="lingbot")
+    utils = require("lerobot.policies.lingbot_va.utils", extra="lingbot")
+    words = [
+        "<pad>",
+        "</s>",
+        "<unk>",
+        *["pick", "up", "the", "cup", "put", "bowl", "on", "plate", "a", "red", "blue"],
+    ]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)},
+                                                           unk_token="<unk>"))  # fmt: skip
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", 1)]
+    )
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    torch.manual_seed(1)
+    vae = diffusers.AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+        out_channels=12, patch_size=2, latents_mean=[0.1] * 48, latents_std=[2.0] * 48,
+        scale_factor_spatial=16,
+    ).eval()  # fmt: skip
+    umt5 = transformers.UMT5EncoderModel(transformers.UMT5Config(
+        vocab_size=len(words), d_model=int(policy.config.text_dim), d_kv=8, d_ff=32,
+        num_layers=1, num_heads=2)).eval()  # fmt: skip
+    policy._frozen = {"vae": vae, "streaming_vae": utils.WanVAEStreamingWrapper(vae),
+                      "text_encoder": umt5, "tokenizer": tokenizer}  # fmt: skip
+    return policy
