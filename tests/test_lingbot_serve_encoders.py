@@ -171,3 +171,67 @@ def test_an_observation_from_camera_images_to_an_action_chunk(policy: Any) -> No
         np.array_equal(reply["actions"], result.action.numpy())
         and np.isfinite(reply["actions"]).all()
     )
+
+
+def _select_action_alone(policy: Any, frames: list[dict[str, np.ndarray]], task: str,
+                         seeds: list[int], chunks: int) -> tuple[list[torch.Tensor], list[Any]]:  # fmt: skip
+    """LeRobot's ``select_action`` for one robot alone, observation by observation (uint8
+    images as LeRobot's processors hand them over: float, /255): each chunk's actions, and
+    the observations the robot's message for that chunk carries (the first observation, then
+    the keyframes ``select_action`` buffered during the chunk before)."""
+    policy.reset()
+    cams = list(policy.config.obs_cam_keys)
+    actions: list[list[torch.Tensor]] = []
+    messages: list[list[dict[str, np.ndarray]]] = []
+    buffered: list[dict[str, np.ndarray]] = []
+    for t, obs in enumerate(frames):
+        if t > 0 and (policy._prev_j + 1) % policy._keyframe_stride == 0:
+            buffered.append(obs)  # select_action's own keyframe rule
+        if t == 0 or len(policy._action_queue) == 0:  # this call predicts the next chunk
+            if len(actions) == chunks:
+                break
+            torch.manual_seed(seeds[len(actions)])  # the noise ChunkRequest.seed draws
+            messages.append([obs] if t == 0 else buffered)
+            buffered, actions = [], [*actions, []]
+        batch: dict[str, Any] = {k: torch.from_numpy(obs[k]).permute(2, 0, 1)[None].float() / 255
+                                 for k in cams}  # fmt: skip
+        actions[-1].append(policy.select_action({**batch, "task": [task]})[0])
+    return [torch.stack(a) for a in actions], messages
+
+
+def test_camera_images_to_actions_equal_lerobots_select_action_per_robot() -> None:
+    """The whole first mile, two robots: each sends the observations LeRobot's
+    ``select_action`` would see (the first, then each chunk's keyframes), the adapter
+    encodes them with the policy's own VAE and UMT5, the engine packs both robots' chunks
+    (robot 1 joining a chunk later), and each robot's action chunks equal ``select_action``
+    run for that robot alone, observation by observation (1e-5)."""
+    policy = tiny_frozen_modules(tiny_serving_policy(action_per_frame=4))  # keyframe stride 1
+    cams, (H, W) = list(policy.config.obs_cam_keys), (policy.config.height, policy.config.width)
+    tasks = ["pick up the red cup", "put the bowl on the plate"]
+    seeds = [[11 + 1000 * k for k in range(3)], [5 + 1000 * k for k in range(3)]]
+    want, messages = [], []
+    for r in (0, 1):
+        g = np.random.default_rng(r)
+        frames = [{k: g.integers(0, 256, (H, W, 3), dtype=np.uint8) for k in cams}
+                  for _ in range(40)]  # fmt: skip
+        w, m = _select_action_alone(policy, frames, tasks[r], seeds[r], chunks=3)
+        want.append(w)
+        messages.append(m)
+    assert [len(m) for m in messages[0]] == [1, 4, 8]  # the conditioning frame, keyframes
+    adapter = LingBotVAAdapter.from_policy(policy)
+    engine = LingBotVAEngine(policy, robots=2, shapes=[LingShape(video=2, action=2)])
+    served = 0
+    for rnd in range(4):
+        sent = {}
+        for r, i in ((0, rnd), (1, rnd - 1)):  # robot 1 joins one chunk later
+            if 0 <= i < 3:
+                obs = {k: np.stack([f[k] for f in messages[r][i]]) for k in cams}
+                req = adapter.request({"task": tasks[r], "seed": seeds[r][i], **obs}, f"robot{r}")
+                sent[engine.submit(req)] = (r, i)
+        for res in engine.run():
+            r, i = sent.pop(res.request_id)
+            got = torch.from_numpy(adapter.reply(res)["actions"])
+            torch.testing.assert_close(got, want[r][i], rtol=0, atol=1e-5)
+            served += 1
+        assert sent == {}
+    assert served == 6
