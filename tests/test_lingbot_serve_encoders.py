@@ -127,6 +127,10 @@ def test_frames_a_policy_cannot_read_are_refused_naming_the_camera(policy: Any, 
     good = np.zeros((1, 128, 128, 3), dtype=np.uint8)
     with pytest.raises(ValueError, match=rf"observation\['{cams[1]}'\] must be .*" + match):
         enc("r", {cams[0]: good, cams[1]: frames})
+    with pytest.raises(ValueError, match=r"the message carries no frames"):
+        enc("r", {cams[0]: good[:0], cams[1]: good[:0]})
+    with pytest.raises(ValueError, match=r"first message carries 2 frames a camera; it takes 1"):
+        enc("r", {cams[0]: np.concatenate([good, good]), cams[1]: np.concatenate([good, good])})
     with pytest.raises(ValueError, match=r"different frame counts \[1, 2\]"):
         enc("r", {cams[0]: good, cams[1]: np.zeros((2, 128, 128, 3), dtype=np.uint8)})
 

@@ -120,6 +120,9 @@ class PolicyEncoders:
 def _check_count(n: int, first: bool, stride: int) -> None:
     """LeRobot's streaming VAE takes an episode's conditioning observation alone, then
     keyframes in whole groups of its temporal stride (each group one latent frame)."""
+    if n == 0:
+        raise ValueError("the message carries no frames; send each camera's frames since the "
+                         "last chunk (an episode's first message: the one observation)")  # fmt: skip
     if first and n != 1:
         raise ValueError(
             f"an episode's first message carries {n} frames a camera; it takes 1, the "
