@@ -580,3 +580,34 @@ def test_lingbot_non_finite_feedback_fails_its_robot_on_cuda(graphs: bool) -> No
         assert res["a"].error is None, res["a"].error
         assert (res["b"].error is None) == (k == 0), res["b"].error
     assert "feedback" in str(res["b"].error) and "non-finite" in str(res["b"].error)
+
+
+def test_lingbot_policy_encoders_on_cuda_keep_each_robots_vae_cache() -> None:
+    """`LingBotVAAdapter.from_policy`'s encoders with the VAE on the GPU: two robots'
+    messages interleaved, each robot's latents those of LeRobot encoding it alone (the CPU
+    test holds them equal; here the same kernels on the same inputs, 1e-5)."""
+    _lingbot_ready()
+    import numpy as np
+    from lerobot.policies.lingbot_va.utils import WanVAEStreamingWrapper
+
+    from packing.integrations.lingbot_va import PolicyEncoders
+    from packing.integrations.lingbot_va.testing import tiny_frozen_modules, tiny_serving_policy
+
+    policy = tiny_frozen_modules(tiny_serving_policy(device=DEV).to(DEV))
+    policy._frozen["vae"].to(DEV)
+    policy._frozen["text_encoder"].to(DEV)
+    cams, H, W = list(policy.config.obs_cam_keys), policy.config.height, policy.config.width
+    msgs = {s: [{k: np.random.default_rng(i).integers(0, 256, (n, H, W, 3), dtype=np.uint8)
+                 for k in cams} for n in (1, 4, 8)] for i, s in enumerate("ab")}  # fmt: skip
+    enc = PolicyEncoders(policy)
+    got = {s: [] for s in "ab"}
+    for i in range(3):
+        for s in "ab":
+            got[s].append(enc(s, msgs[s][i]))
+    for s in "ab":
+        policy._frozen["streaming_vae"] = WanVAEStreamingWrapper(policy._frozen["vae"])
+        for i, m in enumerate(msgs[s]):
+            raw = [{k: torch.from_numpy(v[j]).permute(2, 0, 1)[None].float() / 255
+                    for k, v in m.items()} for j in range(m[cams[0]].shape[0])]  # fmt: skip
+            want = policy._encode_frames(raw)[0].transpose(0, 1)
+            assert want.is_cuda and (got[s][i] - want).abs().max().item() <= 1e-5, (s, i)
