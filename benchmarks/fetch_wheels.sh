@@ -17,7 +17,7 @@ get() {  # DIR NAME==VERSION...: binary wheels for the GPU machine's Python 3.12
   mkdir -p "$d"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux1_x86_64 --platform any -d "$d" "$@"
+    --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 --platform any -d "$d" "$@"
 }
 get "$W/p1" nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
   nvidia-cutlass-dsl-libs-core==4.8.1
