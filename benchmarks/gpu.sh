@@ -107,6 +107,11 @@ t() {
   timeout "$lim" "$@"; rc=$?; echo "=== rc=$rc $(date +%T)"; return $rc
 }
 TR="torchrun --nproc-per-node ${NPROC:-2}"
+# GPU: the card in the LingBot-VA stages' file names (h200, h100; GPU= overrides), so a result
+# names the machine it ran on
+GPU=${GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+  | grep -oE 'H[0-9]+' | tr 'H' 'h' || true)}
+GPU=${GPU:-h200}
 B=benchmarks
 
 for STAGE in "$@"; do
@@ -173,14 +178,14 @@ for STAGE in "$@"; do
           -k "lingbot or pool_block_mask" 2>&1 | tee "$R/gpu_tests_lingbot.txt" \
           | grep -E "passed|failed|error|PASSED|FAILED|SKIPPED" | tail -30
       fi
-      t 60 $PY $B/attention/bench_pool_block_mask.py --out "$R/pool_block_mask_h200.json" ;;
+      t 60 $PY $B/attention/bench_pool_block_mask.py --out "$R/pool_block_mask_$GPU.json" ;;
     lingserve)
       t "${LINGSERVE_LIMIT:-560}" $PY $B/serving/bench_lingbot_serve.py --schedules own \
-        --cuda-graphs --compiled-baseline --out "$R/bench_lingbot_serve_own_h200.json" \
+        --cuda-graphs --compiled-baseline --out "$R/bench_lingbot_serve_own_$GPU.json" \
         ${LINGSERVE_ARGS:-} ;;
     lingserve_short)
       t "${LINGSERVE_LIMIT:-560}" $PY $B/serving/bench_lingbot_serve.py --schedules short \
-        --cuda-graphs --out "$R/bench_lingbot_serve_short_h200.json" ${LINGSERVE_ARGS:-} ;;
+        --cuda-graphs --out "$R/bench_lingbot_serve_short_$GPU.json" ${LINGSERVE_ARGS:-} ;;
     esac
     ;;
   fillprobe) t 300 $PY $B/attention/probe_fill.py --out "$R/probe_fill.json" ;;

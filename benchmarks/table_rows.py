@@ -511,3 +511,37 @@ def pool_mask_rows(docs: Docs) -> list[Row]:
          name)
         for r in docs[name]["rows"]
     ]  # fmt: skip
+
+
+def lingbot_serve_rows(*sources: str) -> Callable[[Docs], list[Row]]:
+    """bench_lingbot_serve.py: every row of each schedule's run; a derived row (N robots served
+    one at a time: one robot's measured chunk time, N of them waiting) says so."""
+
+    def rows(docs: Docs) -> list[Row]:
+        out = list[Row]()
+        for name in sources:
+            for r in docs[name]["rows"]:
+                packed = r["server"].startswith("packed")
+                server = f"**{r['server']}**" if packed else r["server"]
+                if r.get("derived"):
+                    server += " (derived)"
+                vs = ratio(r["x_lerobot"]) if packed or "compiled" in r["server"] else "—"
+                peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "—"
+                cells = (r["schedule"], server, str(r["robots"]), ms(r["p50_ms"]), ms(r["p99_ms"]))
+                out.append((*cells, f"{r['chunks_per_s']:.2f}", vs, peak, name))
+        return out
+
+    return rows
+
+
+def lingbot_serve_goal(label: str, key: str) -> Callable[[Doc], tuple[str, bool]]:
+    """One of issue 42's goals at 8 robots on the schedule ``label`` (the JSON's `goals`)."""
+
+    def measure(doc: Doc) -> tuple[str, bool]:
+        g = doc["goals"][label]
+        if key == "met_4x":
+            return f"{ratio(g['packed_x_lerobot_at_8'])} chunks/s", g["met_4x"]
+        alone = ms(g["lerobot_alone_p99_ms"])
+        return f"p99 {ms(g['packed_p99_ms_at_8'])} ms (one robot alone: {alone} ms)", g["met_p99"]
+
+    return measure
