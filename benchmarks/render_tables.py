@@ -281,6 +281,22 @@ TABLES: dict[str, Table] = {
             rows.lingbot_rows,
         ),
         Table(
+            "lingbot_serve_h100",
+            rows.LINGBOT_SERVE_RUNS,
+            (
+                "schedule",
+                "server",
+                "robots",
+                "p50 ms",
+                "p99 ms",
+                "chunks/s",
+                "vs LeRobot alone",
+                "peak GiB",
+                "from",
+            ),
+            rows.lingbot_serve_rows(*rows.LINGBOT_SERVE_RUNS),
+        ),
+        Table(
             "robots_h200_steps",
             ("serving_robots_h200.json",),
             ("requests in the pack", "step ms", "ms a request", "one request's chunk ms", "from"),

@@ -513,6 +513,9 @@ def pool_mask_rows(docs: Docs) -> list[Row]:
     ]  # fmt: skip
 
 
+LINGBOT_SERVE_RUNS = ("bench_lingbot_serve_own_h100.json", "bench_lingbot_serve_short_h100.json")
+
+
 def lingbot_serve_rows(*sources: str) -> Callable[[Docs], list[Row]]:
     """bench_lingbot_serve.py: every row of each schedule's run; a derived row (N robots served
     one at a time: one robot's measured chunk time, N of them waiting) says so."""

@@ -282,6 +282,29 @@ def test_resolve_backend_is_the_choice_prepare_attention_makes(
             resolve_backend(**{"device": "cpu", **kwargs})  # type: ignore[arg-type]
 
 
+def test_heads_narrower_than_16_never_go_to_compiled_flex_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inductor lowers FlexAttention only for heads 16 wide or wider (a LoweringException at
+    the first compiled call otherwise): ``auto`` takes SDPA for them on CUDA, ``flex`` says
+    so up front. The CPU (eager flex) and wider heads are unchanged."""
+    import packing.attention._packed as pa
+    from packing.attention import resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for fa4 in (False, True):
+        monkeypatch.setattr(pa, "fa4_available", lambda fa4=fa4: fa4)
+        for dtype in (torch.float32, torch.bfloat16):
+            for head_dim in (1, 8, 12, 15):
+                assert resolve_backend(device="cuda:0", dtype=dtype, head_dim=head_dim) == "sdpa"
+                with pytest.raises(ValueError, match=rf"head_dim >= 16.*got head_dim {head_dim}"):
+                    resolve_backend("flex", device="cuda:0", dtype=dtype, head_dim=head_dim)
+            assert resolve_backend("flex", device="cuda:0", dtype=dtype, head_dim=16) == "flex"
+            assert resolve_backend("flex", device="cpu", dtype=dtype, head_dim=12) == "flex"
+    monkeypatch.setattr(pa, "fa4_available", lambda: False)
+    assert resolve_backend(device="cuda:0", dtype=torch.float32, head_dim=16) == "flex"
+
+
 def test_shape_mismatch_names_the_counts() -> None:
     mask = prepare_attention(lay([5, 3], 2), backend="sdpa")
     q, k, v = qkv(9, 10)

@@ -225,6 +225,7 @@ def _lingbot_base() -> dict[str, Base]:
         "packing.integrations.lingbot_va.noise_to_noise": lambda: (L.noise_to_noise, (tokens(),), {}),
         "packing.integrations.lingbot_va.chunk_window": lambda: (L.chunk_window, (tokens(),), {}),
         "packing.integrations.lingbot_va.LingShape": lambda: (L.LingShape, (), {"video": 2, "action": 2}),
+        "packing.integrations.lingbot_va.phase_shapes": lambda: (L.phase_shapes, (2,), {}),
         "packing.integrations.lingbot_va.ChunkRequest": lambda: (L.ChunkRequest, (), {
             "session": "robot", "frames": torch.zeros(1, 48, 8, 16), "actions": None,
             "prompt": torch.zeros(3, 16), "negative": None, "seed": 0}),
@@ -612,6 +613,7 @@ allow(_LB + "PackedLingBotVA.collator", "token_budget max_docs text_budget", "hu
       "a size: refused only when a pack is built over it")  # fmt: skip
 allow(_LB + "lingbot_episodes", "action_per_frame", "huge", "checked against each episode read")
 allow(_LB + "ChunkRequest", "seed", "zero", "seed 0 is a seed")
+allow(_LB + "LingShape", "video action", "zero", "a pack of the other loop alone (phase_shapes)")
 if not LINGBOT:  # without lerobot the facade is not walked: its entries would name nothing
     for _key in [k for k in NOT_CALLED if k.startswith(_LB)]:
         del NOT_CALLED[_key]

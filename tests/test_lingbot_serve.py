@@ -19,12 +19,12 @@ from packing.integrations.lingbot_va._serve import LingBotVAEngine
 from packing.integrations.lingbot_va._serve_packs import LingShape
 from packing.integrations.lingbot_va._serve_proof import (
     ABLATIONS,
-    TINY,
     prove_serving,
     tiny_serving_policy,
 )
 from packing.integrations.lingbot_va._serve_reference import ReferenceRobot
 from packing.integrations.lingbot_va._serve_request import ChunkRequest
+from packing.integrations.lingbot_va.testing import SERVING_TINY as TINY
 from packing.integrations.lingbot_va.testing import tiny_policy, toy_text_embeddings
 
 TEXT = toy_text_embeddings(16)
@@ -36,6 +36,8 @@ def test_served_robots_equal_lerobot_alone() -> None:
     assert r.latents <= 1e-5 and r.actions <= 1e-5
     # the interesting situations happened (not a vacuous pass)
     assert r.chunks >= 13 and r.max_pack >= 3 and r.mixed_steps and r.evicted > 0
+    # packs of one loop (no slot of the other computed) and mixed packs both ran
+    assert min(r.pack_kinds.values()) > 0, r.pack_kinds
 
 
 @pytest.mark.parametrize("ablation", ABLATIONS)
@@ -379,3 +381,31 @@ def test_verify_inference_model_lingbot_va_names_only_the_served_proof() -> None
     out = subprocess.run([*run[:4], "--inference", "--model", "nope"], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2 and "module:factory' (or lingbot_va" in out.stderr
+
+
+def test_pack_shapes_are_checked_when_the_engine_is_built() -> None:
+    """A shape set the engine could deadlock on (a robot waiting for a pack the largest shape
+    cannot hold) or that holds no robot is refused up front, naming the shape to add."""
+    from packing.integrations.lingbot_va._serve_packs import phase_shapes
+
+    with pytest.raises(ValueError, match=r"LingShape\(video=0, action=0\) holds no robot"):
+        LingShape(video=0, action=0)
+    with pytest.raises(ValueError, match=r"LingShape.action=-1 must be >= 0"):
+        LingShape(video=1, action=-1)
+    policy = tiny_serving_policy()
+    bad = [
+        ([LingShape(video=2, action=0)], r"both loops.*add LingShape\(video=2, action=1\)"),
+        ([LingShape(video=0, action=3)], r"both loops.*add LingShape\(video=1, action=3\)"),
+        ([LingShape(video=4, action=1), LingShape(video=1, action=3)],
+         r"LingShape\(video=1, action=3\) does not fit in it\); add LingShape\(video=4, action=3\)"),
+        ([], r"shapes=\[\]; give one or more LingShape"),
+        ([(1, 1)], r"give one or more LingShape"),
+    ]  # fmt: skip
+    for shapes, message in bad:
+        with pytest.raises(ValueError, match=message):
+            LingBotVAEngine(policy, robots=2, shapes=shapes)
+    # the default: packs of each loop alone and of both, smallest first
+    engine = LingBotVAEngine(policy, robots=3)
+    assert engine.packs.shapes == [LingShape(video=0, action=3), LingShape(video=3, action=0),
+                                   LingShape(video=3, action=3)]  # fmt: skip
+    assert sorted(phase_shapes(3), key=str) == sorted(engine.packs.shapes, key=str)

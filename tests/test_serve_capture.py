@@ -153,10 +153,12 @@ def _lingbot(attention: str = "auto", **options: Any) -> Any:
     pytest.importorskip("lerobot.policies.lingbot_va")
     pytest.importorskip("transformers")
     from packing.integrations.lingbot_va._serve import LingBotVAEngine
-    from packing.integrations.lingbot_va._serve_packs import LingShape
+    from packing.integrations.lingbot_va._serve_packs import phase_shapes
     from packing.integrations.lingbot_va.testing import tiny_serving_policy
 
-    return LingBotVAEngine(tiny_serving_policy(), robots=3, shapes=[LingShape(video=2, action=2)],
+    # packs of the video loop alone, the action loop alone (the other stream's tensors have
+    # no rows) and of both
+    return LingBotVAEngine(tiny_serving_policy(), robots=3, shapes=phase_shapes(2),
                            attention=attention, **options)  # fmt: skip
 
 
@@ -196,8 +198,13 @@ def _serve_lingbot(engine: Any) -> tuple[dict[tuple[str, int], Any], list[tuple[
 
 
 def test_lingbot_steps_and_feedback_passes_are_replayable() -> None:
-    _, calls = _serve_lingbot(_lingbot())
+    engine = _lingbot()
+    _, calls = _serve_lingbot(engine)
     assert _check(calls) >= 4
+    # the packs ran in every kind of shape: one loop's (either) and mixed
+    shapes = [key[1] for (key, _), _ops in calls if key[0] == "step"]
+    kinds = {(s.video > 0, s.action > 0) for s in shapes}
+    assert kinds == {(True, False), (False, True), (True, True)}, kinds
     assert sum(key == ("feedback",) for (key, _), _ in calls) >= 4  # 2 calls a fed-back chunk
 
 

@@ -112,16 +112,19 @@ def lerobot_alone(
     return ms, actions
 
 
-def packed(policy: Any, robots: int, chunks: int, warm: int, cuda_graphs: bool) -> dict[str, Any]:
+def packed(policy: Any, robots: int, chunks: int, warm: int, cuda_graphs: bool,
+           packs: str = "phase") -> dict[str, Any]:  # fmt: skip
     """``robots`` robots in a closed loop through `LingBotVAEngine`; the first ``warm``
-    chunks of each robot are not timed. Robot 0's episode and seeds are the alone arms'."""
+    chunks of each robot are not timed. Robot 0's episode and seeds are the alone arms'.
+    ``packs``: "phase" (the engine's default shapes: each loop alone, and mixed) or "mixed"
+    (one shape of ``robots`` video and ``robots`` action slots, what ran before 2026-12-05)."""
     from packing.integrations.lingbot_va._serve import LingBotVAEngine
     from packing.integrations.lingbot_va._serve_packs import LingShape
     from packing.integrations.lingbot_va._serve_request import ChunkRequest
 
     F_ = policy.config.frame_chunk_size
-    engine = LingBotVAEngine(policy, robots=robots, shapes=[LingShape(video=robots, action=robots)],
-                             cuda_graphs=cuda_graphs)  # fmt: skip
+    shapes = [LingShape(video=robots, action=robots)] if packs == "mixed" else None
+    engine = LingBotVAEngine(policy, robots=robots, shapes=shapes, cuda_graphs=cuda_graphs)
     t0 = time.perf_counter()
     warm_stats = engine.warm_up()
     warm_s = time.perf_counter() - t0
@@ -217,9 +220,9 @@ def run_schedule(args: Any, exec_step: int, rows: list[dict], checks: dict) -> N
     for robots in args.robots:
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        run = packed(policy, robots, args.chunks, args.warm, args.cuda_graphs)
+        run = packed(policy, robots, args.chunks, args.warm, args.cuda_graphs, args.packs)
         lat = run["latency_ms"]
-        rows.append({"schedule": label, "server": PACKED, "robots": robots,
+        rows.append({"schedule": label, "server": PACKED, "robots": robots, "packs": args.packs,
                      "p50_ms": percentile(lat, 0.5), "p99_ms": percentile(lat, 0.99),
                      "chunks_per_s": run["chunks"] / max(run["wall_s"], 1e-9), "derived": False,
                      "warm_up": run["warm_up"], "warm_up_s": run["warm_up_s"],
@@ -263,6 +266,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="LingBot-VA's own schedule, the shortened one, or both (two calls)")  # fmt: skip
     p.add_argument("--budget-ms", type=float, default=1000.0, help="p99 control budget")
     p.add_argument("--cuda-graphs", action="store_true", help="capture the packed steps")
+    p.add_argument("--packs", choices=["phase", "mixed"], default="phase",
+                   help="the engine's pack shapes: each loop alone and mixed (its default), or "
+                        "one mixed shape (a slot of each loop for every robot)")  # fmt: skip
     p.add_argument("--compiled-baseline", action="store_true",
                    help="also LeRobot's policy with its blocks compiled, one robot at a time")  # fmt: skip
     args = p.parse_args(argv)

@@ -75,6 +75,9 @@ _HALF = (torch.float16, torch.bfloat16)
 # Head dims flash-attn-4's CuTe kernels support (its interface's "Supported features"); others
 # are not rejected by every entry point, and a tiny model's head dim 16 gave wrong gradients.
 FA4_HEAD_DIMS = (64, 96, 128)
+# Inductor lowers FlexAttention only for heads this wide or wider ("NYI: embedding dimension
+# of the query, key, and value must be at least 16")
+FLEX_MIN_HEAD_DIM = 16
 
 
 def fa4_available() -> bool:
@@ -137,6 +140,32 @@ def _name(fn: Any) -> str | None:
     return None if fn is None else getattr(fn, "__name__", repr(fn))
 
 
+def _resolve_auto(
+    device: torch.device, inner: InnerMask | None, dtype: torch.dtype | None, head_dim: int | None
+) -> tuple[str, str, str]:
+    """``auto``'s (backend, kernel, reason) on ``device``."""
+    if device.type != "cuda":
+        return "sdpa", "math", f"auto: {device.type} -> sdpa (the only CPU backend with backward)"
+    half = dtype in _HALF
+    fa4 = fa4_available()
+    fa4_dim = head_dim is None or head_dim in FA4_HEAD_DIMS
+    if inner is None and fa4 and half and fa4_dim:
+        return "varlen", "fa4", "auto: CUDA, document-only mask, flash-attn-4 installed"
+    if fa4 and half and fa4_dim:
+        return "flex_flash", "flash", "auto: CUDA, inner mask, flash-attn-4 installed"
+    why = (
+        (_fa4_import_error() or "flash-attn-4 not available")
+        if not fa4
+        else f"dtype {dtype} is not bf16/fp16"
+        if not half
+        else f"head_dim {head_dim} is not one of flash-attn-4's {FA4_HEAD_DIMS}"
+    )
+    if head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM:
+        least = f"head_dim {head_dim} < {FLEX_MIN_HEAD_DIM} (compiled FlexAttention's least)"
+        return "sdpa", "math", f"auto: CUDA, {why}, {least} -> sdpa"
+    return "flex", "triton", f"auto: CUDA, {why} -> FlexAttention (Triton)"
+
+
 def _resolve(
     backend: str,
     device: torch.device,
@@ -149,29 +178,17 @@ def _resolve(
         raise ValueError(f"backend={backend!r}; choose one of {_BACKENDS}")
     cuda = device.type == "cuda"
     half = dtype in _HALF
+    narrow = cuda and head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
     if backend == "auto":
-        if not cuda:
-            return (
-                "sdpa",
-                "math",
-                f"auto: {device.type} -> sdpa (the only CPU backend with backward)",
-            )
-        fa4 = fa4_available()
-        fa4_dim = head_dim is None or head_dim in FA4_HEAD_DIMS
-        if inner is None and fa4 and half and fa4_dim:
-            return "varlen", "fa4", "auto: CUDA, document-only mask, flash-attn-4 installed"
-        if fa4 and half and fa4_dim:
-            return "flex_flash", "flash", "auto: CUDA, inner mask, flash-attn-4 installed"
-        why = (
-            (_fa4_import_error() or "flash-attn-4 not available")
-            if not fa4
-            else f"dtype {dtype} is not bf16/fp16"
-            if not half
-            else f"head_dim {head_dim} is not one of flash-attn-4's {FA4_HEAD_DIMS}"
-        )
-        return "flex", "triton", f"auto: CUDA, {why} -> FlexAttention (Triton)"
+        return _resolve_auto(device, inner, dtype, head_dim)
     if backend == "sdpa":
         return "sdpa", "math", "requested"
+    if narrow and backend == "flex":
+        raise ValueError(
+            f"backend='flex' on CUDA needs head_dim >= {FLEX_MIN_HEAD_DIM} (Inductor lowers "
+            f"FlexAttention for no narrower heads), got head_dim {head_dim}; use backend='sdpa' "
+            "(or 'auto')"
+        )
     if backend == "flex":
         kernel = "triton" if cuda else "eager"
         note = "" if cuda else " (CPU: forward only; use backend='sdpa' for training)"

@@ -5,6 +5,7 @@ back that waits for no later model call."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -58,7 +59,7 @@ def quarantine(bad_K: Tensor, states: Sequence[tuple[Tensor, Tensor]]) -> None:
     ids_R = torch.arange(R, device=bad_K.device)
     bad = torch.zeros(R, dtype=torch.bool, device=bad_K.device)
     for x, slot in states:
-        row_bad = ~torch.isfinite(x.reshape(x.shape[0], -1)).all(dim=1)
+        row_bad = ~torch.isfinite(x.reshape(x.shape[0], math.prod(x.shape[1:]))).all(dim=1)
         bad |= ((slot[:, None] == ids_R[None, :]) & row_bad[:, None]).any(dim=0)
     bad_K.copy_(bad)
     bad_R1 = torch.cat([bad, bad.new_zeros(1)])  # row R: not a request

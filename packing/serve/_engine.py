@@ -545,8 +545,9 @@ def _check_packs(packs: Packs[Any, Any]) -> None:
 
 def _carry(x: Tensor, vp: Tensor, old: Sequence[Tensor] | None, take: Tensor) -> None:
     """``x[i] = old_x[take[i]]`` where ``take >= 0``, else 0 (same for ``vp``); in place, so
-    a captured graph keeps reading the same buffers. Gathers first: ``old`` may be ``x``."""
-    if old is None:
+    a captured graph keeps reading the same buffers. Gathers first: ``old`` may be ``x``.
+    An ``old`` of no rows (a shape without this stream) carries nothing."""
+    if old is None or old[0].shape[0] == 0:
         x.zero_()
         vp.zero_()
         return

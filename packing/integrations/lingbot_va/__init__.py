@@ -21,17 +21,17 @@ batch mean), exact under packing, accumulation and data parallelism.
 - `packing.integrations.lingbot_va.testing`: tiny policies from LeRobot's classes
   (``packing verify --model packing.integrations.lingbot_va.testing:tiny_lingbot_va``).
 
-Serve it to many robots at once (docs/lingbot-va.md, "Serving"):
+Serve it to many robots at once (docs/lingbot-va-serving.md):
 
 - `LingBotVAEngine` (the engine over `ServedLingBotVA`, the per-model Packs), `LingShape`
-  (its static packs), `ChunkRequest` (a robot's next chunk: its episode so far);
+  (its static packs; `phase_shapes`: the default, each loop alone and mixed), `ChunkRequest` (a robot's next chunk: its episode so far);
 - `LingBotVAAdapter`: a LeRobot LingBot-VA client's observation through ``packing serve``
   (``LingBotVAAdapter.from_policy(policy)``: the policy's own VAE and UMT5, a VAE cache per
   episode: `PolicyEncoders`);
 - `prove_serving` -> `ServingReport`: served == LeRobot's ``predict_action_chunk`` per robot
   alone (``packing verify --inference --model lingbot_va``).
 
-docs/lingbot-va.md has the recipe and the proof.
+docs/lingbot-va.md and docs/lingbot-va-serving.md have the recipes and the proofs.
 """
 
 from packing._lazy import require
@@ -55,7 +55,7 @@ from packing.integrations.lingbot_va._serve import (  # noqa: E402
 )
 from packing.integrations.lingbot_va._serve_adapter import LingBotVAAdapter  # noqa: E402
 from packing.integrations.lingbot_va._serve_encoders import PolicyEncoders  # noqa: E402
-from packing.integrations.lingbot_va._serve_packs import LingShape  # noqa: E402
+from packing.integrations.lingbot_va._serve_packs import LingShape, phase_shapes  # noqa: E402
 from packing.integrations.lingbot_va._serve_proof import (  # noqa: E402
     ServingReport,
     prove_serving,
@@ -87,5 +87,6 @@ __all__ = [
     "lingbot_va_mask",
     "noise_to_clean",
     "noise_to_noise",
+    "phase_shapes",
     "prove_serving",
 ]

@@ -1,6 +1,6 @@
 """LeRobot's LingBot-VA served to many robots at once: `ServedLingBotVA`, the engine's Packs.
 
-``engine = LingBotVAEngine(policy, robots=16, shapes=[LingShape(video=8, action=8)])``;
+``engine = LingBotVAEngine(policy, robots=16)`` (packs: `phase_shapes`, or ``shapes=``);
 ``engine.submit(ChunkRequest(...))``; ``engine.step()`` -> `Result` s (``latents``
 ``(F, C, H, W)`` as ``_infer`` returns them, ``action`` ``(steps, n_used)`` as
 ``predict_action_chunk`` does: the used channels, chunk 0 without its conditioning frame). A chunk runs as two phases of the engine (`Packs.then`)::
@@ -44,7 +44,9 @@ from packing.integrations.lingbot_va._serve_packs import (
     Geometry,
     LingShape,
     StepBuffers,
+    check_shapes,
     lingbot_step,
+    phase_shapes,
 )  # fmt: skip
 from packing.integrations.lingbot_va._serve_request import (
     ChunkRequest,
@@ -67,13 +69,13 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
     """LeRobot's ``LingBotVAPolicy`` behind the engine's per-model protocol.
 
     ``robots``: sessions the pool holds at once (each one region per guidance row);
-    ``shapes``: the static packs; ``check_history=False`` trusts a session's cache without
-    comparing the request's history (the negative control: a changed keyframe is then served
-    from a stale cache); ``document_mask=False`` lets robots see each other (must fail);
+    ``shapes``: the static packs (None: `phase_shapes`); ``check_history=False`` trusts a
+    session's cache without comparing the request's history (the negative control: a changed
+    keyframe is then served from a stale cache); ``document_mask=False`` lets robots see each other (must fail);
     ``attention``: ``"auto"`` (dense SDPA on the CPU, FlexAttention on CUDA), ``"sdpa"`` or
     ``"flex"`` (on the CPU: eager, forward only, the CUDA path's masks checked there)."""
 
-    def __init__(self, policy: Any, *, robots: int, shapes: Sequence[LingShape],
+    def __init__(self, policy: Any, *, robots: int, shapes: Sequence[LingShape] | None = None,
                  cuda_graphs: bool = False, check_history: bool = True,
                  document_mask: bool = True, attention: str = "auto") -> None:  # fmt: skip
         cfg, model = policy.config, policy.transformer
@@ -81,9 +83,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         self.check_history = check_bool("check_history", check_history)
         self.document_mask = check_bool("document_mask", document_mask)
         robots = check_int("robots", robots, min=1, max=4096)
-        shapes = list(shapes)
-        if not shapes or not all(isinstance(s, LingShape) for s in shapes):
-            raise ValueError(f"shapes={shapes!r}; give one or more LingShape")
+        shapes = check_shapes(phase_shapes(robots) if shapes is None else shapes)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         if cuda_graphs and self.device.type != "cuda":
@@ -100,7 +100,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         used[list(cfg.used_action_channel_ids)] = True
         self.used = used
         self.used_ids = torch.tensor(list(cfg.used_action_channel_ids), device=self.device)
-        self.shapes = sorted(shapes, key=lambda s: (s.video + s.action, s.video))
+        self.shapes = shapes
         g = self.geo
         big = self.shapes[-1]
         self.fb_docs = big.video * g.cv  # a feedback call: every video robot's rows at once
@@ -135,7 +135,9 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
             cb.load({}, **self.mask_args)  # the empty composition's masks (warm-up runs it)
         self.sessions: dict[str, Session] = {}
         self.steps = Steps(cuda_graphs)
-        self.cache_stats = {"feedback_chunks": 0, "rebuilds": 0, "text_fills": 0}
+        self.cache_stats = {"feedback_chunks": 0, "rebuilds": 0, "text_fills": 0,
+                            "steps_in_video_packs": 0, "steps_in_action_packs": 0,
+                            "steps_in_mixed_packs": 0}  # fmt: skip
 
     # -- requests -----------------------------------------------------------------------
     def check(self, r: ChunkRequest) -> Phase:  # type: ignore[override]
@@ -306,6 +308,12 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         return (b.x_v, b.vp_v), (b.x_a, b.vp_a)
 
     def step(self, shape: LingShape) -> None:
+        kind = "video_packs" if shape.action == 0 else "action_packs" if shape.video == 0 else (
+            "mixed_packs")  # fmt: skip
+        self.cache_stats[f"steps_in_{kind}"] += 1
+        self._step(shape)
+
+    def _step(self, shape: LingShape) -> None:
         b = self.buffers[shape]
 
         def fn() -> None:
@@ -340,7 +348,7 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
                      noise=p.noise, latents=latents)  # fmt: skip
 
     def warm_keys(self) -> list[tuple[str, Callable[[], None]]]:
-        keys = [(f"pack {s.video} video + {s.action} action robots", partial(self.step, s))
+        keys = [(f"pack {s.video} video + {s.action} action robots", partial(self._step, s))
                 for s in self.shapes]  # fmt: skip
         return [*keys, ("feedback pass", self._warm_feedback)]
 
@@ -433,7 +441,7 @@ class _Stateless:
 class LingBotVAEngine(Engine):
     """`Engine` serving LeRobot's LingBot-VA (`ServedLingBotVA`): submit `ChunkRequest` s."""
 
-    def __init__(self, policy: Any, *, robots: int, shapes: Sequence[LingShape],
+    def __init__(self, policy: Any, *, robots: int, shapes: Sequence[LingShape] | None = None,
                  **options: Any) -> None:  # fmt: skip
         require("lerobot.policies.lingbot_va", extra="lingbot")
         packs = ServedLingBotVA(policy, robots=robots, shapes=shapes, **options)

@@ -25,13 +25,15 @@ from packing._validate import check_int
 from packing.integrations.lingbot_va._serve_step import CallBuffers, Pools, forward_call
 from packing.serve.protocol import quarantine
 
-__all__ = ["LingShape", "StepBuffers", "lingbot_step"]
+__all__ = ["LingShape", "StepBuffers", "check_shapes", "lingbot_step", "phase_shapes"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class LingShape:
     """A static pack: at most ``video`` robots in their video loop and ``action`` robots in
-    their action loop, together."""
+    their action loop, together. A slot no robot fills is still computed (static shapes),
+    so a pack of robots all in one loop runs best in a shape of that loop alone: ``video=0``
+    (or ``action=0``) makes one (`phase_shapes`)."""
 
     video: int
     action: int
@@ -39,7 +41,10 @@ class LingShape:
     def __post_init__(self) -> None:
         for name in ("video", "action"):
             object.__setattr__(self, name, check_int(f"LingShape.{name}", getattr(self, name),
-                                                     min=1, max=4096))  # fmt: skip
+                                                     min=0, max=4096))  # fmt: skip
+        if self.video + self.action == 0:
+            raise ValueError("LingShape(video=0, action=0) holds no robot; give video >= 1 or "
+                             "action >= 1")  # fmt: skip
 
     @property
     def requests(self) -> int:
@@ -48,6 +53,38 @@ class LingShape:
     def fits(self, phases: Any) -> bool:
         kinds = [p.kind for p in phases]
         return kinds.count("video") <= self.video and kinds.count("action") <= self.action
+
+
+def phase_shapes(robots: int) -> list[LingShape]:
+    """The default packs for ``robots`` robots: all in their video loop, all in their action
+    loop, and any mix. An action step of ``robots`` robots then costs its action tokens
+    alone, not ``robots`` padded video chunks as well."""
+    robots = check_int("robots", robots, min=1, max=4096)
+    return [LingShape(video=robots, action=0), LingShape(video=0, action=robots),
+            LingShape(video=robots, action=robots)]  # fmt: skip
+
+
+def check_shapes(shapes: Any) -> list[LingShape]:
+    """``shapes`` sorted smallest first, the largest holding every other (the engine admits
+    a robot when the largest could hold the pack) and both loops (every chunk runs both)."""
+    shapes = list(shapes) if isinstance(shapes, (list, tuple)) else shapes
+    if (
+        not isinstance(shapes, list)
+        or not shapes
+        or not all(isinstance(s, LingShape) for s in shapes)
+    ):
+        raise ValueError(f"shapes={shapes!r}; give one or more LingShape (or None: phase_shapes)")
+    shapes = sorted(set(shapes), key=lambda s: (s.video + s.action, s.video))
+    big = shapes[-1]
+    small = [s for s in shapes if s.video > big.video or s.action > big.action]
+    if small or big.video == 0 or big.action == 0:
+        need = LingShape(video=max(1, *(s.video for s in shapes)),
+                         action=max(1, *(s.action for s in shapes)))  # fmt: skip
+        why = (f"{small[0]} does not fit in it" if small
+               else "every chunk runs a video loop and an action loop")  # fmt: skip
+        raise ValueError(f"shapes={shapes!r}: the largest, {big}, must hold every other shape "
+                         f"and both loops ({why}); add {need}")  # fmt: skip
+    return shapes
 
 
 @dataclass(frozen=True)

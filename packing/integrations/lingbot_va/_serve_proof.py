@@ -12,6 +12,7 @@ policy, the same history and the same noise). ``ablation`` plants what must fail
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +23,7 @@ from packing.integrations.lingbot_va._serve import LingBotVAEngine
 from packing.integrations.lingbot_va._serve_packs import LingShape
 from packing.integrations.lingbot_va._serve_reference import ReferenceRobot
 from packing.integrations.lingbot_va._serve_request import ChunkRequest
-from packing.integrations.lingbot_va.testing import SERVING_TINY as TINY
-from packing.integrations.lingbot_va.testing import tiny_policy, tiny_serving_policy
+from packing.integrations.lingbot_va.testing import tiny_serving_policy
 
 __all__ = ["ABLATIONS", "ServingReport", "prove_serving", "tiny_serving_policy"]
 
@@ -56,6 +56,8 @@ class ServingReport:
     mixed_steps: bool  # a pack held robots at different steps
     evicted: int  # cache slots evicted (LeRobot's window reached)
     errors: dict[str, str]
+    # steps run in packs of robots all in their video loop, all in their action loop, mixed
+    pack_kinds: dict[str, int] = field(default_factory=dict)
     tolerance: float = 1e-5  # fp32 on the CPU; the caller's on another device or dtype
 
     @property
@@ -117,8 +119,10 @@ def prove_serving(
     cfg, F_ = policy.config, policy.config.frame_chunk_size
     text = toy_text_embeddings(int(cfg.text_dim))
     negative = text("")
-    engine = LingBotVAEngine(policy, robots=4, shapes=[LingShape(video=2, action=2),
-                                                       LingShape(video=4, action=4)],
+    # packs of one loop (both kinds) and of mixed loops, two sizes
+    shapes = [LingShape(video=2, action=0), LingShape(video=0, action=2),
+              LingShape(video=2, action=2), LingShape(video=4, action=4)]  # fmt: skip
+    engine = LingBotVAEngine(policy, robots=4, shapes=shapes,
                              check_history=ablation != "no_history_check",
                              document_mask=ablation != "no_document_mask",
                              cuda_graphs=cuda_graphs)  # fmt: skip
@@ -153,8 +157,10 @@ def prove_serving(
             lat = max(lat, (r.out[k][0].cpu() - ref_lat.cpu()).abs().max().item())
             act = max(act, (r.out[k][1].cpu() - ref_act.cpu()).abs().max().item())
             n += 1
-    return ServingReport(lat, act, n, max_pack, mixed, engine.stats["evicted_slots"], errors,
-                         tolerance)  # fmt: skip
+    st = engine.stats
+    kinds = {k: st[f"steps_in_{k}_packs"] for k in ("video", "action", "mixed")}
+    return ServingReport(lat, act, n, max_pack, mixed, st["evicted_slots"], errors,
+                         pack_kinds=kinds, tolerance=tolerance)  # fmt: skip
 
 
 def _reference(
@@ -172,7 +178,7 @@ def _reference(
         last = chunks[-1]
         req = _request(_Robot(**{**r.__dict__, "next": last}), F_, negative)
         device = next(policy.parameters()).device
-        ref_policy = tiny_policy(**{**TINY, "device": str(device), "dtype": policy.config.dtype})
+        ref_policy = type(policy)(copy.deepcopy(policy.config))  # LeRobot's, same config
         ref_policy.load_state_dict(policy.state_dict())
         robot = ReferenceRobot(ref_policy.to(device), r.prompt, negative)  # draws as served
         for k in range(last + 1):

@@ -206,13 +206,24 @@ def forward_call(
     ``(Q,)`` bool: the queries whose keys or values were not finite in some layer (written
     as 0, so no other doc reads them: the caller fails their robot)."""
     dtype = next(model.parameters()).dtype
-    hv = model.patch_embedding_mlp(tok_v.to(dtype))
-    ha = model.action_embedder(tok_a.to(dtype))
-    h = torch.cat([hv, ha])[None]
-    temb_v, proj_v = model.condition_embedder(t_Q[None, : cb.Qv], dtype=h.dtype)
-    temb_a, proj_a = model.condition_embedder_action(t_Q[None, cb.Qv :], dtype=h.dtype)
-    temb = torch.cat([temb_v, temb_a], 1)
-    proj = torch.cat([proj_v, proj_a], 1).unflatten(2, (6, -1))
+    streams = [
+        (embed, cond, tok, t)
+        for embed, cond, tok, t, n in (
+            (model.patch_embedding_mlp, model.condition_embedder, tok_v, t_Q[None, : cb.Qv], cb.Qv),
+            (
+                model.action_embedder,
+                model.condition_embedder_action,
+                tok_a,
+                t_Q[None, cb.Qv :],
+                cb.Qa,
+            ),
+        )
+        if n > 0
+    ]  # a pack of one loop only (`phase_shapes`): LeRobot's embedders take no 0 rows
+    h = torch.cat([embed(tok.to(dtype)) for embed, _, tok, _ in streams])[None]
+    temb_proj = [cond(t, dtype=h.dtype) for _, cond, _, t in streams]
+    temb = torch.cat([te for te, _ in temb_proj], 1)
+    proj = torch.cat([p for _, p in temb_proj], 1).unflatten(2, (6, -1))
     freqs = torch.view_as_complex(cb.freqs_Q)[None, :, None]
     masks = cb.masks
     assert masks is not None, "load() a composition first"

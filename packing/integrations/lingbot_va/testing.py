@@ -101,8 +101,11 @@ SERVING_TINY = dict(attn_mode="torch", frame_chunk_size=2, action_per_frame=2,
 
 def tiny_serving_policy(**overrides: Any) -> Any:
     """`tiny_policy` for serving (``SERVING_TINY``): what ``packing verify --inference --model
-    lingbot_va`` serves."""
+    lingbot_va`` serves. On a GPU its heads are 24 wide, not 12: Inductor's FlexAttention
+    refuses a head dim under 16 there (and LeRobot's RoPE needs a multiple of 6)."""
     torch.manual_seed(0)
+    if torch.device(overrides.get("device", "cpu")).type != "cpu":
+        overrides.setdefault("attention_head_dim", 24)
     return tiny_policy(**{**SERVING_TINY, **overrides})
 
 
