@@ -14,7 +14,7 @@
 #   bash benchmarks/gpu.sh encode      # benchmarks/data/bench_encode.py, when present (300 s)
 #   bash benchmarks/gpu.sh lingtests   # LingBot-VA served, one call a stage, each carrying
 #   bash benchmarks/gpu.sh lingserve   #   .whl/lingserve and .whl/lingbench: its CUDA tests and
-#   bash benchmarks/gpu.sh lingserve_short  # the pool mask build (210 s); LingBot-VA's own
+#   bash benchmarks/gpu.sh lingserve_short  # the pool mask build (540 s); LingBot-VA's own
 #                                      #   schedule vs LeRobot eager and compiled (560 s); the
 #                                      #   shortened video_exec_step schedule (560 s)
 #   bash benchmarks/gpu.sh attention | blockmask | fillprobe | tests | verify | budget
@@ -174,7 +174,7 @@ for STAGE in "$@"; do
     lingtests)
       if [ "$DRY" = 1 ]; then echo "=== pytest tests/test_gpu.py -k 'lingbot or pool_block_mask'"
       elif [ "$QUICK" != 1 ]; then
-        timeout "${LINGTEST_LIMIT:-150}" $PY -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider \
+        timeout "${LINGTEST_LIMIT:-480}" $PY -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider \
           -k "lingbot or pool_block_mask" 2>&1 | tee "$R/gpu_tests_lingbot.txt" \
           | grep -E "passed|failed|error|PASSED|FAILED|SKIPPED" | tail -30
       fi

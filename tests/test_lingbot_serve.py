@@ -369,6 +369,11 @@ def test_bench_lingbot_serve_smoke(tmp_path) -> None:
     assert len(agree) == 4 and max(agree) <= 1e-5, payload["agreement"]
     assert set(payload["goals"]) == {r["schedule"] for r in rows}
     assert json.loads(out.read_text())["provenance"]
+    # the engine's default packs: robots all in one loop ran in that loop's shape
+    for r in rows:
+        if r["server"].startswith("packed"):
+            st = r["stats"]
+            assert st["steps_in_video_packs"] > 0 and st["steps_in_action_packs"] > 0, st
 
 
 def test_verify_inference_model_lingbot_va_names_only_the_served_proof() -> None:

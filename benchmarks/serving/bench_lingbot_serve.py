@@ -50,7 +50,7 @@ SMOKE = dict(num_inference_steps=2, action_num_inference_steps=3, frame_chunk_si
              action_per_frame=2, attn_window=4)  # fmt: skip
 
 
-def build_policy(smoke: bool, exec_step: int, device: str) -> Any:
+def build_policy(smoke: bool, exec_step: int, device: str, dtype: str = "bfloat16") -> Any:
     from lerobot.configs.types import FeatureType, PolicyFeature
     from lerobot.policies.lingbot_va.configuration_lingbot_va import LingBotVAConfig
     from lerobot.policies.lingbot_va.modeling_lingbot_va import LingBotVAPolicy
@@ -62,7 +62,7 @@ def build_policy(smoke: bool, exec_step: int, device: str) -> Any:
         return tiny_policy(attn_mode="torch", video_exec_step=exec_step, **SMOKE)
     cams = ["observation.images.image", "observation.images.image2"]
     visual = PolicyFeature(type=FeatureType.VISUAL, shape=(3, 128, 128))
-    cfg = LingBotVAConfig(**WAN_5B, **LIBERO, attn_mode="torch", dtype="bfloat16",
+    cfg = LingBotVAConfig(**WAN_5B, **LIBERO, attn_mode="torch", dtype=dtype,
                           video_exec_step=exec_step, obs_cam_keys=cams, device=device,
                           input_features={k: visual for k in cams})  # fmt: skip
     torch.manual_seed(0)
@@ -209,7 +209,7 @@ EAGER, COMPILED, PACKED = (
 def run_schedule(args: Any, exec_step: int, rows: list[dict], checks: dict) -> None:
     """Every arm on one schedule (``exec_step`` -1: LingBot-VA's own), rows appended as they
     finish (and checkpointed: a run cut at its limit keeps them)."""
-    policy = build_policy(args.smoke, exec_step, args.device)
+    policy = build_policy(args.smoke, exec_step, args.device, args.dtype)
     c = policy.config
     video = f"{c.num_inference_steps}+1" if exec_step == -1 else f"exec_step {exec_step}"
     label = f"video {video}, action {c.action_num_inference_steps}"
@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--packs", choices=["phase", "mixed"], default="phase",
                    help="the engine's pack shapes: each loop alone and mixed (its default), or "
                         "one mixed shape (a slot of each loop for every robot)")  # fmt: skip
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the 5B model's dtype (float32: robot 0's agreement with LeRobot at "
+                        "full precision)")  # fmt: skip
     p.add_argument("--compiled-baseline", action="store_true",
                    help="also LeRobot's policy with its blocks compiled, one robot at a time")  # fmt: skip
     args = p.parse_args(argv)
