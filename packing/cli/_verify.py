@@ -389,7 +389,8 @@ def _run_lingbot_serving(args: argparse.Namespace) -> int:
         f"{verdict}: lingbot_va served, {report.chunks} chunks of 4 robots vs LeRobot alone: "
         f"latents max |diff| {report.latents:.2e}, actions {report.actions:.2e} (tol 1e-5); "
         f"fullest pack {report.max_pack} robots, mixed steps {report.mixed_steps}, "
-        f"evicted slots {report.evicted}, failed robots {sorted(report.errors) or 'none'}",
+        f"steps by pack {report.pack_kinds}, evicted slots {report.evicted}, "
+        f"failed robots {sorted(report.errors) or 'none'}",
         flush=True,
     )
     if args.json:
