@@ -356,24 +356,29 @@ def test_bench_lingbot_serve_smoke(tmp_path) -> None:
     from benchmarks.serving.bench_lingbot_serve import main
 
     out = tmp_path / "bench.json"
-    payload = main(["--smoke", "--out", str(out)])
+    payload = main(["--smoke", "--mixed-robots", "2", "--out", str(out)])
     rows = payload["rows"]
     assert {r["server"] for r in rows} == {
         "LeRobot, one robot at a time",
         "packed (LingBotVAEngine)",
+        "packed, one mixed pack shape",
     }
-    assert {r["robots"] for r in rows} == {1, 2} and len(rows) == 8
+    assert {r["robots"] for r in rows} == {1, 2} and len(rows) == 10
     assert all(r["chunks_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
     # robot 0 of every packed run is the LeRobot arm's robot: the benchmark checks itself
     agree = [v for sched in payload["agreement"].values() for v in sched.values()]
     assert len(agree) == 4 and max(agree) <= 1e-5, payload["agreement"]
     assert set(payload["goals"]) == {r["schedule"] for r in rows}
     assert json.loads(out.read_text())["provenance"]
-    # the engine's default packs: robots all in one loop ran in that loop's shape
+    # the engine's default packs: robots all in one loop ran in that loop's shape; the A/B
+    # arm ran every step in its one mixed shape
     for r in rows:
-        if r["server"].startswith("packed"):
-            st = r["stats"]
+        st = r.get("stats", {})
+        if r["server"] == "packed (LingBotVAEngine)":
             assert st["steps_in_video_packs"] > 0 and st["steps_in_action_packs"] > 0, st
+        elif r["server"].startswith("packed"):
+            assert st["steps_in_video_packs"] == st["steps_in_action_packs"] == 0, st
+            assert st["steps_in_mixed_packs"] > 0, st
 
 
 def test_verify_inference_model_lingbot_va_names_only_the_served_proof() -> None:

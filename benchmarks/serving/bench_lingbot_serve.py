@@ -199,10 +199,11 @@ def goals(rows: list[dict], label: str) -> dict[str, Any]:
             "met_p99": fast["p99_ms"] <= base["p99_ms"]}  # fmt: skip
 
 
-EAGER, COMPILED, PACKED = (
+EAGER, COMPILED, PACKED, PACKED_MIXED = (
     "LeRobot, one robot at a time",
     "LeRobot blocks compiled, one robot at a time",
     "packed (LingBotVAEngine)",
+    "packed, one mixed pack shape",
 )
 
 
@@ -231,6 +232,15 @@ def run_schedule(args: Any, exec_step: int, rows: list[dict], checks: dict) -> N
         checks.setdefault(label, {})[f"robot0_vs_lerobot_at_{robots}"] = differs(
             run["robot0_actions"], alone
         )
+        _checkpoint(args, rows, checks)
+    for robots in args.mixed_robots:  # the one mixed shape that ran before phase_shapes
+        run = packed(policy, robots, args.chunks, args.warm, args.cuda_graphs, "mixed")
+        lat = run["latency_ms"]
+        rows.append({"schedule": label, "server": PACKED_MIXED, "robots": robots,
+                     "packs": "mixed", "p50_ms": percentile(lat, 0.5),
+                     "p99_ms": percentile(lat, 0.99),
+                     "chunks_per_s": run["chunks"] / max(run["wall_s"], 1e-9), "derived": False,
+                     "warm_up": run["warm_up"], "stats": run["stats"]})  # fmt: skip
         _checkpoint(args, rows, checks)
     if args.compiled_baseline:
         t0 = time.perf_counter()
@@ -266,6 +276,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="LingBot-VA's own schedule, the shortened one, or both (two calls)")  # fmt: skip
     p.add_argument("--budget-ms", type=float, default=1000.0, help="p99 control budget")
     p.add_argument("--cuda-graphs", action="store_true", help="capture the packed steps")
+    p.add_argument("--mixed-robots", type=int, nargs="*", default=[],
+                   help="also these robot counts with one mixed pack shape (the A/B)")  # fmt: skip
     p.add_argument("--packs", choices=["phase", "mixed"], default="phase",
                    help="the engine's pack shapes: each loop alone and mixed (its default), or "
                         "one mixed shape (a slot of each loop for every robot)")  # fmt: skip
