@@ -24,7 +24,8 @@ batch mean), exact under packing, accumulation and data parallelism.
 Serve it to many robots at once (docs/lingbot-va-serving.md):
 
 - `LingBotVAEngine` (the engine over `ServedLingBotVA`, the per-model Packs), `LingShape`
-  (its static packs; `phase_shapes`: the default, each loop alone and mixed), `ChunkRequest` (a robot's next chunk: its episode so far);
+  (its static packs; `phase_shapes`: the default, each loop alone and mixed),
+  `ChunkRequest` (a robot's next chunk: its episode so far);
 - `LingBotVAAdapter`: a LeRobot LingBot-VA client's observation through ``packing serve``
   (``LingBotVAAdapter.from_policy(policy)``: the policy's own VAE and UMT5, a VAE cache per
   episode: `PolicyEncoders`);

@@ -71,7 +71,8 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
     ``robots``: sessions the pool holds at once (each one region per guidance row);
     ``shapes``: the static packs (None: `phase_shapes`); ``check_history=False`` trusts a
     session's cache without comparing the request's history (the negative control: a changed
-    keyframe is then served from a stale cache); ``document_mask=False`` lets robots see each other (must fail);
+    keyframe is then served from a stale cache); ``document_mask=False`` lets robots see each
+    other (must fail);
     ``attention``: ``"auto"`` (dense SDPA on the CPU, FlexAttention on CUDA), ``"sdpa"`` or
     ``"flex"`` (on the CPU: eager, forward only, the CUDA path's masks checked there)."""
 
