@@ -15,8 +15,9 @@
 #   bash benchmarks/gpu.sh lingtests   # LingBot-VA served, one call a stage, each carrying
 #   bash benchmarks/gpu.sh lingserve   #   .whl/lingserve and .whl/lingbench: its CUDA tests and
 #   bash benchmarks/gpu.sh lingserve_short  # the pool mask build (540 s); LingBot-VA's own
-#                                      #   schedule vs LeRobot eager and compiled, and the
-#                                      #   one mixed pack shape at 8 robots (560 s); the
+#                                      #   schedule vs LeRobot eager and compiled, 8 robots
+#                                      #   out of step, and the one mixed pack shape at 8
+#                                      #   robots (560 s); the
 #                                      #   shortened video_exec_step schedule (560 s)
 #   bash benchmarks/gpu.sh attention | blockmask | fillprobe | tests | verify | budget
 #   NPROC=2 REGIME=seed bash benchmarks/gpu.sh fsdp     # two GPUs (nvidia-h200-x2; FSDP_ARGS)
@@ -43,7 +44,7 @@
 # DRY=1 prints each stage's commands without running them; QUICK=1 runs them with --quick on
 # the CPU (tiny sizes: tests/test_gpu_entry.py).
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,25p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,26p "$0"; exit 2; }
 OUT=${OUT:-.bench_out}
 WHL=${WHL:-.whl}
 DRY=${DRY:-0}
@@ -182,7 +183,7 @@ for STAGE in "$@"; do
       t 60 $PY $B/attention/bench_pool_block_mask.py --out "$R/pool_block_mask_$GPU.json" ;;
     lingserve)
       t "${LINGSERVE_LIMIT:-560}" $PY $B/serving/bench_lingbot_serve.py --schedules own \
-        --cuda-graphs --compiled-baseline --mixed-robots 8 --out "$R/bench_lingbot_serve_own_$GPU.json" \
+        --cuda-graphs --compiled-baseline --stagger-robots 8 --mixed-robots 8 --out "$R/bench_lingbot_serve_own_$GPU.json" \
         ${LINGSERVE_ARGS:-} ;;
     lingserve_short)
       t "${LINGSERVE_LIMIT:-560}" $PY $B/serving/bench_lingbot_serve.py --schedules short \

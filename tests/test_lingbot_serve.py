@@ -9,6 +9,8 @@ that robot.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -414,8 +416,15 @@ def test_pack_shapes_are_checked_when_the_engine_is_built() -> None:
     for shapes, message in bad:
         with pytest.raises(ValueError, match=message):
             LingBotVAEngine(policy, robots=2, shapes=shapes)
-    # the default: packs of each loop alone and of both, smallest first
+    # the default: each loop alone, and every action slot with 1, 2, ... 3 video slots,
+    # ordered by the tokens a step computes (the tiny policy: 128 a video slot, 4 an action
+    # slot), so a pack of 2 video robots runs in (2, 3), not (3, 0)
     engine = LingBotVAEngine(policy, robots=3)
-    assert engine.packs.shapes == [LingShape(video=0, action=3), LingShape(video=3, action=0),
-                                   LingShape(video=3, action=3)]  # fmt: skip
+    V, A = (lambda s: LingShape(video=s, action=0)), (lambda s: LingShape(video=0, action=s))
+    mix = [LingShape(video=v, action=3) for v in (1, 2, 3)]
+    assert engine.packs.shapes == [A(3), mix[0], mix[1], V(3), mix[2]]
     assert sorted(phase_shapes(3), key=str) == sorted(engine.packs.shapes, key=str)
+    assert [(s.video, s.action) for s in phase_shapes(8)] == [
+        (0, 8), (8, 0), (1, 8), (2, 8), (4, 8), (8, 8)]  # fmt: skip
+    phases = [SimpleNamespace(kind=k) for k in ("video", "video", "action")]
+    assert next(s for s in engine.packs.shapes if s.fits(phases)) == mix[1]

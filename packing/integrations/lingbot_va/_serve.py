@@ -47,6 +47,7 @@ from packing.integrations.lingbot_va._serve_packs import (
     check_shapes,
     lingbot_step,
     phase_shapes,
+    shape_order,
 )  # fmt: skip
 from packing.integrations.lingbot_va._serve_request import (
     ChunkRequest,
@@ -101,8 +102,8 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         used[list(cfg.used_action_channel_ids)] = True
         self.used = used
         self.used_ids = torch.tensor(list(cfg.used_action_channel_ids), device=self.device)
-        self.shapes = shapes
         g = self.geo
+        self.shapes = shape_order(shapes, g)
         big = self.shapes[-1]
         self.fb_docs = big.video * g.cv  # a feedback call: every video robot's rows at once
         scratch = max([s.video * g.cv * g.L + s.action * g.ca * g.A for s in self.shapes]

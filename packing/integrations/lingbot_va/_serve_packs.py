@@ -25,7 +25,14 @@ from packing._validate import check_int
 from packing.integrations.lingbot_va._serve_step import CallBuffers, Pools, forward_call
 from packing.serve.protocol import quarantine
 
-__all__ = ["LingShape", "StepBuffers", "check_shapes", "lingbot_step", "phase_shapes"]
+__all__ = [
+    "LingShape",
+    "StepBuffers",
+    "check_shapes",
+    "lingbot_step",
+    "phase_shapes",
+    "shape_order",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,17 +63,24 @@ class LingShape:
 
 
 def phase_shapes(robots: int) -> list[LingShape]:
-    """The default packs for ``robots`` robots: all in their video loop, all in their action
-    loop, and any mix. An action step of ``robots`` robots then costs its action tokens
-    alone, not ``robots`` padded video chunks as well."""
+    """The default packs for ``robots`` robots: all in their action loop, all in their video
+    loop, and mixes of every action slot with 1, 2, 4, ... video slots up to ``robots``. An
+    action step then costs its action tokens alone, and robots out of step (a few in their
+    video loop, the rest in their action loop) pay at most twice their video slots, not
+    ``robots`` of them::
+
+        phase_shapes(8): (video 0, action 8) (1, 8) (2, 8) (4, 8) (8, 0) (8, 8)
+    """
     robots = check_int("robots", robots, min=1, max=4096)
-    return [LingShape(video=robots, action=0), LingShape(video=0, action=robots),
-            LingShape(video=robots, action=robots)]  # fmt: skip
+    mixed = [1 << i for i in range(robots.bit_length()) if 1 << i < robots] + [robots]
+    return [LingShape(video=0, action=robots), LingShape(video=robots, action=0),
+            *(LingShape(video=v, action=robots) for v in mixed)]  # fmt: skip
 
 
 def check_shapes(shapes: Any) -> list[LingShape]:
-    """``shapes`` sorted smallest first, the largest holding every other (the engine admits
-    a robot when the largest could hold the pack) and both loops (every chunk runs both)."""
+    """``shapes`` sorted smallest first (by robots, then video slots; the engine orders them
+    by their tokens, `shape_order`), the largest holding every other (the engine admits a
+    robot when the largest could hold the pack) and both loops (every chunk runs both)."""
     shapes = list(shapes) if isinstance(shapes, (list, tuple)) else shapes
     if (
         not isinstance(shapes, list)
@@ -99,6 +113,14 @@ class Geometry:
     cv: int  # guidance rows in the video loop (2 with guidance, else 1)
     ca: int  # guidance rows in the action loop
     capacity: int  # a region's slots (LeRobot's total_token_len)
+
+
+def shape_order(shapes: list[LingShape], g: Geometry) -> list[LingShape]:
+    """``shapes`` cheapest first by the query tokens a step computes (a video slot is
+    ``cv L`` of them, an action slot ``ca A``): the engine runs a pack in the first that holds
+    it, so 2 video robots take ``(2, 8)`` over ``(8, 0)``. The shape holding every other
+    stays last (it is no cheaper than any)."""
+    return sorted(shapes, key=lambda s: (s.video * g.cv * g.L + s.action * g.ca * g.A, s.video))
 
 
 class StepBuffers:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from packing.integrations.lingbot_va._serve import LingBotVAEngine
-from packing.integrations.lingbot_va._serve_packs import LingShape
+from packing.integrations.lingbot_va._serve_packs import LingShape, phase_shapes
 from packing.integrations.lingbot_va._serve_reference import ReferenceRobot
 from packing.integrations.lingbot_va._serve_request import ChunkRequest
 from packing.integrations.lingbot_va.testing import tiny_serving_policy
@@ -119,9 +119,9 @@ def prove_serving(
     cfg, F_ = policy.config, policy.config.frame_chunk_size
     text = toy_text_embeddings(int(cfg.text_dim))
     negative = text("")
-    # packs of one loop (both kinds) and of mixed loops, two sizes
-    shapes = [LingShape(video=2, action=0), LingShape(video=0, action=2),
-              LingShape(video=2, action=2), LingShape(video=4, action=4)]  # fmt: skip
+    # the default packs (one loop alone, and every action slot with 1, 2, 4 video slots),
+    # and smaller packs of one loop
+    shapes = [*phase_shapes(4), LingShape(video=2, action=0), LingShape(video=0, action=2)]
     engine = LingBotVAEngine(policy, robots=4, shapes=shapes,
                              check_history=ablation != "no_history_check",
                              document_mask=ablation != "no_document_mask",
