@@ -19,6 +19,7 @@
 #                                      #   out of step, and the one mixed pack shape at 8
 #                                      #   robots (560 s); the
 #                                      #   shortened video_exec_step schedule (560 s)
+#                                      #   (COMPILED=0: without the compiled arm)
 #   bash benchmarks/gpu.sh attention | blockmask | fillprobe | tests | verify | budget
 #   NPROC=2 REGIME=seed bash benchmarks/gpu.sh fsdp     # two GPUs (nvidia-h200-x2; FSDP_ARGS)
 #   bash benchmarks/gpu.sh fa4         # only stage the carried FA4 wheel half
@@ -44,7 +45,7 @@
 # DRY=1 prints each stage's commands without running them; QUICK=1 runs them with --quick on
 # the CPU (tiny sizes: tests/test_gpu_entry.py).
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,26p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,27p "$0"; exit 2; }
 OUT=${OUT:-.bench_out}
 WHL=${WHL:-.whl}
 DRY=${DRY:-0}
@@ -176,14 +177,14 @@ for STAGE in "$@"; do
     lingtests)
       if [ "$DRY" = 1 ]; then echo "=== pytest tests/test_gpu.py -k 'lingbot or pool_block_mask'"
       elif [ "$QUICK" != 1 ]; then
-        timeout "${LINGTEST_LIMIT:-480}" $PY -m pytest tests/test_gpu.py -q -rA -p no:cacheprovider \
+        timeout "${LINGTEST_LIMIT:-480}" $PY -m pytest tests/test_gpu.py -v -rA -p no:cacheprovider \
           -k "lingbot or pool_block_mask" 2>&1 | tee "$R/gpu_tests_lingbot.txt" \
           | grep -E "passed|failed|error|PASSED|FAILED|SKIPPED" | tail -30
       fi
       t 60 $PY $B/attention/bench_pool_block_mask.py --out "$R/pool_block_mask_$GPU.json" ;;
     lingserve)
       t "${LINGSERVE_LIMIT:-560}" $PY $B/serving/bench_lingbot_serve.py --schedules own \
-        --cuda-graphs --compiled-baseline --stagger-robots 8 --mixed-robots 8 --out "$R/bench_lingbot_serve_own_$GPU.json" \
+        --cuda-graphs $([ "${COMPILED:-1}" = 1 ] && echo --compiled-baseline) --stagger-robots 8 --mixed-robots 8 --out "$R/bench_lingbot_serve_own_$GPU.json" \
         ${LINGSERVE_ARGS:-} ;;
     lingserve_short)
       t "${LINGSERVE_LIMIT:-560}" $PY $B/serving/bench_lingbot_serve.py --schedules short \
