@@ -358,28 +358,37 @@ def test_bench_lingbot_serve_smoke(tmp_path) -> None:
     from benchmarks.serving.bench_lingbot_serve import main
 
     out = tmp_path / "bench.json"
-    payload = main(["--smoke", "--mixed-robots", "2", "--out", str(out)])
+    payload = main(["--smoke", "--mixed-robots", "2", "--stagger-robots", "2",
+                    "--out", str(out)])  # fmt: skip
     rows = payload["rows"]
     assert {r["server"] for r in rows} == {
         "LeRobot, one robot at a time",
         "packed (LingBotVAEngine)",
         "packed, one mixed pack shape",
+        "packed, robots out of step",
     }
-    assert {r["robots"] for r in rows} == {1, 2} and len(rows) == 10
+    assert {r["robots"] for r in rows} == {1, 2} and len(rows) == 12
     assert all(r["chunks_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
     # robot 0 of every packed run is the LeRobot arm's robot: the benchmark checks itself
     agree = [v for sched in payload["agreement"].values() for v in sched.values()]
-    assert len(agree) == 4 and max(agree) <= 1e-5, payload["agreement"]
+    assert len(agree) == 6 and max(agree) <= 1e-5, payload["agreement"]
     assert set(payload["goals"]) == {r["schedule"] for r in rows}
     assert json.loads(out.read_text())["provenance"]
     # the engine's default packs: robots all in one loop ran in that loop's shape; the A/B
     # arm ran every step in its one mixed shape
+    # arm ran every step in its one mixed shape, half of it padding (2 robots: a video and an
+    # action slot each, one loop at a time filled); robots out of step ran mixed packs too
     for r in rows:
         st = r.get("stats", {})
         if r["server"] == "packed (LingBotVAEngine)":
             assert st["steps_in_video_packs"] > 0 and st["steps_in_action_packs"] > 0, st
-        elif r["server"].startswith("packed"):
+            assert st["steps_in_mixed_packs"] == 0, st
+            assert st["query_tokens_filled"] == st["query_tokens_computed"] > 0, st
+        elif r["server"] == "packed, one mixed pack shape":
             assert st["steps_in_video_packs"] == st["steps_in_action_packs"] == 0, st
+            assert st["steps_in_mixed_packs"] > 0, st
+            assert st["query_tokens_filled"] < st["query_tokens_computed"], st
+        elif r["server"] == "packed, robots out of step":
             assert st["steps_in_mixed_packs"] > 0, st
 
 
@@ -428,3 +437,24 @@ def test_pack_shapes_are_checked_when_the_engine_is_built() -> None:
         (0, 8), (8, 0), (1, 8), (2, 8), (4, 8), (8, 8)]  # fmt: skip
     phases = [SimpleNamespace(kind=k) for k in ("video", "video", "action")]
     assert next(s for s in engine.packs.shapes if s.fits(phases)) == mix[1]
+
+
+def test_fill_lingbot_packs_counts_what_padding_each_shape_set_computes(tmp_path) -> None:
+    """The counts behind docs/lingbot-va-serving.md's fill table: in step, the default packs
+    compute no padding and the one mixed shape half its tokens as padding (2 robots, one
+    loop filled at a time); out of step, the default computes fewer tokens than each loop
+    alone plus one mixed shape, which computes fewer than the one mixed shape."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.serving.fill_lingbot_packs import main
+
+    rows = main(["--quick", "--device", "cpu", "--out", str(tmp_path / "fill.json")])["rows"]
+    got = {(r["arrival"], r["packs"]): r for r in rows}
+    assert len(got) == 6
+    assert got["in step", "phase"]["fill"] == got["in step", "loops"]["fill"] == 1.0
+    assert got["in step", "mixed"]["fill"] == 0.5
+    apart = [got["out of step", k]["tokens_per_chunk"] for k in ("phase", "loops", "mixed")]
+    assert apart == sorted(apart) and len(set(apart)) == 3, apart
+    assert got["out of step", "phase"]["steps"]["mixed"] > 0  # they were out of step

@@ -112,21 +112,38 @@ def lerobot_alone(
     return ms, actions
 
 
+PACKS = {
+    "phase": "phase_shapes, the engine's default",
+    "loops": "each loop alone and one mixed shape (2026-12-05's default)",
+    "mixed": "one mixed shape (the first GPU run, 2026-12-05)",
+}
+
+
+def pack_shapes(packs: str, robots: int) -> list[Any] | None:
+    """The shapes of a ``packs`` choice (`PACKS`) for ``robots`` robots (None: the default)."""
+    from packing.integrations.lingbot_va._serve_packs import LingShape
+
+    if packs not in PACKS:
+        raise ValueError(f"packs={packs!r}; use one of {sorted(PACKS)}")
+    n = robots
+    return {"phase": None, "mixed": [LingShape(video=n, action=n)],
+            "loops": [LingShape(video=n, action=0), LingShape(video=0, action=n),
+                      LingShape(video=n, action=n)]}[packs]  # fmt: skip
+
+
 def packed(policy: Any, robots: int, chunks: int, warm: int, cuda_graphs: bool,
            packs: str = "phase", stagger: bool = False) -> dict[str, Any]:  # fmt: skip
     """``robots`` robots in a closed loop through `LingBotVAEngine`; the first ``warm``
     chunks of each robot are not timed. Robot 0's episode and seeds are the alone arms'.
-    ``packs``: "phase" (the engine's default shapes, `phase_shapes`) or "mixed" (one shape of
-    ``robots`` video and ``robots`` action slots, what ran before 2026-12-05). ``stagger``:
+    ``packs``: a key of `PACKS` (`pack_shapes`). ``stagger``:
     robot r joins after r/robots of a chunk's steps, so the robots stay out of step (some in
     their video loop while others are in their action loop) instead of in lockstep."""
     from packing.integrations.lingbot_va._serve import LingBotVAEngine
-    from packing.integrations.lingbot_va._serve_packs import LingShape
     from packing.integrations.lingbot_va._serve_request import ChunkRequest
 
     F_ = policy.config.frame_chunk_size
-    shapes = [LingShape(video=robots, action=robots)] if packs == "mixed" else None
-    engine = LingBotVAEngine(policy, robots=robots, shapes=shapes, cuda_graphs=cuda_graphs)
+    engine = LingBotVAEngine(policy, robots=robots, shapes=pack_shapes(packs, robots),
+                             cuda_graphs=cuda_graphs)  # fmt: skip
     t0 = time.perf_counter()
     warm_stats = engine.warm_up()
     warm_s = time.perf_counter() - t0
@@ -308,9 +325,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--stagger-robots", type=int, nargs="*", default=[],
                    help="also these robot counts out of step: robot r joins r/N of a chunk's "
                         "steps after robot 0 (default packs)")  # fmt: skip
-    p.add_argument("--packs", choices=["phase", "mixed"], default="phase",
-                   help="the engine's pack shapes: phase_shapes (its default), or "
-                        "one mixed shape (a slot of each loop for every robot)")  # fmt: skip
+    p.add_argument("--packs", choices=sorted(PACKS), default="phase",
+                   help="the engine's pack shapes: " + "; ".join(f"{k}: {v}" for k, v in
+                                                                 PACKS.items()))  # fmt: skip
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="the 5B model's dtype (float32: robot 0's agreement with LeRobot at "
                         "full precision)")  # fmt: skip

@@ -47,6 +47,7 @@ from packing.integrations.lingbot_va._serve_packs import (
     check_shapes,
     lingbot_step,
     phase_shapes,
+    query_tokens,
     shape_order,
 )  # fmt: skip
 from packing.integrations.lingbot_va._serve_request import (
@@ -139,7 +140,9 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         self.steps = Steps(cuda_graphs)
         self.cache_stats = {"feedback_chunks": 0, "rebuilds": 0, "text_fills": 0,
                             "steps_in_video_packs": 0, "steps_in_action_packs": 0,
-                            "steps_in_mixed_packs": 0}  # fmt: skip
+                            "steps_in_mixed_packs": 0, "query_tokens_computed": 0,
+                            "query_tokens_filled": 0}  # fmt: skip
+        self._filled: dict[LingShape, int] = {}  # a shape's robots' query tokens, at layout
 
     # -- requests -----------------------------------------------------------------------
     def check(self, r: ChunkRequest) -> Phase:  # type: ignore[override]
@@ -300,6 +303,8 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         from packing.integrations.lingbot_va._serve_layout import step_layout
 
         host, spans = step_layout(self, shape, phases, tables[2])
+        self._filled[shape] = self._tokens(sum(p.kind == "video" for p in phases),
+                                           sum(p.kind == "action" for p in phases))  # fmt: skip
         b = self.buffers[shape]
         b.load({k: v for k, v in host.items() if not k.startswith("call.")})
         b.call.load({k[5:]: v for k, v in host.items() if k.startswith("call.")}, **self.mask_args)
@@ -313,7 +318,12 @@ class ServedLingBotVA(Packs[Phase, LingShape]):
         kind = "video_packs" if shape.action == 0 else "action_packs" if shape.video == 0 else (
             "mixed_packs")  # fmt: skip
         self.cache_stats[f"steps_in_{kind}"] += 1
+        self.cache_stats["query_tokens_computed"] += self._tokens(shape.video, shape.action)
+        self.cache_stats["query_tokens_filled"] += self._filled[shape]
         self._step(shape)
+
+    def _tokens(self, video: int, action: int) -> int:
+        return query_tokens(self.geo, video, action)
 
     def _step(self, shape: LingShape) -> None:
         b = self.buffers[shape]

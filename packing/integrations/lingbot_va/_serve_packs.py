@@ -120,7 +120,13 @@ def shape_order(shapes: list[LingShape], g: Geometry) -> list[LingShape]:
     ``cv L`` of them, an action slot ``ca A``): the engine runs a pack in the first that holds
     it, so 2 video robots take ``(2, 8)`` over ``(8, 0)``. The shape holding every other
     stays last (it is no cheaper than any)."""
-    return sorted(shapes, key=lambda s: (s.video * g.cv * g.L + s.action * g.ca * g.A, s.video))
+    return sorted(shapes, key=lambda s: (query_tokens(g, s.video, s.action), s.video))
+
+
+def query_tokens(g: Geometry, video: int, action: int) -> int:
+    """The query tokens of ``video`` robots in their video loop and ``action`` in their action
+    loop (guidance rows included): what a step of them computes."""
+    return video * g.cv * g.L + action * g.ca * g.A
 
 
 class StepBuffers:
