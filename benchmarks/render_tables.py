@@ -297,6 +297,20 @@ TABLES: dict[str, Table] = {
             rows.lingbot_serve_rows(*rows.LINGBOT_SERVE_RUNS),
         ),
         Table(
+            "lingbot_fill",
+            ("fill_lingbot_packs.json",),
+            (
+                "robots",
+                "arrival",
+                "pack shapes",
+                "robots' share of the tokens",
+                "tokens a robot's chunk",
+                "fewer than one mixed shape",
+                "from",
+            ),
+            rows.lingbot_fill_rows,
+        ),
+        Table(
             "robots_h200_steps",
             ("serving_robots_h200.json",),
             ("requests in the pack", "step ms", "ms a request", "one request's chunk ms", "from"),

@@ -537,6 +537,16 @@ def lingbot_serve_rows(*sources: str) -> Callable[[Docs], list[Row]]:
     return rows
 
 
+def lingbot_fill_rows(docs: Docs) -> list[Row]:
+    """fill_lingbot_packs.py: per robots, arrival and shape set, the share of a step's query
+    tokens that were robots' and the tokens a chunk computed (counts, the same anywhere)."""
+    name = "fill_lingbot_packs.json"
+    doc = docs[name]
+    return [(str(r["robots"]), r["arrival"], doc["packs"][r["packs"]], pct(r["fill"], 0),
+             f"{r['tokens_per_chunk']:,.0f}", ratio(r["x_fewer_tokens"]), name)
+            for r in doc["rows"]]  # fmt: skip
+
+
 def lingbot_serve_goal(label: str, key: str) -> Callable[[Doc], tuple[str, bool]]:
     """One of issue 42's goals at 8 robots on the schedule ``label`` (the JSON's `goals`)."""
 
