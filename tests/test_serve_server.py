@@ -419,11 +419,18 @@ def test_a_diffusers_wan_behind_the_server_with_wan_adapter():
             "prompt": "pick up the cup" if k else "open"} for k in range(3)]  # fmt: skip
     nan = {**obs[0], "context": obs[0]["context"].copy()}
     nan["context"][0, 5, 1, 1] = np.nan
-    srv = PolicyServer(wan_engine(), adapter, ServerConfig(port=0))
+    served, gate = wan_engine(), threading.Event()  # its model calls wait for the gate
+    step = served.step
+    served.step = lambda: (gate.wait(T), step())[1]  # type: ignore[method-assign]
+    srv = PolicyServer(served, adapter, ServerConfig(port=0))
     with srv.running() as address:
         with pytest.raises(ServerError, match="NaN or inf"):
-            one(address, nan)
+            one(address, nan)  # refused at submit: no model call
+        opener = threading.Thread(target=lambda: (
+            wait_until(lambda: srv.summary()["queued"] == 3), gate.set()))  # fmt: skip
+        opener.start()  # the first call waits until all three robots are queued
         replies = robots(address, [[o] for o in obs])
+        opener.join(T)
     for o, (reply,) in zip(obs, replies, strict=True):
         e = wan_engine()
         e.submit(adapter.request(o, session="alone"))
