@@ -374,6 +374,12 @@ def test_bench_lingbot_serve_smoke(tmp_path) -> None:
     assert len(agree) == 6 and max(agree) <= 1e-5, payload["agreement"]
     assert set(payload["goals"]) == {r["schedule"] for r in rows}
     assert json.loads(out.read_text())["provenance"]
+    # a run of 8 robots alone still has its base row, one robot (what every ratio divides by)
+    from benchmarks.serving.bench_lingbot_serve import alone_rows
+
+    base = alone_rows("s", "LeRobot", [100.0, 120.0], [8])
+    assert [(r["robots"], r["derived"]) for r in base] == [(1, False), (8, True)]
+    assert base[1]["p99_ms"] == 8 * base[0]["p99_ms"]
     # the engine's default packs: robots all in one loop ran in that loop's shape; the A/B
     # arm ran every step in its one mixed shape
     # arm ran every step in its one mixed shape, half of it padding (2 robots: a video and an

@@ -197,12 +197,13 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def alone_rows(label: str, server: str, ms: list[float], robots: list[int]) -> list[dict]:
-    """One robot at a time: one robot's measured chunk times; N robots wait up to N of them
-    (derived, as the server runs one chunk after another)."""
+    """One robot at a time: one robot's measured chunk times (always a row, the base of
+    every ratio); N robots wait up to N of them (derived, as the server runs one chunk after
+    another)."""
     t = percentile(ms, 0.5)
     return [{"schedule": label, "server": server, "robots": n, "p50_ms": t * n,
              "p99_ms": percentile(ms, 0.99) * n, "chunks_per_s": 1e3 / t, "derived": n > 1}
-            for n in robots]  # fmt: skip
+            for n in sorted({1, *robots})]  # fmt: skip
 
 
 def differs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
