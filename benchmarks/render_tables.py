@@ -158,16 +158,14 @@ GOALS: tuple[Goal, ...] = (
          rows.robots_p99_goal(8, 300)),
     Goal("serving_robots_h200.json", "16 robots through the server: p99 ≤ 600 ms",
          rows.robots_p99_goal(16, 600)),
-    Goal(rows.LINGBOT_SERVE_H200, "LingBot-VA served, 8 robots: ≥ 4× LeRobot one at a time",
-         rows.lingbot_serve_goal("packed (LingBotVAEngine)", "x4")),
-    Goal(rows.LINGBOT_SERVE_H200, "LingBot-VA served, 8 robots: p99 ≤ one robot alone's",
-         rows.lingbot_serve_goal("packed (LingBotVAEngine)", "p99")),
-    Goal(rows.LINGBOT_SERVE_H200, "the same, 8 robots out of step: ≥ 4× LeRobot",
-         rows.lingbot_serve_goal("packed, robots out of step", "x4")),
-    Goal(rows.LINGBOT_SERVE_H200, "the same, 8 robots out of step: p99 ≤ one robot alone's",
-         rows.lingbot_serve_goal("packed, robots out of step", "p99")),
     Goal("serving_robots_h200.json", "8 robots: packed ≥ 3× one at a time, chunks/s",
          rows.robots_rate_goal(8, 3.0)),
+    Goal(rows.LINGBOT_SERVE_H200,
+         "LingBot-VA served, 8 robots in step / out of step: ≥ 4× LeRobot one at a time",
+         rows.lingbot_serve_goal("x4")),
+    Goal(rows.LINGBOT_SERVE_H200,
+         "LingBot-VA served, 8 robots in step / out of step: p99 ≤ one robot alone's",
+         rows.lingbot_serve_goal("p99")),
 )  # fmt: skip
 
 

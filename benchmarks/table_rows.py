@@ -562,19 +562,22 @@ def lingbot_fill_rows(docs: Docs) -> list[Row]:
             for r in doc["rows"]]  # fmt: skip
 
 
-def lingbot_serve_goal(server: str, key: str) -> Callable[[Doc], tuple[str, bool]]:
-    """Issue 42's goals at 8 robots on LingBot-VA's own schedule, from the rows: ``key``
-    "x4" (≥ 4× LeRobot one robot at a time, chunks/s) or "p99" (p99 no worse than one robot
-    alone), for the rows of ``server`` (in step, or robots out of step)."""
+def lingbot_serve_goal(key: str) -> Callable[[Doc], tuple[str, bool]]:
+    """Issue 42's goals at 8 robots on LingBot-VA's own schedule, from the rows, for robots in
+    step and out of step: ``key`` "x4" (≥ 4× LeRobot one robot at a time, chunks/s) or "p99"
+    (p99 no worse than one robot alone's); met when both are."""
+    servers = ("packed (LingBotVAEngine)", "packed, robots out of step")
 
     def measure(doc: Doc) -> tuple[str, bool]:
         rows = doc["rows"]
-        r = next(r for r in rows if r["server"] == server and r["robots"] == 8
-                 and r["schedule"].startswith("video 20+1"))  # fmt: skip
-        cps, p99 = _alone(rows, r["schedule"])
+        packed = [next(r for r in rows if r["server"] == s and r["robots"] == 8
+                       and r["schedule"].startswith("video 20+1")) for s in servers]  # fmt: skip
+        cps, p99 = _alone(rows, packed[0]["schedule"])
         if key == "x4":
-            x = r["chunks_per_s"] / cps
-            return f"{ratio(x)} chunks/s", x >= 4.0
-        return f"p99 {ms(r['p99_ms'])} ms (one robot alone: {ms(p99)} ms)", r["p99_ms"] <= p99
+            xs = [r["chunks_per_s"] / cps for r in packed]
+            return " / ".join(map(ratio, xs)) + " chunks/s", min(xs) >= 4.0
+        got = " / ".join(ms(r["p99_ms"]) for r in packed)
+        met = max(r["p99_ms"] for r in packed) <= p99
+        return f"p99 {got} ms (one robot alone: {ms(p99)} ms)", met
 
     return measure
