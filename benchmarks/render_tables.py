@@ -183,6 +183,9 @@ ROBOTS_COLUMNS = ("robots", "arm", "chunks/s", "p50 ms", "p99 ms", "robot idle",
 
 # ---------------------------------------------------------------- the registry
 
+LINGBOT_SERVE_COLUMNS = ("schedule", "server", "robots", "p50 ms", "p99 ms", "chunks/s",
+                         "vs LeRobot alone", "peak GiB", "from")  # fmt: skip
+
 TABLES: dict[str, Table] = {
     t.name: t
     for t in (
@@ -289,33 +292,13 @@ TABLES: dict[str, Table] = {
         Table(
             "lingbot_serve_h100",
             rows.LINGBOT_SERVE_RUNS,
-            (
-                "schedule",
-                "server",
-                "robots",
-                "p50 ms",
-                "p99 ms",
-                "chunks/s",
-                "vs LeRobot alone",
-                "peak GiB",
-                "from",
-            ),
+            LINGBOT_SERVE_COLUMNS,
             rows.lingbot_serve_rows(*rows.LINGBOT_SERVE_RUNS),
         ),
         Table(
             "lingbot_serve_h200",
             (rows.LINGBOT_SERVE_H200,),
-            (
-                "schedule",
-                "server",
-                "robots",
-                "p50 ms",
-                "p99 ms",
-                "chunks/s",
-                "vs LeRobot alone",
-                "peak GiB",
-                "from",
-            ),
+            LINGBOT_SERVE_COLUMNS,
             rows.lingbot_serve_rows(rows.LINGBOT_SERVE_H200),
         ),
         Table(

@@ -371,7 +371,7 @@ def test_bench_lingbot_serve_smoke(tmp_path) -> None:
     assert all(r["chunks_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
     # robot 0 of every packed run is the LeRobot arm's robot: the benchmark checks itself
     agree = [v for sched in payload["agreement"].values() for v in sched.values()]
-    assert len(agree) == 6 and max(agree) <= 1e-5, payload["agreement"]
+    assert len(agree) == 8 and max(agree) <= 1e-5, payload["agreement"]  # 4 arms, 2 schedules
     assert set(payload["goals"]) == {r["schedule"] for r in rows}
     assert json.loads(out.read_text())["provenance"]
     # a run of 8 robots alone still has its base row, one robot (what every ratio divides by)

@@ -251,41 +251,23 @@ def run_schedule(args: Any, exec_step: int, rows: list[dict], checks: dict) -> N
     ms, alone = lerobot_alone(policy, n, args.device, compiled=False)
     rows += alone_rows(label, EAGER, ms[args.warm :], args.robots)
     _checkpoint(args, rows, checks)
-    for robots in args.robots:
+    arms = [(PACKED, args.packs, False, r, "") for r in args.robots]
+    arms += [(PACKED_STAGGERED, "phase", True, r, "out_of_step_") for r in args.stagger_robots]
+    arms += [(PACKED_MIXED, "mixed", False, r, "mixed_") for r in args.mixed_robots]
+    for server, packs, stagger, robots, tag in arms:
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        run = packed(policy, robots, args.chunks, args.warm, args.cuda_graphs, args.packs)
+        run = packed(policy, robots, args.chunks, args.warm, args.cuda_graphs, packs, stagger)
         lat = run["latency_ms"]
-        rows.append({"schedule": label, "server": PACKED, "robots": robots, "packs": args.packs,
+        rows.append({"schedule": label, "server": server, "robots": robots, "packs": packs,
                      "p50_ms": percentile(lat, 0.5), "p99_ms": percentile(lat, 0.99),
                      "chunks_per_s": run["chunks"] / max(run["wall_s"], 1e-9), "derived": False,
                      "warm_up": run["warm_up"], "warm_up_s": run["warm_up_s"],
                      "stats": run["stats"], "peak_gib": _peak_gib(args.device)})  # fmt: skip
         # robot 0 is the alone arms' episode with their seeds: the same chunks, packed
-        checks.setdefault(label, {})[f"robot0_vs_lerobot_at_{robots}"] = differs(
+        checks.setdefault(label, {})[f"robot0_vs_lerobot_{tag}at_{robots}"] = differs(
             run["robot0_actions"], alone
         )
-        _checkpoint(args, rows, checks)
-    for robots in args.stagger_robots:  # robots out of step, the default packs
-        run = packed(policy, robots, args.chunks, args.warm, args.cuda_graphs, stagger=True)
-        lat = run["latency_ms"]
-        rows.append({"schedule": label, "server": PACKED_STAGGERED, "robots": robots,
-                     "packs": "phase", "p50_ms": percentile(lat, 0.5),
-                     "p99_ms": percentile(lat, 0.99),
-                     "chunks_per_s": run["chunks"] / max(run["wall_s"], 1e-9), "derived": False,
-                     "warm_up": run["warm_up"], "stats": run["stats"]})  # fmt: skip
-        checks.setdefault(label, {})[f"robot0_vs_lerobot_out_of_step_at_{robots}"] = differs(
-            run["robot0_actions"], alone
-        )
-        _checkpoint(args, rows, checks)
-    for robots in args.mixed_robots:  # the one mixed shape that ran before phase_shapes
-        run = packed(policy, robots, args.chunks, args.warm, args.cuda_graphs, "mixed")
-        lat = run["latency_ms"]
-        rows.append({"schedule": label, "server": PACKED_MIXED, "robots": robots,
-                     "packs": "mixed", "p50_ms": percentile(lat, 0.5),
-                     "p99_ms": percentile(lat, 0.99),
-                     "chunks_per_s": run["chunks"] / max(run["wall_s"], 1e-9), "derived": False,
-                     "warm_up": run["warm_up"], "stats": run["stats"]})  # fmt: skip
         _checkpoint(args, rows, checks)
     if args.compiled_baseline:
         t0 = time.perf_counter()
